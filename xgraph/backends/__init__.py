@@ -1,0 +1,1 @@
+"""Backends built into the core distribution (the CPU reference backend)."""

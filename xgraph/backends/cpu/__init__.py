@@ -1,0 +1,8 @@
+"""The CPU reference backend: recorded-op graphs and memfd-backed virtual memory."""
+
+from .backend import CPUBackend
+from .graph import CPUGraph
+from .pool import HostCachingPool
+from .vmm import HostVirtualMemory
+
+__all__ = ["CPUBackend", "CPUGraph", "HostCachingPool", "HostVirtualMemory"]

@@ -1,0 +1,51 @@
+"""The CPU reference backend: always available, runs every contract without an accelerator."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from ...errors import XGraphError
+from ...interfaces import Availability, Backend, CapturePool, SegmentAllocator
+from .graph import CPUGraph, host_tensor
+from .pool import HostCachingPool
+from .vmm import HostVirtualMemory, proportional_resident_bytes
+
+
+class CPUBackend(Backend):
+    """Recorded-op graphs on the host; memfd-backed VMM, so pools behave as on a GPU."""
+
+    name = "cpu"
+    priority = 0
+    graph_class = CPUGraph
+    virtual_memory_class = HostVirtualMemory if hasattr(os, "memfd_create") else None
+
+    @classmethod
+    def availability(cls) -> Availability:
+        vmm = "memfd VMM" if cls.virtual_memory_class else "no VMM (memfd_create missing)"
+        return Availability(
+            True,
+            f"reference backend: recorded-op graphs, {vmm}",
+            {"torch": torch.__version__, "python": platform.python_version()},
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def new_pool(self, segments: SegmentAllocator | None = None) -> CapturePool:
+        vm = self.virtual_memory()
+        if vm is None:
+            raise XGraphError("CPU capture pools need memfd_create (Linux); this OS has none.")
+        return HostCachingPool(vm, segments)  # type: ignore[arg-type]
+
+    def synchronize(self) -> None:
+        """CPU ops complete before they return: nothing is queued."""
+
+    def as_tensor(self, address: int, nbytes: int) -> torch.Tensor:
+        return host_tensor(address, nbytes)
+
+    def memory_in_use(self) -> int | None:
+        return proportional_resident_bytes() or None

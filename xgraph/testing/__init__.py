@@ -1,0 +1,25 @@
+"""Conformance suite for xgraph backends: subclass the classes, name the backend, run pytest.
+
+    from xgraph.testing import ConformanceSuite
+
+    class TestMyBackend(ConformanceSuite):
+        backend_name = "mybackend"
+"""
+
+from .suite import (
+    BackendTests,
+    ConformanceSuite,
+    GraphTests,
+    PluginTests,
+    VirtualMemoryTests,
+    capture,
+)
+
+__all__ = [
+    "BackendTests",
+    "ConformanceSuite",
+    "GraphTests",
+    "PluginTests",
+    "VirtualMemoryTests",
+    "capture",
+]

@@ -1,0 +1,20 @@
+"""pytest plugin: `--xgraph-backend NAME` picks the backend the conformance suite runs against."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("xgraph")
+    group.addoption(
+        "--xgraph-backend",
+        action="store",
+        default=None,
+        help="xgraph backend the conformance suite runs against (default: XGRAPH_BACKEND, "
+        "else the best available one)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "xgraph_conformance: a test of the xgraph backend contract")

@@ -1,0 +1,7 @@
+"""Entry module of `xgraph conformance`: the whole suite against `--xgraph-backend`."""
+
+from xgraph.testing import ConformanceSuite
+
+
+class TestConformance(ConformanceSuite):
+    pass

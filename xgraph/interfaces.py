@@ -1,4 +1,4 @@
-"""The contracts every backend implements: Backend, Graph, VirtualMemory, CapturePool, AttentionRunner.
+"""Contracts every backend implements: Backend, Graph, VirtualMemory, CapturePool, AttentionRunner.
 
 They are deliberately small. The conformance suite in `xgraph.testing` is the executable
 form of these contracts; a docstring here states the one-line promise each method makes.

@@ -107,7 +107,9 @@ class Registry:
                 dist = getattr(getattr(ep, "dist", None), "name", "?")
                 logger.warning("xgraph plugin %r (%s) failed to load: %s", ep.name, dist, exc)
                 self._broken.append(
-                    BackendInfo(ep.name, -1, False, f"plugin failed to import: {exc!r}", plugin=dist)
+                    BackendInfo(
+                        ep.name, -1, False, f"plugin failed to import: {exc!r}", plugin=dist
+                    )
                 )
                 continue
             pm.register(plugin, name=ep.name)
@@ -129,7 +131,9 @@ class Registry:
                         if spec.name in specs:
                             logger.warning(
                                 "backend %r registered by both %s and %s; keeping the first",
-                                spec.name, specs[spec.name][1], impl.plugin_name,
+                                spec.name,
+                                specs[spec.name][1],
+                                impl.plugin_name,
                             )
                             continue
                         specs[spec.name] = (spec, impl.plugin_name)
@@ -138,7 +142,9 @@ class Registry:
 
     # -- listing ---------------------------------------------------------------------------
 
-    def probe(self, name: str, refresh: bool = False) -> Availability:
+    def probe(self, name: str, refresh: bool = False, check_class: bool = True) -> Availability:
+        """The plugin's own probe; with `check_class`, an available backend whose class does
+        not load or is incomplete is reported unavailable with that reason."""
         spec, _ = self.specs()[name]
         if refresh or name not in self._probes:
             try:
@@ -147,13 +153,14 @@ class Registry:
                     avail = Availability(False, f"probe {spec.probe} returned {avail!r}")
             except Exception as exc:
                 avail = Availability(False, f"availability probe {spec.probe} failed: {exc!r}")
-            if avail.available:
-                try:
-                    self._backend_class(spec)
-                except XGraphError as exc:
-                    avail = Availability(False, str(exc), avail.versions)
             self._probes[name] = avail
-        return self._probes[name]
+        avail = self._probes[name]
+        if check_class and avail.available:
+            try:
+                self._backend_class(spec)
+            except XGraphError as exc:
+                return Availability(False, str(exc), avail.versions)
+        return avail
 
     def list(self, refresh: bool = False) -> list[BackendInfo]:
         out = []
@@ -166,7 +173,9 @@ class Registry:
                 except metadata.PackageNotFoundError:
                     pass
             out.append(
-                BackendInfo(name, spec.priority, avail.available, avail.reason, versions, spec, plugin)
+                BackendInfo(
+                    name, spec.priority, avail.available, avail.reason, versions, spec, plugin
+                )
             )
         out += self._broken
         out.sort(key=lambda b: (-b.priority, b.name))
@@ -216,14 +225,14 @@ class Registry:
                     f"that provides {name!r} (for example `pip install xgraph-{name}`)."
                 )
             spec = specs[name][0]
-            avail = self.probe(name)
-            cls = self._backend_class(spec)  # incomplete adapters fail here, loudly
+            avail = self.probe(name, check_class=False)
             if not avail.available:
                 raise BackendUnavailableError(
                     f"Backend {name!r} (from the {source}) is not available here: {avail.reason}. "
                     f"Available: {self.available_names()}. Choose one of them, or run "
                     "`xgraph info` for details."
                 )
+            cls = self._backend_class(spec)  # incomplete adapters fail here, loudly
             backend = cls()
             self._instances[name] = backend
             logger.info("xgraph backend %r selected (%s)", name, source)

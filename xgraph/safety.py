@@ -86,18 +86,20 @@ def check_op(func: Any, args: tuple, kwargs: dict, device: torch.device | None =
     if how is not None:
         _raise(str(func), how)
     kw = _SIZE_KWARG_OPS.get(name)
-    if kw is not None and kwargs.get(kw) is None and any(
-        isinstance(a, torch.Tensor) for a in args[1:2]
+    if (
+        kw is not None
+        and kwargs.get(kw) is None
+        and any(isinstance(a, torch.Tensor) for a in args[1:2])
     ):
         _raise(str(func), f"{name.split('::')[1]} with tensor repeats and no {kw}=")
     if device is not None and device.type != "cpu" and name in ("aten::_to_copy", "aten::copy_"):
         # a device -> host copy in the middle of a capture is a synchronising host read
         src = args[1] if name == "aten::copy_" else args[0]
-        dst_dev = (
-            args[0].device if name == "aten::copy_" else kwargs.get("device", src.device)
-        )
-        if isinstance(src, torch.Tensor) and src.device.type != "cpu" and (
-            dst_dev is not None and torch.device(dst_dev).type == "cpu"
+        dst_dev = args[0].device if name == "aten::copy_" else kwargs.get("device", src.device)
+        if (
+            isinstance(src, torch.Tensor)
+            and src.device.type != "cpu"
+            and (dst_dev is not None and torch.device(dst_dev).type == "cpu")
         ):
             _raise(str(func), "Tensor.cpu() / .to('cpu') / .numpy() of a device tensor")
 

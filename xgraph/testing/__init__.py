@@ -1,9 +1,9 @@
 """Conformance suite for xgraph backends: subclass the classes, name the backend, run pytest.
 
-    from xgraph.testing import ConformanceSuite
+from xgraph.testing import ConformanceSuite
 
-    class TestMyBackend(ConformanceSuite):
-        backend_name = "mybackend"
+class TestMyBackend(ConformanceSuite):
+    backend_name = "mybackend"
 """
 
 from .suite import (

@@ -56,7 +56,9 @@ class BackendTests:
         except BackendUnavailableError as exc:
             pytest.skip(str(exc))
 
-    def assert_matches(self, backend: Backend, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    def assert_matches(
+        self, backend: Backend, actual: torch.Tensor, expected: torch.Tensor
+    ) -> None:
         bitwise = self.bitwise if self.bitwise is not None else backend.device.type == "cpu"
         if bitwise:
             assert actual.dtype == expected.dtype and actual.shape == expected.shape

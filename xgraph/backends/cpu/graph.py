@@ -30,7 +30,10 @@ from ...safety import block_host_conversions, check_op
 from .pool import HostCachingPool
 
 _EMPTY_OPS = {
-    "aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::empty_like",
+    "aten::new_empty",
     "aten::new_empty_strided",
 }
 
@@ -64,8 +67,9 @@ class _PoolRef:
 
 def _ref(t: torch.Tensor) -> _PoolRef:
     st = t.untyped_storage()
-    return _PoolRef(st.data_ptr(), st.nbytes(), t.dtype, tuple(t.shape), t.stride(),
-                    t.storage_offset())
+    return _PoolRef(
+        st.data_ptr(), st.nbytes(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset()
+    )
 
 
 class _Recorder(TorchDispatchMode):
@@ -151,8 +155,10 @@ class CPUGraph(Graph):
         if isinstance(x, torch.Tensor):
             pool = self._pool
             assert pool is not None
-            if x.device.type == "cpu" and x.untyped_storage().nbytes() and pool.owns(
-                x.untyped_storage().data_ptr()
+            if (
+                x.device.type == "cpu"
+                and x.untyped_storage().nbytes()
+                and pool.owns(x.untyped_storage().data_ptr())
             ):
                 return _ref(x)
         return x

@@ -24,7 +24,12 @@ from ...interfaces import PhysicalChunk, VirtualMemory
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
 ]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -81,8 +86,9 @@ class HostVirtualMemory(VirtualMemory):
     def _check_size(self, call: str, size: int) -> None:
         if size <= 0 or size % self.granularity:
             raise VirtualMemoryError(
-                call, f"size {size} is not a positive multiple of the granularity "
-                f"{self.granularity}", "Round sizes up to VirtualMemory.granularity."
+                call,
+                f"size {size} is not a positive multiple of the granularity {self.granularity}",
+                "Round sizes up to VirtualMemory.granularity.",
             )
 
     def _reservation_of(self, address: int, size: int) -> int:
@@ -90,14 +96,19 @@ class HostVirtualMemory(VirtualMemory):
             if start <= address and address + size <= start + rsize:
                 return start
         raise VirtualMemoryError(
-            "map", f"[{address:#x}, {address + size:#x}) is not inside a reservation",
+            "map",
+            f"[{address:#x}, {address + size:#x}) is not inside a reservation",
             "Map only inside ranges returned by reserve().",
         )
 
     def _placeholder(self, address: int, size: int) -> None:
         r = _libc.mmap(
-            address, size, _PROT_NONE,
-            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0,
+            address,
+            size,
+            _PROT_NONE,
+            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED,
+            -1,
+            0,
         )
         if r in (None, _MAP_FAILED):
             raise VirtualMemoryError("mmap(PROT_NONE)", _errno_name())
@@ -109,8 +120,12 @@ class HostVirtualMemory(VirtualMemory):
         gran = self.granularity
         # over-reserve, then trim, so the start is aligned to the granularity
         raw = _libc.mmap(
-            None, size + gran, _PROT_NONE,
-            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0,
+            None,
+            size + gran,
+            _PROT_NONE,
+            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+            -1,
+            0,
         )
         if raw in (None, _MAP_FAILED):
             raise VirtualMemoryError("reserve (mmap)", _errno_name(), "Reserve less address space.")
@@ -132,7 +147,8 @@ class HostVirtualMemory(VirtualMemory):
             inside = [a for a in self._mappings if address <= a < address + size]
             if inside:
                 raise VirtualMemoryError(
-                    "release", f"{len(inside)} chunk(s) still mapped in the range",
+                    "release",
+                    f"{len(inside)} chunk(s) still mapped in the range",
                     "unmap() every mapping before release().",
                 )
             del self._reservations[address]
@@ -159,7 +175,8 @@ class HostVirtualMemory(VirtualMemory):
                 raise VirtualMemoryError("free", "chunk was not created here or is already freed")
             if chunk.handle.mapped_at:
                 raise VirtualMemoryError(
-                    "free", f"chunk still mapped at {len(chunk.handle.mapped_at)} address(es)",
+                    "free",
+                    f"chunk still mapped at {len(chunk.handle.mapped_at)} address(es)",
                     "unmap() it everywhere first.",
                 )
             self._chunks.discard(id(chunk))
@@ -181,12 +198,17 @@ class HostVirtualMemory(VirtualMemory):
             for a, c in self._mappings.items():
                 if a < address + chunk.size and address < a + c.size:
                     raise VirtualMemoryError(
-                        "map", f"[{address:#x}, +{chunk.size}) overlaps the mapping at {a:#x}",
+                        "map",
+                        f"[{address:#x}, +{chunk.size}) overlaps the mapping at {a:#x}",
                         "unmap() it first.",
                     )
             r = _libc.mmap(
-                address, chunk.size, mmap.PROT_READ | mmap.PROT_WRITE,
-                mmap.MAP_SHARED | _MAP_FIXED, self._fd, chunk.handle.offset,
+                address,
+                chunk.size,
+                mmap.PROT_READ | mmap.PROT_WRITE,
+                mmap.MAP_SHARED | _MAP_FIXED,
+                self._fd,
+                chunk.handle.offset,
             )
             if r in (None, _MAP_FAILED):
                 raise VirtualMemoryError("map (mmap MAP_FIXED)", _errno_name())

@@ -1,0 +1,33 @@
+"""Availability of the Ascend backend: torch_npu importable and an NPU visible."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from xgraph.interfaces import Availability
+
+
+def availability() -> Availability:
+    import torch
+
+    versions = {"torch": torch.__version__}
+    try:
+        import torch_npu
+    except ImportError as exc:
+        return Availability(
+            False,
+            f"torch_npu is not importable ({exc}); install the torch_npu build matching "
+            "your CANN toolkit",
+            versions,
+        )
+    try:
+        versions["torch_npu"] = metadata.version("torch_npu")
+    except metadata.PackageNotFoundError:
+        versions["torch_npu"] = getattr(torch_npu, "__version__", "?")
+    if not torch.npu.is_available():
+        return Availability(
+            False, "no NPU is visible (torch.npu.is_available() is False)", versions
+        )
+    return Availability(
+        True, f"{torch.npu.device_count()} x {torch.npu.get_device_name()}", versions
+    )

@@ -1,0 +1,21 @@
+"""A third-party xgraph adapter used by xgraph's own tests.
+
+It is a complete backend (host memory, recorded-op graphs) built from xgraph's public
+classes, so it must pass the conformance suite. It reports itself available only when
+XGRAPH_DUMMY_BACKEND=1, so installing it does not change which backend others get.
+"""
+
+from xgraph.plugins import BackendSpec, hookimpl
+
+
+@hookimpl
+def xgraph_backends() -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            name="dummy",
+            priority=10,
+            backend="xgraph_dummy.backend:DummyBackend",
+            probe="xgraph_dummy.backend:probe",
+            distribution="xgraph-dummy",
+        )
+    ]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+from .attention import AttentionMetadata, attention, eager_attention
+from .buckets import Buckets, Dim, Input, default_sizes, vllm_capture_sizes
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
@@ -19,6 +21,7 @@ from .errors import (
     VirtualMemoryError,
     XGraphError,
 )
+from .executor import AttentionInputs, GraphExecutor, PagedAttention, XGraphWarning
 from .interfaces import (
     AttentionRunner,
     Availability,
@@ -29,13 +32,17 @@ from .interfaces import (
     SegmentAllocator,
     VirtualMemory,
 )
+from .memory import GraphMemory
 from .plugins import BackendInfo, BackendSpec, get_backend, hookimpl, list_backends
+from .pool import SharedPhysicalPool
 
 __version__ = "0.1.0"
 
 logging.getLogger("xgraph").addHandler(logging.NullHandler())
 
 __all__ = [
+    "AttentionInputs",
+    "AttentionMetadata",
     "AttentionRunner",
     "Availability",
     "Backend",
@@ -44,19 +51,31 @@ __all__ = [
     "BackendSpec",
     "BackendUnavailableError",
     "BucketOverflowError",
+    "Buckets",
     "CaptureError",
     "CapturePool",
+    "Dim",
     "Graph",
+    "GraphExecutor",
+    "GraphMemory",
     "IncompleteBackendError",
+    "Input",
     "InputError",
+    "PagedAttention",
     "PhysicalChunk",
     "PoolClosedError",
     "SegmentAllocator",
+    "SharedPhysicalPool",
     "VirtualMemory",
     "VirtualMemoryError",
     "XGraphError",
+    "XGraphWarning",
     "__version__",
+    "attention",
+    "default_sizes",
+    "eager_attention",
     "get_backend",
     "hookimpl",
     "list_backends",
+    "vllm_capture_sizes",
 ]

@@ -1,0 +1,132 @@
+"""Memory modes: which native pool each capture allocates from.
+
+- "private": a new native pool per capture (sum of shapes: the naive baseline);
+- "shared-pool": one native pool for every capture (the vLLM / SGLang way; good only when
+  the largest shape is captured first);
+- "shared-physical": a fresh native pool per capture whose segments come from a fresh VA
+  space of one SharedPhysicalPool (max of shapes in any order). Default where the backend
+  has virtual memory.
+
+One GraphMemory may serve several executors or phases (decode full graphs, prefill pieces,
+a draft model): pass the same object as `memory=` to each. Graphs never replay concurrently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import XGraphError
+from .interfaces import Backend, CapturePool
+from .pool import AddressSpace, SharedPhysicalPool
+
+MODES = ("private", "shared-pool", "shared-physical")
+
+
+@dataclass(eq=False)
+class Lease:
+    """The pool (and VA space, in shared-physical mode) one capture allocates from."""
+
+    pool: CapturePool
+    space: AddressSpace | None = None
+    owned: bool = True  # the lease's pool is this capture's own (private, shared-physical)
+
+
+class GraphMemory:
+    """Hands each capture a pool according to the mode; accounts graph memory."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        mode: str | None = None,
+        physical: SharedPhysicalPool | None = None,
+        chunk_size: int | None = None,
+    ) -> None:
+        self.backend = backend
+        vm = backend.virtual_memory()
+        if mode is None:
+            mode = "shared-physical" if (vm is not None or physical is not None) else "shared-pool"
+        if mode not in MODES:
+            raise XGraphError(f"Unknown memory mode {mode!r}; choose one of {list(MODES)}.")
+        if mode == "shared-physical" and vm is None and physical is None:
+            raise XGraphError(
+                f"Backend {backend.name!r} has no virtual memory, so 'shared-physical' is not "
+                "possible; use memory='shared-pool' or 'private'."
+            )
+        self.mode = mode
+        self._owns_physical = physical is None and mode == "shared-physical"
+        self.physical = physical
+        if self._owns_physical:
+            self.physical = SharedPhysicalPool(vm, chunk_size=chunk_size)  # type: ignore[arg-type]
+        self._shared: CapturePool | None = None
+        self._pools: list[CapturePool] = []  # every native pool handed out, for close()
+        self.closed = False
+
+    @classmethod
+    def of(cls, backend: Backend, memory: object) -> GraphMemory:
+        if isinstance(memory, GraphMemory):
+            if memory.backend is not backend:
+                raise XGraphError("A GraphMemory is bound to the backend it was created with.")
+            return memory
+        if isinstance(memory, SharedPhysicalPool):
+            return cls(backend, "shared-physical", physical=memory)
+        if memory is None or isinstance(memory, str):
+            return cls(backend, memory)
+        raise XGraphError(
+            f"memory= takes a mode name {list(MODES)}, a GraphMemory or a SharedPhysicalPool; "
+            f"got {type(memory).__name__}."
+        )
+
+    def begin(self) -> Lease:
+        """The pool for the next capture (several pieces of one forward share one lease)."""
+        if self.closed:
+            raise XGraphError("GraphMemory is closed.")
+        if self.mode == "private":
+            lease = Lease(self.backend.new_pool())
+        elif self.mode == "shared-pool":
+            if self._shared is None:
+                self._shared = self.backend.new_pool()
+                self._pools.append(self._shared)
+            return Lease(self._shared, owned=False)
+        else:
+            assert self.physical is not None
+            space = self.physical.new_space()
+            lease = Lease(self.backend.new_pool(segments=space), space)
+        self._pools.append(lease.pool)
+        return lease
+
+    def rollback(self, lease: Lease) -> None:
+        """Undo a failed capture's lease: its own pool closed, its VA space and chunks gone."""
+        if lease.owned:
+            lease.pool.close()
+            self._pools.remove(lease.pool)
+        if lease.space is not None and self.physical is not None:
+            self.physical.discard(lease.space)
+
+    def graph_bytes(self) -> int:
+        """Memory held for graphs: physical bytes in shared-physical mode, else pool segments."""
+        if self.mode == "shared-physical":
+            assert self.physical is not None
+            return self.physical.physical_bytes
+        return sum(p.reserved_bytes() for p in self._pools)
+
+    def stats(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "mode": self.mode,
+            "graph_bytes": self.graph_bytes(),
+            "native_pools": len(self._pools),
+        }
+        if self.physical is not None:
+            out["physical"] = self.physical.stats()
+        return out
+
+    def close(self) -> None:
+        """Close every native pool, then the physical pool. Reset the graphs first."""
+        if self.closed:
+            return
+        self.closed = True
+        for p in self._pools:
+            p.close()
+        self._pools.clear()
+        self._shared = None
+        if self._owns_physical and self.physical is not None:
+            self.physical.close()

@@ -1,0 +1,228 @@
+"""GraphExecutor on the CPU backend: decode through full graphs equals eager, bit for bit.
+
+Tolerance for the unpadded comparison (different matmul row counts may round differently):
+float32, rtol = atol = 1e-5.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import xgraph
+from xgraph import Buckets, Dim, GraphExecutor, Input
+from xgraph.testing.workloads import TOKEN_INPUTS, Workload
+
+BUCKETS = [1, 2, 4, 8, 16]
+RTOL = ATOL = 1e-5
+
+
+def three_workloads(seed: int) -> tuple[Workload, Workload, Workload]:
+    """Same weights and initial cache: through the executor, eager padded, eager unpadded."""
+    ws = [Workload.tiny(num_blocks=128, max_blocks=6, max_seqs=24) for _ in range(3)]
+    for w in ws:
+        w.randomize_cache(seed)
+    return ws[0], ws[1], ws[2]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**20), batches=st.lists(st.integers(1, 20), min_size=3, max_size=8),
+       memory=st.sampled_from(["shared-physical", "shared-pool", "private"]))
+def test_decode_sequence_equals_eager(seed, batches, memory):
+    ex_w, pad_w, raw_w = three_workloads(seed)
+    buckets = Buckets(BUCKETS)
+    ex = ex_w.executor(backend="cpu", buckets=buckets, memory=memory)
+    rng = random.Random(seed)
+    for batch in batches:
+        step = ex_w.decode_step(rng, batch)
+        before = [t.clone() for t in ex_w.cache.real()]
+        out = ex(**step.kwargs())
+
+        padded = pad_w.padded(step, buckets, full=True) if batch <= buckets.max else step
+        ref_padded = pad_w.eager(padded)[:batch]
+        ref_raw = raw_w.eager(step)
+        assert out.shape == ref_raw.shape
+        assert torch.equal(out, ref_padded), f"batch {batch}: not bitwise equal to padded eager"
+        torch.testing.assert_close(out, ref_raw, rtol=RTOL, atol=ATOL)
+
+        # the whole cache, dummy block included, matches the padded eager run bit for bit
+        for a, b in zip(ex_w.cache.tensors(), pad_w.cache.tensors()):
+            assert torch.equal(a, b)
+        # real blocks match the unpadded run: padding never wrote into them
+        for a, b in zip(ex_w.cache.real(), raw_w.cache.real()):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+        written = set(step.attn.slot_mapping.tolist())
+        for old, new in zip(before, ex_w.cache.real()):
+            changed = (old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
+            assert set(changed) <= written, "a slot outside this step's slots changed"
+    s = ex.stats()
+    assert s["replays"] + sum(s["eager"].values()) >= len(batches)
+    if any(b > buckets.max for b in batches):
+        assert s["eager"]["above largest bucket"] == sum(b > buckets.max for b in batches)
+    ex.close()
+
+
+def test_persistent_input_bytes_stay_one_max_shape_set():
+    w = Workload.tiny(max_blocks=6, max_seqs=24)
+    w.randomize_cache(0)
+    ex = w.executor(backend="cpu", buckets=BUCKETS)
+    expected = 16 * 8 * 2  # input_ids and positions, int64, 16 tokens
+    expected += 16 * 8 + 24 * 4 + 25 * 4 + 24 * 6 * 4  # slot mapping, seq lens, qsl, tables
+    assert ex.stats()["persistent_bytes"] == expected
+    rng = random.Random(0)
+    seen = []
+    for batch in [1, 3, 7, 12, 16, 2]:
+        ex(**w.decode_step(rng, batch).kwargs())
+        seen.append(ex.stats()["persistent_bytes"])
+    out_bytes = 16 * w.vocab * 4  # one persistent output buffer, max bucket rows
+    assert seen == [expected + out_bytes] * len(seen)
+    assert len(ex.stats()["keys"]) == 5  # five buckets captured, inputs still one set
+    ex.close()
+
+
+def item_on_one_path(w: Workload):
+    def forward(input_ids, positions):
+        h = w.model.forward_logits(input_ids, positions)
+        if input_ids.shape[0] == 8:  # only the 8-token bucket takes this path
+            h = h * (h[0, 0].item() != 12345.0)  # host read: not capturable
+        return h
+
+    return forward
+
+
+def test_host_read_on_one_path_falls_back_for_that_key_only():
+    w, ref = Workload.tiny(max_blocks=6, max_seqs=24), Workload.tiny(max_blocks=6, max_seqs=24)
+    for x in (w, ref):
+        x.randomize_cache(1)
+    ex = w.executor(item_on_one_path(w), backend="cpu", buckets=BUCKETS)
+    rng = random.Random(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in [5, 3, 6, 16, 7, 1, 8, 2]:
+            step = w.decode_step(rng, batch)
+            before = ex.stats()["graph_bytes"] if batch == 5 else None
+            out = ex(**step.kwargs())
+            if batch == 5:  # the failed capture was rolled back completely
+                assert ex.stats()["graph_bytes"] == before
+            expected = ref.eager(ref.padded(step, Buckets(BUCKETS), full=True),
+                                 forward=item_on_one_path(ref))[:batch]
+            assert torch.equal(out, expected)
+    ours = [c for c in caught if issubclass(c.category, xgraph.XGraphWarning)]
+    assert len(ours) == 1 and "('full', 8)" in str(ours[0].message)
+    assert "item()" in str(ours[0].message)
+    s = ex.stats()
+    assert s["eager"] == {"capture failed": 1, "capture failed earlier": 3}
+    assert ("full", 8) not in s["hits"] and set(s["hits"]) == {("full", k) for k in (1, 2, 4, 16)}
+    for a, b in zip(w.cache.tensors(), ref.cache.tensors()):
+        assert torch.equal(a, b)
+    ex.close()
+
+
+def test_host_read_under_strict_policy_raises_and_keeps_the_rest_working():
+    w = Workload.tiny(max_blocks=6, max_seqs=24)
+    ex = w.executor(item_on_one_path(w), backend="cpu", buckets=BUCKETS,
+                    on_capture_error="raise")
+    rng = random.Random(2)
+    ex(**w.decode_step(rng, 2).kwargs())
+    bytes_before = ex.stats()["graph_bytes"]
+    with pytest.raises(xgraph.CaptureError, match=r"item\(\)"):
+        ex(**w.decode_step(rng, 6).kwargs())
+    assert ex.stats()["graph_bytes"] == bytes_before
+    assert ex.stats()["keys"] == [("full", 2)]
+    ex(**w.decode_step(rng, 2).kwargs())
+    assert ex.stats()["hits"][("full", 2)] == 1
+    ex.close()
+
+
+class CommModel(torch.nn.Module):
+    """A layer whose launch depends on a second dim (tokens sent by a collective)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x, comm):
+        return x @ self.w + comm.sum(0, keepdim=True)
+
+
+def comm_executor(**kw):
+    m = CommModel().eval()
+    ex = GraphExecutor(
+        m.forward, backend="cpu", buckets=[1, 2, 4, 8],
+        inputs=[Input("x", torch.float32, ("num_tokens", 8)),
+                Input("comm", torch.float32, ("num_comm_tokens", 8), fill=0.0)],
+        dims=[Dim("num_comm_tokens", max=64, buckets=[16, 32, 64])], **kw,
+    )
+    return m, ex
+
+
+def test_composite_key_separates_equal_token_counts():
+    m, ex = comm_executor()
+    x = torch.randn(3, 8)
+    for c in (10, 20, 12, 30):
+        comm = torch.randn(c, 8)
+        out = ex(x=x, comm=comm)
+        with torch.no_grad():
+            assert torch.allclose(out, m(x, comm), rtol=1e-6, atol=1e-6)
+    assert ex.stats()["keys"] == [("full", 4, 16), ("full", 4, 32)]
+    assert ex.stats()["hits"] == {("full", 4, 16): 1, ("full", 4, 32): 1}
+    g16, g32 = ex.graph(("full", 4, 16)), ex.graph(("full", 4, 32))
+    assert g16 is not g32
+    ex.close()
+
+
+def test_bad_inputs_are_refused_before_anything_is_written():
+    m, ex = comm_executor(on_overflow="raise")
+    ex(x=torch.randn(2, 8), comm=torch.randn(4, 8))
+    snapshot = {k: v.clone() for k, v in ex._buf.items()}
+    bad = [
+        (dict(x=torch.randn(2, 8, dtype=torch.float64), comm=torch.randn(4, 8)), "dtype"),
+        (dict(x=torch.randn(2, 8, device="meta"), comm=torch.randn(4, 8)), "is on meta"),
+        (dict(x=torch.randn(2, 7), comm=torch.randn(4, 8)), "dim 1 is 7, declared 8"),
+        (dict(x=torch.randn(2, 8)), "missing ['comm']"),
+        (dict(x=torch.randn(2, 8), comm=torch.randn(4, 8), extra=torch.ones(1)), "unknown"),
+    ]
+    for kwargs, needle in bad:
+        with pytest.raises(xgraph.InputError) as info:
+            ex(**kwargs)
+        assert needle in str(info.value)
+    with pytest.raises(xgraph.BucketOverflowError, match="largest bucket 8"):
+        ex(x=torch.randn(9, 8), comm=torch.randn(4, 8))
+    for k, v in ex._buf.items():
+        assert torch.equal(v, snapshot[k])
+    ex.close()
+
+
+def test_outputs_are_views_until_the_next_step_unless_cloned():
+    m, ex = comm_executor()
+    x1, x2, comm = torch.randn(3, 8), torch.randn(3, 8), torch.randn(4, 8)
+    a = ex(x=x1, comm=comm)
+    kept = ex(x=x1, comm=comm, clone=True)
+    ex(x=x2, comm=comm)
+    with torch.no_grad():
+        assert torch.equal(kept, m(x1, comm))
+        assert torch.equal(a, m(x2, comm))  # the view shows the newer step
+    ex.close()
+
+
+def test_precapture_with_progress_and_stats():
+    w = Workload.tiny(max_blocks=6, max_seqs=24)
+    ex = w.executor(backend="cpu", buckets=BUCKETS)
+    ex.capture(progress=False)
+    s = ex.stats()
+    assert s["captures"] == len(BUCKETS) and s["capture_seconds"] > 0
+    assert sorted(s["keys"]) == [("full", b) for b in BUCKETS]
+    # the synthetic steps only touched the dummy block
+    for t in w.cache.real():
+        assert not t.any()
+    ex.close()
+
+
+def test_token_inputs_declaration_is_what_the_model_takes():
+    assert [i.name for i in TOKEN_INPUTS] == ["input_ids", "positions"]

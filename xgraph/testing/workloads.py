@@ -1,0 +1,153 @@
+"""Step generators and eager references shared by the tests, the conformance suite and bench.
+
+A `Workload` holds a reference model and its executor settings; `decode_step` and
+`prefill_step` draw random batches over disjoint cache blocks; `eager` runs the model
+without graphs on the same (optionally padded) batch, the reference the executor must match.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import AttentionMetadata, PagedDecodeRunner, PagedPrefillRunner, eager_attention
+from ..buckets import Buckets, Input
+from ..executor import AttentionInputs, GraphExecutor, PagedAttention
+from ..interfaces import AttentionRunner
+from ..models import Qwen3Model
+
+TOKEN_INPUTS = [
+    Input("input_ids", torch.int64, ("num_tokens",), fill=0),
+    Input("positions", torch.int64, ("num_tokens",), fill=0),
+]
+
+
+@dataclass
+class Step:
+    """One step on the host: token inputs and attention inputs."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionInputs
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def kwargs(self) -> dict:
+        return {"input_ids": self.input_ids, "positions": self.positions, "attn": self.attn}
+
+
+class Workload:
+    """A model plus the paging layout its steps use (block tables of `max_blocks` columns)."""
+
+    def __init__(self, model: Qwen3Model, max_blocks: int, max_seqs: int) -> None:
+        self.model = model
+        self.cache = model.kv_cache
+        self.block_size = self.cache.block_size
+        self.max_blocks = max_blocks
+        self.max_seqs = max_seqs
+        self.vocab = model.config.vocab_size
+
+    @classmethod
+    def tiny(cls, device: torch.device | str = "cpu", num_blocks: int = 128, block_size: int = 4,
+             max_blocks: int = 8, max_seqs: int = 32, seed: int = 0,
+             dtype: torch.dtype = torch.float32) -> Workload:
+        model = Qwen3Model.build("tiny", num_blocks=num_blocks, block_size=block_size,
+                                 dtype=dtype, device=device, seed=seed)
+        return cls(model, max_blocks, max_seqs)
+
+    def attention(self, **kw: object) -> PagedAttention:
+        return PagedAttention.for_cache(self.cache, self.max_seqs, self.max_blocks, **kw)
+
+    def executor(self, forward=None, **kw: object) -> GraphExecutor:  # type: ignore[no-untyped-def]
+        kw.setdefault("attention", self.attention())
+        return GraphExecutor(forward or self.model.forward_logits, inputs=TOKEN_INPUTS, **kw)
+
+    def randomize_cache(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for t in self.cache.tensors():
+            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype))
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def _layout(self, rng: random.Random, kv_lens: list[int]) -> list[list[int]]:
+        """Disjoint random blocks for each sequence (no two sequences share a slot)."""
+        need = [-(-n // self.block_size) for n in kv_lens]
+        pool = list(range(self.cache.num_blocks))
+        rng.shuffle(pool)
+        if sum(need) > len(pool):
+            raise ValueError("not enough cache blocks for this batch")
+        rows, at = [], 0
+        for n in need:
+            rows.append(pool[at : at + n])
+            at += n
+        return rows
+
+    def step(self, rng: random.Random, query_lens: list[int], kv_lens: list[int]) -> Step:
+        """A batch where sequence i appends query_lens[i] tokens, ending at kv_lens[i]."""
+        bs = self.block_size
+        rows = self._layout(rng, kv_lens)
+        ids, pos, slots = [], [], []
+        for q, n, row in zip(query_lens, kv_lens, rows):
+            for p in range(n - q, n):
+                ids.append(rng.randrange(self.vocab))
+                pos.append(p)
+                slots.append(row[p // bs] * bs + p % bs)
+        return Step(
+            torch.tensor(ids, dtype=torch.int64),
+            torch.tensor(pos, dtype=torch.int64),
+            AttentionInputs(list(query_lens), list(kv_lens), rows,
+                            torch.tensor(slots, dtype=torch.int64)),
+        )
+
+    def decode_step(self, rng: random.Random, batch: int) -> Step:
+        ctx = self.max_blocks * self.block_size
+        return self.step(rng, [1] * batch, [rng.randint(1, ctx) for _ in range(batch)])
+
+    def prefill_step(self, rng: random.Random, query_lens: list[int],
+                     kv_extra: list[int] | None = None) -> Step:
+        """Chunked prefill: each sequence adds query_lens[i] tokens after kv_extra[i] cached."""
+        extra = kv_extra or [0] * len(query_lens)
+        return self.step(rng, query_lens, [q + e for q, e in zip(query_lens, extra)])
+
+    # -- references ------------------------------------------------------------------------
+
+    def padded(self, step: Step, buckets: Buckets, full: bool) -> Step:
+        """The step as the executor stages it: padded to the bucket, declared fills."""
+        t = step.num_tokens
+        tb = buckets.pad(t) or t
+        pad = tb - t
+        a = step.attn
+        cache = self.cache
+        n = len(a.query_lens)
+        b = tb if full else n
+        rows = [list(r) + [cache.dummy_block] * (self.max_blocks - len(r)) for r in a.block_tables]
+        rows += [[cache.dummy_block] * self.max_blocks] * (b - n)
+        return Step(
+            torch.cat([step.input_ids, torch.zeros(pad, dtype=torch.int64)]),
+            torch.cat([step.positions, torch.zeros(pad, dtype=torch.int64)]),
+            AttentionInputs(
+                list(a.query_lens) + [1] * (b - n), list(a.seq_lens) + [1] * (b - n), rows,
+                torch.cat([torch.as_tensor(a.slot_mapping),
+                           torch.full((pad,), cache.dummy_slot, dtype=torch.int64)]),
+            ),
+        )
+
+    def eager(self, step: Step, runner: AttentionRunner | None = None, forward=None,  # type: ignore[no-untyped-def]
+              num_tokens: int | None = None) -> torch.Tensor:
+        """The forward without graphs; `num_tokens` tells the runner how many rows are real."""
+        dev = self.cache.tensors()[0].device
+        a = step.attn
+        is_decode = all(q == 1 for q in a.query_lens)
+        runner = runner or (PagedDecodeRunner() if is_decode else PagedPrefillRunner())
+        md = AttentionMetadata.build(a.query_lens, a.seq_lens, a.block_tables, a.slot_mapping,
+                                     dev)
+        if num_tokens is not None:
+            md.num_tokens = num_tokens
+        with torch.no_grad(), eager_attention(runner, md):
+            return (forward or self.model.forward_logits)(
+                step.input_ids.to(dev), step.positions.to(dev)
+            )

@@ -178,7 +178,7 @@ def test_composite_key_separates_equal_token_counts():
 
 
 def test_bad_inputs_are_refused_before_anything_is_written():
-    m, ex = comm_executor(on_overflow="raise")
+    _, ex = comm_executor(on_overflow="raise")
     ex(x=torch.randn(2, 8), comm=torch.randn(4, 8))
     snapshot = {k: v.clone() for k, v in ex._buf.items()}
     bad = [

@@ -281,6 +281,38 @@ def check_no_bypass(func: Any, args: tuple, kwargs: dict, guarded: set[int]) -> 
                 raise CaptureError(_bypass_message(f"{func} on a KV cache tensor"))
 
 
+_sdpa_lock = threading.Lock()
+_sdpa_depth = 0
+_sdpa_saved: list[Any] = []
+
+
+@contextmanager
+def block_direct_sdpa() -> Iterator[None]:
+    """Make torch.nn.functional.scaled_dot_product_attention raise a bypass CaptureError.
+
+    SDPA may read host values before its kernel op is dispatched, so the op-level check in
+    `check_no_bypass` alone could report a misleading host read instead of the bypass.
+    """
+    global _sdpa_depth
+    F = torch.nn.functional
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise CaptureError(_bypass_message("torch.nn.functional.scaled_dot_product_attention"))
+
+    with _sdpa_lock:
+        if _sdpa_depth == 0:
+            _sdpa_saved.append(F.scaled_dot_product_attention)
+            F.scaled_dot_product_attention = refuse
+        _sdpa_depth += 1
+    try:
+        yield
+    finally:
+        with _sdpa_lock:
+            _sdpa_depth -= 1
+            if _sdpa_depth == 0:
+                F.scaled_dot_product_attention = _sdpa_saved.pop()
+
+
 def _bypass_message(what: str) -> str:
     from .safety import model_location
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .attention import KVCache, check_no_bypass
+from .attention import KVCache, block_direct_sdpa, check_no_bypass
 from .errors import XGraphError
 from .interfaces import AttentionRunner, Backend, CapturePool, Graph
 
@@ -40,6 +40,17 @@ class _BypassGuard(TorchDispatchMode):
     def __init__(self, guarded: set[int]) -> None:
         super().__init__()
         self.guarded = guarded
+        self._sdpa = block_direct_sdpa()
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        self._sdpa.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._sdpa.__exit__(None, None, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}

@@ -103,8 +103,8 @@ class Workload:
                             torch.tensor(slots, dtype=torch.int64)),
         )
 
-    def decode_step(self, rng: random.Random, batch: int) -> Step:
-        ctx = self.max_blocks * self.block_size
+    def decode_step(self, rng: random.Random, batch: int, max_context: int | None = None) -> Step:
+        ctx = min(self.max_blocks * self.block_size, max_context or 1 << 30)
         return self.step(rng, [1] * batch, [rng.randint(1, ctx) for _ in range(batch)])
 
     def prefill_step(self, rng: random.Random, query_lens: list[int],

@@ -9,8 +9,11 @@ class TestMyBackend(ConformanceSuite):
 from .suite import (
     BackendTests,
     ConformanceSuite,
+    ExecutorTests,
     GraphTests,
+    PiecewiseTests,
     PluginTests,
+    PoolTests,
     VirtualMemoryTests,
     capture,
 )
@@ -18,8 +21,11 @@ from .suite import (
 __all__ = [
     "BackendTests",
     "ConformanceSuite",
+    "ExecutorTests",
     "GraphTests",
+    "PiecewiseTests",
     "PluginTests",
+    "PoolTests",
     "VirtualMemoryTests",
     "capture",
 ]

@@ -332,5 +332,248 @@ class PluginTests(BackendTests):
         assert "'no-such-backend'" in msg and repr(backend.name) in msg and "XGRAPH_BACKEND" in msg
 
 
-class ConformanceSuite(PluginTests, GraphTests, VirtualMemoryTests):
+def _tiny_workload(backend: Backend, **kw):  # type: ignore[no-untyped-def]
+    from .workloads import Workload
+
+    w = Workload.tiny(device=backend.device, **kw)
+    return w
+
+
+class ExecutorTests(BackendTests):
+    """GraphExecutor on this backend: decode as full graphs equals eager on the padded batch."""
+
+    buckets: ClassVar[list[int]] = [1, 2, 4, 8, 16]
+
+    def test_decode_steps_match_padded_eager(self, backend: Backend) -> None:
+        import random
+
+        from xgraph.buckets import Buckets
+
+        ex_w, ref_w = (_tiny_workload(backend, num_blocks=160, max_blocks=6, max_seqs=24)
+                       for _ in range(2))
+        for w in (ex_w, ref_w):
+            w.randomize_cache(7)
+        buckets = Buckets(self.buckets)
+        ex = ex_w.executor(backend=backend, buckets=buckets)
+        rng = random.Random(7)
+        for batch in [3, 1, 16, 5, 20, 8, 3, 12, 2, 7, 1, 16]:
+            step = ex_w.decode_step(rng, batch)
+            out = ex(**step.kwargs())
+            ref = step if batch > buckets.max else ref_w.padded(step, buckets, full=True)
+            self.assert_matches(backend, out, ref_w.eager(ref)[:batch])
+            for a, b in zip(ex_w.cache.tensors(), ref_w.cache.tensors()):
+                self.assert_matches(backend, a, b)
+        s = ex.stats()
+        assert s["captures"] == len(self.buckets) and s["eager"] == {"above largest bucket": 1}
+        assert s["replays"] == 11 and s["graph_bytes"] > 0
+        ex.close()
+
+    def test_capture_failure_on_one_key_falls_back_and_others_replay(self, backend: Backend) -> None:
+        import random
+        import warnings
+
+        from xgraph.executor import XGraphWarning
+
+        w = _tiny_workload(backend, max_blocks=4, max_seqs=24)
+
+        def forward(input_ids, positions):  # type: ignore[no-untyped-def]
+            h = w.model.forward_logits(input_ids, positions)
+            if input_ids.shape[0] == 4:
+                h = h * (h[0, 0].item() != 1e9)  # host read on this bucket only
+            return h
+
+        ex = w.executor(forward, backend=backend, buckets=self.buckets)
+        rng = random.Random(3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for batch in [3, 1, 4, 8, 3, 2]:
+                step = w.decode_step(rng, batch)
+                ex(**step.kwargs())
+        assert sum(issubclass(c.category, XGraphWarning) for c in caught) == 1
+        s = ex.stats()
+        assert ("full", 4) in s["eager_keys"] and "item()" in s["eager_keys"][("full", 4)]
+        assert set(s["hits"]) == {("full", 1), ("full", 2), ("full", 8)}
+        assert s["eager"] == {"capture failed": 1, "capture failed earlier": 2}
+        ex.close()
+
+    def test_composite_key_dims_get_their_own_graphs(self, backend: Backend) -> None:
+        from xgraph import Dim, GraphExecutor, Input
+
+        dev = backend.device
+        w = torch.randn(8, 8, device=dev)
+
+        def forward(x, comm):  # type: ignore[no-untyped-def]
+            return x @ w + comm.sum(0, keepdim=True)
+
+        ex = GraphExecutor(
+            forward, backend=backend, buckets=[1, 2, 4],
+            inputs=[Input("x", torch.float32, ("num_tokens", 8)),
+                    Input("comm", torch.float32, ("num_comm_tokens", 8))],
+            dims=[Dim("num_comm_tokens", max=32, buckets=[8, 16, 32])],
+        )
+        x = torch.randn(3, 8)
+        for c in (5, 12, 7, 30):
+            comm = torch.randn(c, 8)
+            out = ex(x=x, comm=comm)
+            # padding adds zero rows to the sum: equal up to summation order
+            torch.testing.assert_close(out, forward(x.to(dev), comm.to(dev)), rtol=1e-5,
+                                       atol=1e-5)
+        assert ex.stats()["keys"] == [("full", 4, 16), ("full", 4, 32), ("full", 4, 8)]
+        ex.close()
+
+
+class PoolTests(BackendTests):
+    """SharedPhysicalPool on this backend's VMM: aliasing across spaces, max not sum, teardown."""
+
+    @pytest.fixture
+    def vm(self, backend: Backend):  # type: ignore[no-untyped-def]
+        vm = backend.virtual_memory()
+        if vm is None:
+            pytest.skip(f"backend {backend.name!r} has no virtual memory")
+        return vm
+
+    def test_two_spaces_alias_one_chunk_with_data(self, backend: Backend, vm) -> None:  # type: ignore[no-untyped-def]
+        from xgraph.pool import SharedPhysicalPool
+
+        with SharedPhysicalPool(vm) as pool:
+            s1, s2 = pool.new_space(), pool.new_space()
+            n = pool.chunk_size
+            a1, a2 = s1.alloc(n), s2.alloc(n)
+            assert a1 != a2 and pool.physical_bytes == n
+            t1, t2 = backend.as_tensor(a1, n), backend.as_tensor(a2, n)
+            data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+            t1.copy_(data.to(t1.device))
+            backend.synchronize()
+            assert torch.equal(t2.cpu(), data)
+            del t1, t2
+
+    def test_failed_capture_space_is_rolled_back(self, vm) -> None:  # type: ignore[no-untyped-def]
+        from xgraph.pool import SharedPhysicalPool
+
+        with SharedPhysicalPool(vm) as pool:
+            pool.new_space().alloc(2 * pool.chunk_size)
+            before = pool.stats()
+            space = pool.new_space()
+            space.alloc(5 * pool.chunk_size)
+            assert pool.physical_bytes == 5 * pool.chunk_size
+            pool.discard(space)
+            after = pool.stats()
+            assert {k: after[k] for k in ("physical_bytes", "chunks", "spaces", "high_water_bytes",
+                                          "virtual_bytes")} == \
+                {k: before[k] for k in ("physical_bytes", "chunks", "spaces", "high_water_bytes",
+                                        "virtual_bytes")}
+
+    def _capture_sizes(self, backend, memory, sizes, mlp):  # type: ignore[no-untyped-def]
+        from xgraph import GraphExecutor, Input
+
+        ex = GraphExecutor(lambda x: mlp(x), backend=backend, buckets=sorted(set(sizes)),
+                           memory=memory,
+                           inputs=[Input("x", torch.float32, ("num_tokens", 256))])
+        for n in sizes:
+            ex(x=torch.randn(n, 256))
+        return ex
+
+    def test_shared_physical_is_max_in_any_order_and_replays_match(self, backend: Backend,
+                                                                   vm) -> None:
+        import random
+
+        from xgraph import GraphMemory
+
+        dev = backend.device
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(),
+                                  torch.nn.Linear(1024, 256)).to(dev).eval()
+        sizes = [64, 128, 256, 512, 1024]
+        alone_mem = GraphMemory(backend, "shared-physical")
+        self._capture_sizes(backend, alone_mem, [max(sizes)], mlp).close()
+        limit = alone_mem.graph_bytes()
+        alone_mem.close()
+        chunk = alone_mem.physical.chunk_size  # type: ignore[union-attr]
+        rng = random.Random(0)
+        for order in (sorted(sizes), sorted(sizes, reverse=True), rng.sample(sizes, len(sizes))):
+            mem = GraphMemory(backend, "shared-physical")
+            ex = self._capture_sizes(backend, mem, order, mlp)
+            assert mem.graph_bytes() <= limit + chunk, (order, mem.graph_bytes(), limit)
+            for n in rng.choices(sizes, k=15):  # replay in random order, new values
+                x = torch.randn(n, 256)
+                with torch.no_grad():
+                    self.assert_matches(backend, ex(x=x), mlp(x.to(dev)))
+            ex.close()
+            mem.close()
+        private = GraphMemory(backend, "private")
+        ex = self._capture_sizes(backend, private, sizes, mlp)
+        assert private.graph_bytes() > 1.5 * limit  # private grows as the sum
+        ex.close()
+        private.close()
+
+    def test_close_returns_memory_to_baseline(self, backend: Backend, vm) -> None:  # type: ignore[no-untyped-def]
+        from xgraph.pool import SharedPhysicalPool
+
+        before = backend.memory_in_use()
+        if before is None:
+            pytest.skip("backend reports no memory in use")
+        pool = SharedPhysicalPool(vm)
+        n = max(8 * pool.chunk_size, 32 << 20)
+        for _ in range(4):
+            a = pool.new_space().alloc(n)
+            backend.as_tensor(a, n).fill_(3)  # touch: host pages become resident
+        backend.synchronize()
+        during = backend.memory_in_use()
+        pool.close()
+        backend.synchronize()
+        after = backend.memory_in_use()
+        assert during is not None and after is not None
+        assert during - before >= 0.9 * n  # four spaces, one copy of physical memory
+        assert during - before < 2 * n
+        assert after - before < 0.1 * n, (before, during, after)
+
+
+class PiecewiseTests(BackendTests):
+    """Piecewise graphs: one graph per token count serves every batch composition."""
+
+    def test_compositions_share_one_graph(self, backend: Backend) -> None:
+        import random
+
+        from xgraph import Buckets, default_sizes
+
+        ex_w, ref_w = (_tiny_workload(backend, num_blocks=128, max_blocks=32, max_seqs=16)
+                       for _ in range(2))
+        for w in (ex_w, ref_w):
+            w.randomize_cache(11)
+        buckets = Buckets(default_sizes(64))
+        ex = ex_w.executor(backend=backend, buckets=buckets)
+        rng = random.Random(11)
+        for comp in ([32, 32], [16] * 4, [8] * 8, [64], [5, 40, 19], [1, 1, 62]):
+            step = ex_w.prefill_step(rng, comp, [rng.randint(0, 30) for _ in comp])
+            out = ex(**step.kwargs())
+            ref = ref_w.eager(ref_w.padded(step, buckets, full=False))[: step.num_tokens]
+            self.assert_matches(backend, out, ref)
+            for a, b in zip(ex_w.cache.tensors(), ref_w.cache.tensors()):
+                self.assert_matches(backend, a, b)
+        assert ex.stats()["keys"] == [("piecewise", 64)]
+        layers = ex_w.model.config.num_layers
+        assert ex.graph(("piecewise", 64)).describe() == ["piece", "runner"] * layers + ["piece"]
+        ex.close()
+
+    def test_bypassed_attention_is_refused(self, backend: Backend) -> None:
+        import random
+
+        from xgraph import Buckets, CaptureError, default_sizes
+
+        w = _tiny_workload(backend, max_blocks=8, max_seqs=8)
+        k_cache = w.cache.layers[0][0]
+
+        def forward(input_ids, positions):  # type: ignore[no-untyped-def]
+            return k_cache.flatten(1)[positions % 4, :4] + 1.0  # reads the cache directly
+
+        ex = w.executor(forward, backend=backend, buckets=Buckets(default_sizes(16)),
+                        on_capture_error="raise")
+        with pytest.raises(CaptureError, match="KV cache"):
+            ex(**w.prefill_step(random.Random(1), [3, 4]).kwargs())
+        assert ex.stats()["keys"] == []
+        ex.close()
+
+
+class ConformanceSuite(PluginTests, GraphTests, VirtualMemoryTests, ExecutorTests, PoolTests,
+                       PiecewiseTests):
     """Every conformance test; subclass it once per backend."""

@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("pytest_args", nargs=argparse.REMAINDER)
     conf.set_defaults(func=cmd_conformance)
 
+    from .bench import add_parsers
+
+    add_parsers(sub)
+
     return p
 
 

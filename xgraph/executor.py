@@ -590,8 +590,9 @@ class GraphExecutor:
         t0 = time.perf_counter()
         # warm-up: the forward runs eagerly once (lazy init, autotuning, workspaces) and its
         # outputs fix the persistent output buffers
-        warm = self._eager_forward(views, md, kind)
-        self._ensure_out_buffers(warm, tb)
+        with self.backend.warmup_context():
+            warm = self._eager_forward(views, md, kind)
+            self._ensure_out_buffers(warm, tb)
         del warm
         self.backend.synchronize()
         lease = self.memory.begin()
@@ -678,15 +679,15 @@ class GraphExecutor:
         progress: bool = True,
         **key_dims: int,
     ) -> None:
-        """Capture graphs before serving: one per num_tokens size (default: every bucket).
+        """Capture graphs before serving: one per num_tokens size, in the order given.
 
-        Each capture runs on a synthetic step that touches only the dummy slot and block.
-        Sizes go largest first (what a shared native pool needs); `key_dims` fix the sizes
-        of other shape-determining dims.
+        Default: every bucket, largest first (what a shared native pool needs). Each capture
+        runs on a synthetic step that touches only the dummy slot and block; `key_dims` fix
+        the sizes of other shape-determining dims.
         """
         if kind not in KINDS:
             raise XGraphError(f"kind={kind!r}: choose 'full' or 'piecewise'.")
-        todo = sorted(set(sizes if sizes is not None else self.buckets.sizes), reverse=True)
+        todo = list(sizes) if sizes is not None else sorted(self.buckets.sizes, reverse=True)
         bar = _progress(todo, f"{self.name}: capturing {kind} graphs", progress)
         saved = self.mode
         self.mode = "piecewise" if kind == "piecewise" else "auto"

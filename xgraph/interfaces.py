@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -211,6 +212,14 @@ class Backend(ABC):
             vm = self.virtual_memory_class(self)  # type: ignore[call-arg]
             self._virtual_memory = vm
         return vm
+
+    def warmup_context(self) -> AbstractContextManager[None]:
+        """Where warm-up runs: on the capture stream, so per-stream lazy allocations (cuBLAS
+        workspaces) happen outside every capture pool. Default: nothing to switch."""
+        return nullcontext()
+
+    def empty_cache(self) -> None:
+        """Give cached, unused memory of the default allocator back to the driver."""
 
     def memory_in_use(self) -> int | None:
         """Bytes of device memory the process holds, as the driver sees it; None if unknown."""

@@ -1,0 +1,208 @@
+"""The CUDA adapter: the conformance suite, plus what only CUDA has (routing, driver errors).
+
+Only torch and xgraph are imported here at module level, so the file imports (and its tests
+skip) on machines without a GPU, cuda-python or a CUDA build of torch.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import xgraph
+from xgraph.testing import ConformanceSuite
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class TestCUDAConformance(ConformanceSuite):
+    backend_name = "cuda"
+
+
+@pytest.fixture
+def backend():  # type: ignore[no-untyped-def]
+    try:
+        return xgraph.get_backend("cuda")
+    except xgraph.BackendUnavailableError as exc:
+        pytest.skip(str(exc))
+
+
+@needs_cuda
+def test_routed_pool_places_capture_segments_in_the_address_space(backend) -> None:  # type: ignore[no-untyped-def]
+    vm = backend.virtual_memory()
+    physical = xgraph.SharedPhysicalPool(vm)
+    space = physical.new_space()
+    pool = backend.new_pool(segments=space)
+    graph = backend.new_graph()
+    dev = backend.device
+    x = torch.randn(64, 256, device=dev)
+    w = torch.randn(256, 512, device=dev)
+    with torch.no_grad():
+        with backend.warmup_context():
+            (x @ w).relu()
+        backend.synchronize()
+        graph.capture_begin(pool)
+        try:
+            y = (x @ w).relu()
+        except BaseException:
+            graph.abort()
+            raise
+        graph.capture_end()
+    start, end = y.data_ptr(), y.data_ptr() + y.numel() * y.element_size()
+    assert space.base <= start and end <= space.base + space.size, (hex(start), hex(space.base))
+    assert pool.reserved_bytes() == space.cursor > 0
+    for _ in range(3):
+        x.copy_(torch.randn(64, 256))
+        graph.replay()
+        backend.synchronize()
+        torch.testing.assert_close(y, (x @ w).relu(), rtol=1e-5, atol=1e-5)
+    graph.reset()
+    del y
+    pool.close()
+    assert pool.reserved_bytes() == 0  # torch gave every segment back through the allocator
+    physical.close()
+    assert vm.live()["mappings"] == 0
+
+
+@needs_cuda
+def test_failed_capture_leaves_no_capture_and_the_pool_usable(backend) -> None:  # type: ignore[no-untyped-def]
+    dev = backend.device
+    x = torch.randn(32, device=dev)
+
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        return t * t.sum().item()  # a host read: refused before CUDA sees it
+
+    pool, graph = backend.new_pool(), backend.new_graph()
+    with torch.no_grad():
+        forward(x)
+        backend.synchronize()
+        graph.capture_begin(pool)
+        with pytest.raises(xgraph.CaptureError, match="_local_scalar_dense"):
+            forward(x)
+        graph.abort()
+    assert not graph.capturing
+    assert not torch.cuda.is_current_stream_capturing()
+    with torch.cuda.stream(backend.capture_stream()):
+        assert not torch.cuda.is_current_stream_capturing()
+    # the same graph object and the same pool capture again
+    with torch.no_grad():
+        graph.capture_begin(pool)
+        y = x * 3
+        graph.capture_end()
+    x.fill_(2)
+    graph.replay()
+    backend.synchronize()
+    assert torch.equal(y.cpu(), torch.full((32,), 6.0))
+    graph.reset()
+    del y
+    pool.close()
+
+
+@needs_cuda
+def test_driver_failure_carries_the_driver_error_name(backend) -> None:  # type: ignore[no-untyped-def]
+    vm = backend.virtual_memory()
+    huge = (1 << 50) // vm.granularity * vm.granularity  # passes every check, no device has it
+    with pytest.raises(xgraph.VirtualMemoryError) as info:
+        vm.create(huge)
+    assert info.value.call == "cuMemCreate"
+    assert info.value.error in ("CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_INVALID_VALUE")
+    assert info.value.error in str(info.value)
+    assert vm.live()["chunks"] == 0
+
+
+def _paged_case(device: torch.device, seed: int = 0):  # type: ignore[no-untyped-def]
+    """A random paged cache and a 3-sequence step (prefill, chunked prefill, decode-like)."""
+    from xgraph.attention import AttentionMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    num_blocks, bs, hkv, hq, d = 40, 4, 2, 4, 16
+    query_lens, seq_lens = [7, 5, 1], [7, 13, 10]
+    blocks = list(range(num_blocks))
+    random.Random(seed).shuffle(blocks)
+    tables, slots = [], []
+    for ql, sl in zip(query_lens, seq_lens):
+        row = [blocks.pop() for _ in range(-(-sl // bs))]
+        tables.append(row)
+        slots += [row[p // bs] * bs + p % bs for p in range(sl - ql, sl)]
+    n, padded = sum(query_lens), sum(query_lens) + 3
+    md = AttentionMetadata.build(query_lens, seq_lens, tables, slots, device=device)
+    q = torch.randn(padded, hq, d, generator=g).to(device)
+    k = torch.randn(padded, hkv, d, generator=g).to(device)
+    v = torch.randn(padded, hkv, d, generator=g).to(device)
+    cache = torch.randn(2, num_blocks, bs, hkv, d, generator=g).to(device)
+    assert n < padded
+    return md, q, k, v, cache
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_sdpa_prefill_runner_matches_the_reference(device: str) -> None:
+    from xgraph_cuda.attention import SDPAPrefillRunner
+
+    from xgraph.attention import PagedPrefillRunner
+
+    dev = torch.device(device)
+    md, q, k, v, cache = _paged_case(dev)
+    outs, caches = [], []
+    for runner in (PagedPrefillRunner(), SDPAPrefillRunner()):
+        c = cache.clone()
+        out = torch.full_like(q, 5.0)  # padding rows must come back zeroed
+        runner.plan(md)
+        runner.run(q, k, v, out, (c[0], c[1]), q.shape[-1] ** -0.5)
+        outs.append(out)
+        caches.append(c)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(caches[1], caches[0])
+    assert torch.count_nonzero(outs[1][md.num_tokens :]) == 0
+
+
+class _BumpTarget:
+    """A SegmentAllocator stand-in: hands out increasing fake addresses, records frees."""
+
+    def __init__(self, base: int, fail: bool = False) -> None:
+        self.next, self.fail, self.freed = base, fail, []
+
+    def alloc(self, nbytes: int) -> int:
+        if self.fail:
+            raise RuntimeError("target broke")
+        address, self.next = self.next, self.next + nbytes
+        return address
+
+    def free(self, address: int, nbytes: int) -> None:
+        if self.fail:
+            raise RuntimeError("target broke")
+        self.freed.append((address, nbytes))
+
+
+def test_allocator_callbacks_route_account_and_never_raise() -> None:
+    """The ctypes callbacks exactly as torch calls them (pure Python: runs without a GPU)."""
+    import threading
+
+    from xgraph_cuda import allocator
+
+    alloc, free = allocator._ALLOC_CALLBACK, allocator._FREE_CALLBACK
+    mib = 1 << 20
+    a, b = _BumpTarget(1 << 40), _BumpTarget(1 << 41)
+    assert not alloc(2 * mib, 0, None)  # no routing: out of memory, not an exception
+    with allocator.routing(a):
+        p1 = alloc(2 * mib, 0, None)
+        with allocator.routing(b):
+            p2 = alloc(20 * mib, 0, None)
+        seen = []  # another thread, while only `a` is routed anywhere: goes to `a`
+        th = threading.Thread(target=lambda: seen.append(alloc(4 * mib, 0, None)))
+        th.start()
+        th.join()
+    assert (p1, p2, seen) == (1 << 40, 1 << 41, [(1 << 40) + 2 * mib])
+    assert allocator.handed_out(a) == 6 * mib and allocator.handed_out(b) == 20 * mib
+    free(p1, 2 * mib, 0, None)  # after routing ended, as empty_cache would
+    free(p2, 20 * mib, 0, None)
+    free(12345 * mib, mib, 0, None)  # unknown address: ignored
+    free(None, 0, 0, None)
+    assert a.freed == [(1 << 40, 2 * mib)] and b.freed == [(1 << 41, 20 * mib)]
+    assert allocator.handed_out(a) == 4 * mib and allocator.handed_out(b) == 0
+    free(seen[0], 4 * mib, 0, None)
+    broken = _BumpTarget(1 << 42, fail=True)
+    with allocator.routing(broken):
+        assert not alloc(2 * mib, 0, None)
+    assert allocator.current_target() is None and allocator.handed_out(broken) == 0

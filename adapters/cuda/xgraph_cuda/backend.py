@@ -1,0 +1,107 @@
+"""The CUDA backend: CUDA graphs, cuMem virtual memory and torch.cuda.MemPool capture pools."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from xgraph.attention import PagedDecodeRunner
+from xgraph.errors import BackendUnavailableError
+from xgraph.interfaces import (
+    AttentionRunner,
+    Availability,
+    Backend,
+    CapturePool,
+    SegmentAllocator,
+)
+
+from . import probe
+from .attention import SDPAPrefillRunner
+from .graph import CUDAGraph
+from .pool import CUDACapturePool
+from .vmm import CUDAVirtualMemory
+
+
+class _DeviceMemory:
+    """Device memory described by the CUDA array interface (v3), for torch.as_tensor."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "version": 3,
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "strides": None,
+        }
+
+
+class CUDABackend(Backend):
+    """NVIDIA GPUs: torch.cuda.CUDAGraph, cuMem VMM, MemPools (native or xgraph-routed)."""
+
+    name = "cuda"
+    priority = 100
+    graph_class = CUDAGraph
+    virtual_memory_class = CUDAVirtualMemory
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError(
+                "The cuda backend needs a visible CUDA device; torch.cuda.is_available() is "
+                "False. Run `xgraph info` to see which backends can run here."
+            )
+        # fixed at construction: graphs, pools and VMM of one backend stay on one device
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self._stream: torch.cuda.Stream | None = None
+        self._stream_lock = threading.Lock()
+
+    @classmethod
+    def availability(cls) -> Availability:
+        return probe.availability()
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def capture_stream(self) -> torch.cuda.Stream:
+        """The non-default stream every capture of this backend runs on (created once)."""
+        with self._stream_lock:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self._device)
+            return self._stream
+
+    @contextlib.contextmanager
+    def warmup_context(self) -> Iterator[None]:
+        """Run warm-up on the capture stream, outside every capture pool."""
+        # per-stream lazy allocations (cuBLAS workspaces) then land in the default pool
+        # instead of inside the first capture's pool
+        origin = torch.cuda.current_stream(self._device)
+        side = self.capture_stream()
+        side.wait_stream(origin)
+        try:
+            with torch.cuda.stream(side):
+                yield
+        finally:
+            origin.wait_stream(side)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def new_pool(self, segments: SegmentAllocator | None = None) -> CapturePool:
+        return CUDACapturePool(self._device, segments)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self._device)
+
+    def as_tensor(self, address: int, nbytes: int) -> torch.Tensor:
+        return torch.as_tensor(_DeviceMemory(int(address), int(nbytes)), device=self._device)
+
+    def memory_in_use(self) -> int | None:
+        """Device memory in use as the driver sees it (cuMem chunks and other processes too)."""
+        free, total = torch.cuda.mem_get_info(self._device)
+        return int(total - free)
+
+    def attention_runners(self) -> dict[str, AttentionRunner]:
+        return {"decode": PagedDecodeRunner(), "prefill": SDPAPrefillRunner()}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 import xgraph
@@ -24,8 +26,10 @@ def test_shared_physical_equals_the_largest_bucket_alone(data, order):
     r = run_of(data, "shared-physical", order)
     chunk = r["physical"]["chunk_size"]
     assert r["captures"] == len(SIZES)
-    assert abs(r["graph_bytes"] - data["limit_bytes"]) <= chunk, (r["graph_bytes"],
-                                                                 data["limit_bytes"])
+    assert abs(r["graph_bytes"] - data["limit_bytes"]) <= chunk, (
+        r["graph_bytes"],
+        data["limit_bytes"],
+    )
     # physical memory never exceeded the limit on the way either
     assert max(r["curve_bytes"]) <= data["limit_bytes"] + chunk
     # every capture had its own address range over the same chunks
@@ -35,7 +39,7 @@ def test_shared_physical_equals_the_largest_bucket_alone(data, order):
 def test_private_grows_as_the_sum(data):
     r = run_of(data, "private", "ascending")
     curve = r["curve_bytes"]
-    assert all(b > a for a, b in zip(curve, curve[1:])), "private memory must grow per capture"
+    assert all(b > a for a, b in itertools.pairwise(curve)), "private memory must grow per capture"
     assert r["graph_bytes"] > 3 * data["limit_bytes"]
 
 

@@ -220,6 +220,7 @@ class Backend(ABC):
 
     def empty_cache(self) -> None:
         """Give cached, unused memory of the default allocator back to the driver."""
+        return None  # the CPU backend's default allocator caches nothing of ours
 
     def memory_in_use(self) -> int | None:
         """Bytes of device memory the process holds, as the driver sees it; None if unknown."""

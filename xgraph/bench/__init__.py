@@ -26,14 +26,24 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("which", choices=["memory", "prefill", "decode", "all"])
     p.add_argument("--backend", default=None)
     p.add_argument("--model", default="tiny", help="tiny | qwen3-0.6b")
-    p.add_argument("--sizes", default=None,
-                   help="comma-separated sizes (memory: capture sizes; prefill: step sizes; "
-                   "decode: batch sizes); defaults depend on the backend")
-    p.add_argument("--max-size", type=int, default=None,
-                   help="memory: vLLM's capture sizes up to this (default 512 on GPUs, 128 on "
-                   "the CPU backend)")
-    p.add_argument("--compile", default=None,
-                   help="decode: batch sizes to also run under torch.compile reduce-overhead")
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="comma-separated sizes (memory: capture sizes; prefill: step sizes; "
+        "decode: batch sizes); defaults depend on the backend",
+    )
+    p.add_argument(
+        "--max-size",
+        type=int,
+        default=None,
+        help="memory: vLLM's capture sizes up to this (default 512 on GPUs, 128 on "
+        "the CPU backend)",
+    )
+    p.add_argument(
+        "--compile",
+        default=None,
+        help="decode: batch sizes to also run under torch.compile reduce-overhead",
+    )
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--json", default=None, help="write the results here (bench all: a folder)")
     p.add_argument("--plot", default=None, help="memory: write a PNG plot here")
@@ -63,14 +73,21 @@ def main(args: argparse.Namespace) -> int:
             if plot_path:
                 memory.plot(data, plot_path)
         elif name == "prefill":
-            data = prefill.run(backend, args.model,
-                               _sizes(args.sizes) if args.which == "prefill" else None,
-                               iters=args.iters or 10)
+            data = prefill.run(
+                backend,
+                args.model,
+                _sizes(args.sizes) if args.which == "prefill" else None,
+                iters=args.iters or 10,
+            )
             text = prefill.summarize(data)
         else:
-            data = decode.run(backend, args.model,
-                              _sizes(args.sizes) if args.which == "decode" else None,
-                              iters=args.iters or 50, compile_batches=_sizes(args.compile))
+            data = decode.run(
+                backend,
+                args.model,
+                _sizes(args.sizes) if args.which == "decode" else None,
+                iters=args.iters or 50,
+                compile_batches=_sizes(args.compile),
+            )
             text = decode.summarize(data)
         print(f"\n## bench {name}\n\n{text}\n", flush=True)
         report.append(f"## bench {name}\n\n{text}\n")

@@ -17,8 +17,15 @@ from ..testing.workloads import Workload
 MiB = 1 << 20
 
 
-def workload(backend: Backend, model: str, *, max_seqs: int, context: int,
-             block_size: int = 16, seed: int = 0) -> Workload:
+def workload(
+    backend: Backend,
+    model: str,
+    *,
+    max_seqs: int,
+    context: int,
+    block_size: int = 16,
+    seed: int = 0,
+) -> Workload:
     """The reference model sized for `max_seqs` sequences of up to `context` tokens.
 
     bf16 on accelerators, float32 on the CPU; random weights (the numbers do not depend on
@@ -27,8 +34,14 @@ def workload(backend: Backend, model: str, *, max_seqs: int, context: int,
     dev = backend.device
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     max_blocks = -(-context // block_size)
-    m = Qwen3Model.build(model, num_blocks=max_seqs * max_blocks, block_size=block_size,
-                         dtype=dtype, device=dev, seed=seed)
+    m = Qwen3Model.build(
+        model,
+        num_blocks=max_seqs * max_blocks,
+        block_size=block_size,
+        dtype=dtype,
+        device=dev,
+        seed=seed,
+    )
     return Workload(m, max_blocks=max_blocks, max_seqs=max_seqs)
 
 
@@ -53,8 +66,10 @@ class Timer:
         times = []
         for _ in range(iters):
             if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 start.record()
                 fn()
                 end.record()

@@ -53,9 +53,14 @@ def _raw_graph(w, step, runner):  # type: ignore[no-untyped-def]
     return g, out
 
 
-def run(backend: Backend, model: str = "tiny", batches: list[int] | None = None,
-        iters: int = 50, compile_batches: list[int] | None = None, seed: int = 0
-        ) -> dict[str, Any]:
+def run(
+    backend: Backend,
+    model: str = "tiny",
+    batches: list[int] | None = None,
+    iters: int = 50,
+    compile_batches: list[int] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
     cuda = backend.device.type == "cuda"
     batches = batches or ([1, 8, 64, 256] if cuda else [1, 8, 32])
     w = workload(backend, model, max_seqs=max(batches), context=512 if cuda else 64)
@@ -85,8 +90,14 @@ def run(backend: Backend, model: str = "tiny", batches: list[int] | None = None,
         rows.append(row)
     ex.close()
     eager.close()
-    return {"backend": backend.name, "device": device_name(backend), "model": model,
-            "dtype": str(next(w.model.parameters()).dtype), "timing": timer.unit, "rows": rows}
+    return {
+        "backend": backend.name,
+        "device": device_name(backend),
+        "model": model,
+        "dtype": str(next(w.model.parameters()).dtype),
+        "timing": timer.unit,
+        "rows": rows,
+    }
 
 
 def _compiled(w, step, timer: Timer, iters: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -96,8 +107,9 @@ def _compiled(w, step, timer: Timer, iters: int) -> dict[str, Any]:  # type: ign
     dev = w.cache.tensors()[0].device
     a = step.attn
     runner = PagedDecodeRunner()
-    runner.plan(AttentionMetadata.build(a.query_lens, a.seq_lens, a.block_tables,
-                                        a.slot_mapping, dev))
+    runner.plan(
+        AttentionMetadata.build(a.query_lens, a.seq_lens, a.block_tables, a.slot_mapping, dev)
+    )
     ids, pos = step.input_ids.to(dev), step.positions.to(dev)
     ctx = InlineRunner(runner)
 
@@ -126,19 +138,29 @@ def _compiled(w, step, timer: Timer, iters: int) -> dict[str, Any]:  # type: ign
 def summarize(data: dict[str, Any]) -> str:
     rows = []
     for r in data["rows"]:
-        row = {"batch": r["batch"], "eager ms": r["eager_s"] * 1e3,
-               "xgraph ms": r["xgraph_s"] * 1e3, "eager/xgraph": r["eager/xgraph"]}
+        row = {
+            "batch": r["batch"],
+            "eager ms": r["eager_s"] * 1e3,
+            "xgraph ms": r["xgraph_s"] * 1e3,
+            "eager/xgraph": r["eager/xgraph"],
+        }
         if "raw_graph_s" in r:
-            row.update({"raw graph ms": r["raw_graph_s"] * 1e3,
-                        "xgraph/raw graph": r["xgraph/raw_graph"],
-                        "host us/step": r["xgraph_host_s"] * 1e6,
-                        "raw replay host us": r["raw_replay_host_s"] * 1e6,
-                        "overhead us": r["host_overhead_s"] * 1e6})
+            row.update(
+                {
+                    "raw graph ms": r["raw_graph_s"] * 1e3,
+                    "xgraph/raw graph": r["xgraph/raw_graph"],
+                    "host us/step": r["xgraph_host_s"] * 1e6,
+                    "raw replay host us": r["raw_replay_host_s"] * 1e6,
+                    "overhead us": r["host_overhead_s"] * 1e6,
+                }
+            )
         if "compile_s" in r:
             row["compile(reduce-overhead) ms"] = r["compile_s"] * 1e3
         elif "compile_error" in r:
             row["compile(reduce-overhead) ms"] = "failed"
         rows.append(row)
     cols = list(dict.fromkeys(k for r in rows for k in r))
-    return (f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}); "
-            f"times: median {data['timing']}\n\n" + table(rows, cols))
+    return (
+        f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}); "
+        f"times: median {data['timing']}\n\n" + table(rows, cols)
+    )

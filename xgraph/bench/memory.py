@@ -33,11 +33,13 @@ def ordered(sizes: list[int], order: str, seed: int) -> list[int]:
     raise ValueError(f"unknown order {order!r}")
 
 
-def _measure_capture(backend: Backend, w: Any, mode: str, sizes: list[int],
-                     order_sizes: list[int]) -> dict[str, Any]:
+def _measure_capture(
+    backend: Backend, w: Any, mode: str, sizes: list[int], order_sizes: list[int]
+) -> dict[str, Any]:
     mem = GraphMemory(backend, mode)
-    ex = w.executor(w.model.forward, backend=backend, buckets=sizes, memory=mem,
-                    name=f"bench-{mode}")
+    ex = w.executor(
+        w.model.forward, backend=backend, buckets=sizes, memory=mem, name=f"bench-{mode}"
+    )
     cpu = backend.device.type == "cpu"
     base = settle(backend)
     curve, resident = [], []
@@ -64,9 +66,15 @@ def _measure_capture(backend: Backend, w: Any, mode: str, sizes: list[int],
     return result
 
 
-def run(backend: Backend, model: str = "tiny", sizes: list[int] | None = None,
-        modes: tuple[str, ...] = MODES, orders: tuple[str, ...] = ORDERS, seed: int = 0,
-        context: int = 256) -> dict[str, Any]:
+def run(
+    backend: Backend,
+    model: str = "tiny",
+    sizes: list[int] | None = None,
+    modes: tuple[str, ...] = MODES,
+    orders: tuple[str, ...] = ORDERS,
+    seed: int = 0,
+    context: int = 256,
+) -> dict[str, Any]:
     sizes = sorted(sizes or vllm_capture_sizes(512 if backend.device.type != "cpu" else 128))
     w = workload(backend, model, max_seqs=max(sizes), context=context)
     # one eager step at the largest size first: library workspaces and lazy state are
@@ -90,7 +98,8 @@ def run(backend: Backend, model: str = "tiny", sizes: list[int] | None = None,
         "buckets": sizes,
         "limit_bytes": limit["graph_bytes"],
         "limit_resident_bytes": limit["resident_bytes"],
-        "measure": "pool bytes (memfd physical) and Pss" if backend.device.type == "cpu"
+        "measure": "pool bytes (memfd physical) and Pss"
+        if backend.device.type == "cpu"
         else "driver: total - free after empty_cache, minus baseline",
         "runs": runs,
     }
@@ -98,25 +107,51 @@ def run(backend: Backend, model: str = "tiny", sizes: list[int] | None = None,
 
 def summarize(data: dict[str, Any]) -> str:
     limit = data["limit_bytes"]
-    sp_best = next((r["graph_bytes"] for r in data["runs"]
-                    if r["mode"] == "shared-pool" and r["order"] == "largest-first"), None)
+    sp_best = next(
+        (
+            r["graph_bytes"]
+            for r in data["runs"]
+            if r["mode"] == "shared-pool" and r["order"] == "largest-first"
+        ),
+        None,
+    )
     sp_secs = {r["order"]: r["capture_seconds"] for r in data["runs"] if r["mode"] == "shared-pool"}
     rows = []
     for r in data["runs"]:
-        rows.append({
-            "mode": r["mode"], "order": r["order"],
-            "graph MiB": r["graph_bytes"] / MiB,
-            "x limit": r["graph_bytes"] / limit if limit else float("nan"),
-            "x shared-pool best": r["graph_bytes"] / sp_best if sp_best else float("nan"),
-            "capture s": r["capture_seconds"],
-            "x shared-pool s": r["capture_seconds"] / sp_secs[r["order"]]
-            if r["order"] in sp_secs else float("nan"),
-        })
-    head = (f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}), "
-            f"{len(data['buckets'])} sizes {data['buckets'][0]}..{data['buckets'][-1]}; "
-            f"limit (largest alone) {limit / MiB:.2f} MiB; measure: {data['measure']}")
-    return head + "\n\n" + table(rows, ["mode", "order", "graph MiB", "x limit",
-                                        "x shared-pool best", "capture s", "x shared-pool s"])
+        rows.append(
+            {
+                "mode": r["mode"],
+                "order": r["order"],
+                "graph MiB": r["graph_bytes"] / MiB,
+                "x limit": r["graph_bytes"] / limit if limit else float("nan"),
+                "x shared-pool best": r["graph_bytes"] / sp_best if sp_best else float("nan"),
+                "capture s": r["capture_seconds"],
+                "x shared-pool s": r["capture_seconds"] / sp_secs[r["order"]]
+                if r["order"] in sp_secs
+                else float("nan"),
+            }
+        )
+    head = (
+        f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}), "
+        f"{len(data['buckets'])} sizes {data['buckets'][0]}..{data['buckets'][-1]}; "
+        f"limit (largest alone) {limit / MiB:.2f} MiB; measure: {data['measure']}"
+    )
+    return (
+        head
+        + "\n\n"
+        + table(
+            rows,
+            [
+                "mode",
+                "order",
+                "graph MiB",
+                "x limit",
+                "x shared-pool best",
+                "capture s",
+                "x shared-pool s",
+            ],
+        )
+    )
 
 
 def plot(data: dict[str, Any], path: str) -> None:
@@ -129,8 +164,12 @@ def plot(data: dict[str, Any], path: str) -> None:
     styles = {"private": ":", "shared-pool": "--", "shared-physical": "-"}
     for r in data["runs"]:
         ys = [b / MiB for b in r["curve_bytes"]]
-        ax.plot(range(1, len(ys) + 1), ys, styles.get(r["mode"], "-"),
-                label=f"{r['mode']}, {r['order']}")
+        ax.plot(
+            range(1, len(ys) + 1),
+            ys,
+            styles.get(r["mode"], "-"),
+            label=f"{r['mode']}, {r['order']}",
+        )
     ax.axhline(data["limit_bytes"] / MiB, color="k", lw=0.8, label="largest bucket alone")
     ax.set_xlabel("buckets captured")
     ax.set_ylabel("graph memory (MiB)")

@@ -30,8 +30,14 @@ def compositions(n: int, rng: random.Random) -> dict[str, tuple[list[int], list[
     }
 
 
-def run(backend: Backend, model: str = "tiny", sizes: list[int] | None = None,
-        memory_max: int | None = None, iters: int = 10, seed: int = 0) -> dict[str, Any]:
+def run(
+    backend: Backend,
+    model: str = "tiny",
+    sizes: list[int] | None = None,
+    memory_max: int | None = None,
+    iters: int = 10,
+    seed: int = 0,
+) -> dict[str, Any]:
     cpu = backend.device.type == "cpu"
     sizes = sizes or ([32, 64, 128] if cpu else [128, 512, 2048])
     memory_max = memory_max or (256 if cpu else 2048)
@@ -47,47 +53,78 @@ def run(backend: Backend, model: str = "tiny", sizes: list[int] | None = None,
             step = w.prefill_step(rng, ql, ctx)
             t_eager = timer(lambda step=step: eager(**step.kwargs()), iters)
             t_pw = timer(lambda step=step: pw(**step.kwargs()), iters)
-            rows.append({"num_tokens": n, "batch": name, "seqs": len(ql),
-                         "eager_s": t_eager, "piecewise_s": t_pw, "eager/piecewise": t_eager / t_pw})
+            rows.append(
+                {
+                    "num_tokens": n,
+                    "batch": name,
+                    "seqs": len(ql),
+                    "eager_s": t_eager,
+                    "piecewise_s": t_pw,
+                    "eager/piecewise": t_eager / t_pw,
+                }
+            )
     stats = pw.stats()
     eager.close()
     pw.close()
     mem_sizes = sglang_piecewise_sizes(memory_max)
     mem_rows = []
-    for mode, order in (("shared-physical", "ascending"), ("shared-physical", "largest-first"),
-                        ("shared-pool", "largest-first"), ("shared-pool", "ascending")):
+    for mode, order in (
+        ("shared-physical", "ascending"),
+        ("shared-physical", "largest-first"),
+        ("shared-pool", "largest-first"),
+        ("shared-pool", "ascending"),
+    ):
         gm = GraphMemory(backend, mode)
-        ex = w.executor(w.model.forward, backend=backend, buckets=mem_sizes, memory=gm,
-                        mode="piecewise")
+        ex = w.executor(
+            w.model.forward, backend=backend, buckets=mem_sizes, memory=gm, mode="piecewise"
+        )
         base = settle(backend)
         todo = sorted(mem_sizes, reverse=order == "largest-first")
         ex.capture(todo, kind="piecewise", progress=False)
         now = settle(backend)
-        mem_rows.append({
-            "mode": mode, "order": order,
-            "graph_bytes": gm.graph_bytes() if cpu else (now or 0) - (base or 0),
-            "pool_bytes": gm.graph_bytes(), "capture_seconds": ex.stats()["capture_seconds"],
-            "graphs": ex.stats()["captures"],
-        })
+        mem_rows.append(
+            {
+                "mode": mode,
+                "order": order,
+                "graph_bytes": gm.graph_bytes() if cpu else (now or 0) - (base or 0),
+                "pool_bytes": gm.graph_bytes(),
+                "capture_seconds": ex.stats()["capture_seconds"],
+                "graphs": ex.stats()["captures"],
+            }
+        )
         ex.close()
         gm.close()
         settle(backend)
     return {
-        "backend": backend.name, "device": device_name(backend), "model": model,
-        "dtype": str(next(w.model.parameters()).dtype), "timing": timer.unit,
-        "steps": rows, "piecewise_stats": {"captures": stats["captures"],
-                                           "replays": stats["replays"]},
-        "memory_sizes": mem_sizes, "memory": mem_rows,
+        "backend": backend.name,
+        "device": device_name(backend),
+        "model": model,
+        "dtype": str(next(w.model.parameters()).dtype),
+        "timing": timer.unit,
+        "steps": rows,
+        "piecewise_stats": {"captures": stats["captures"], "replays": stats["replays"]},
+        "memory_sizes": mem_sizes,
+        "memory": mem_rows,
     }
 
 
 def summarize(data: dict[str, Any]) -> str:
-    head = (f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}); "
-            f"times: median {data['timing']}")
-    t1 = table([{**r, "eager ms": r["eager_s"] * 1e3, "piecewise ms": r["piecewise_s"] * 1e3}
-                for r in data["steps"]],
-               ["num_tokens", "batch", "seqs", "eager ms", "piecewise ms", "eager/piecewise"])
-    t2 = table([{**r, "graph MiB": r["graph_bytes"] / MiB} for r in data["memory"]],
-               ["mode", "order", "graphs", "graph MiB", "capture_seconds"])
-    return (f"{head}\n\n{t1}\n\npiecewise graph memory, {len(data['memory_sizes'])} sizes "
-            f"up to {data['memory_sizes'][-1]}:\n\n{t2}")
+    head = (
+        f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}); "
+        f"times: median {data['timing']}"
+    )
+    t1 = table(
+        [
+            {**r, "eager ms": r["eager_s"] * 1e3, "piecewise ms": r["piecewise_s"] * 1e3}
+            for r in data["steps"]
+        ],
+        ["num_tokens", "batch", "seqs", "eager ms", "piecewise ms", "eager/piecewise"],
+    )
+    t2 = table(
+        [{**r, "graph MiB": r["graph_bytes"] / MiB} for r in data["memory"]],
+        ["mode", "order", "graphs", "graph MiB", "capture_seconds"],
+    )
+    return (
+        f"{head}\n\n{t1}\n\npiecewise graph memory, {len(data['memory_sizes'])} sizes "
+        f"up to {data['memory_sizes'][-1]}:\n\n{t2}"
+    )

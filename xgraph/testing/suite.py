@@ -349,8 +349,9 @@ class ExecutorTests(BackendTests):
 
         from xgraph.buckets import Buckets
 
-        ex_w, ref_w = (_tiny_workload(backend, num_blocks=160, max_blocks=6, max_seqs=24)
-                       for _ in range(2))
+        ex_w, ref_w = (
+            _tiny_workload(backend, num_blocks=160, max_blocks=6, max_seqs=24) for _ in range(2)
+        )
         for w in (ex_w, ref_w):
             w.randomize_cache(7)
         buckets = Buckets(self.buckets)
@@ -368,7 +369,9 @@ class ExecutorTests(BackendTests):
         assert s["replays"] == 11 and s["graph_bytes"] > 0
         ex.close()
 
-    def test_capture_failure_on_one_key_falls_back_and_others_replay(self, backend: Backend) -> None:
+    def test_capture_failure_on_one_key_falls_back_and_others_replay(
+        self, backend: Backend
+    ) -> None:
         import random
         import warnings
 
@@ -406,9 +409,13 @@ class ExecutorTests(BackendTests):
             return x @ w + comm.sum(0, keepdim=True)
 
         ex = GraphExecutor(
-            forward, backend=backend, buckets=[1, 2, 4],
-            inputs=[Input("x", torch.float32, ("num_tokens", 8)),
-                    Input("comm", torch.float32, ("num_comm_tokens", 8))],
+            forward,
+            backend=backend,
+            buckets=[1, 2, 4],
+            inputs=[
+                Input("x", torch.float32, ("num_tokens", 8)),
+                Input("comm", torch.float32, ("num_comm_tokens", 8)),
+            ],
             dims=[Dim("num_comm_tokens", max=32, buckets=[8, 16, 32])],
         )
         x = torch.randn(3, 8)
@@ -416,8 +423,7 @@ class ExecutorTests(BackendTests):
             comm = torch.randn(c, 8)
             out = ex(x=x, comm=comm)
             # padding adds zero rows to the sum: equal up to summation order
-            torch.testing.assert_close(out, forward(x.to(dev), comm.to(dev)), rtol=1e-5,
-                                       atol=1e-5)
+            torch.testing.assert_close(out, forward(x.to(dev), comm.to(dev)), rtol=1e-5, atol=1e-5)
         assert ex.stats()["keys"] == [("full", 4, 16), ("full", 4, 32), ("full", 4, 8)]
         ex.close()
 
@@ -458,31 +464,44 @@ class PoolTests(BackendTests):
             assert pool.physical_bytes == 5 * pool.chunk_size
             pool.discard(space)
             after = pool.stats()
-            assert {k: after[k] for k in ("physical_bytes", "chunks", "spaces", "high_water_bytes",
-                                          "virtual_bytes")} == \
-                {k: before[k] for k in ("physical_bytes", "chunks", "spaces", "high_water_bytes",
-                                        "virtual_bytes")}
+            assert {
+                k: after[k]
+                for k in ("physical_bytes", "chunks", "spaces", "high_water_bytes", "virtual_bytes")
+            } == {
+                k: before[k]
+                for k in ("physical_bytes", "chunks", "spaces", "high_water_bytes", "virtual_bytes")
+            }
 
     def _capture_sizes(self, backend, memory, sizes, mlp):  # type: ignore[no-untyped-def]
         from xgraph import GraphExecutor, Input
 
-        ex = GraphExecutor(lambda x: mlp(x), backend=backend, buckets=sorted(set(sizes)),
-                           memory=memory,
-                           inputs=[Input("x", torch.float32, ("num_tokens", 256))])
+        ex = GraphExecutor(
+            lambda x: mlp(x),
+            backend=backend,
+            buckets=sorted(set(sizes)),
+            memory=memory,
+            inputs=[Input("x", torch.float32, ("num_tokens", 256))],
+        )
         for n in sizes:
             ex(x=torch.randn(n, 256))
         return ex
 
-    def test_shared_physical_is_max_in_any_order_and_replays_match(self, backend: Backend,
-                                                                   vm) -> None:
+    def test_shared_physical_is_max_in_any_order_and_replays_match(
+        self, backend: Backend, vm
+    ) -> None:
         import random
 
         from xgraph import GraphMemory
 
         dev = backend.device
         torch.manual_seed(0)
-        mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(),
-                                  torch.nn.Linear(1024, 256)).to(dev).eval()
+        mlp = (
+            torch.nn.Sequential(
+                torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)
+            )
+            .to(dev)
+            .eval()
+        )
         sizes = [64, 128, 256, 512, 1024]
         alone_mem = GraphMemory(backend, "shared-physical")
         self._capture_sizes(backend, alone_mem, [max(sizes)], mlp).close()
@@ -536,8 +555,9 @@ class PiecewiseTests(BackendTests):
 
         from xgraph import Buckets, default_sizes
 
-        ex_w, ref_w = (_tiny_workload(backend, num_blocks=128, max_blocks=32, max_seqs=16)
-                       for _ in range(2))
+        ex_w, ref_w = (
+            _tiny_workload(backend, num_blocks=128, max_blocks=32, max_seqs=16) for _ in range(2)
+        )
         for w in (ex_w, ref_w):
             w.randomize_cache(11)
         buckets = Buckets(default_sizes(64))
@@ -566,14 +586,16 @@ class PiecewiseTests(BackendTests):
         def forward(input_ids, positions):  # type: ignore[no-untyped-def]
             return k_cache.flatten(1)[positions % 4, :4] + 1.0  # reads the cache directly
 
-        ex = w.executor(forward, backend=backend, buckets=Buckets(default_sizes(16)),
-                        on_capture_error="raise")
+        ex = w.executor(
+            forward, backend=backend, buckets=Buckets(default_sizes(16)), on_capture_error="raise"
+        )
         with pytest.raises(CaptureError, match="KV cache"):
             ex(**w.prefill_step(random.Random(1), [3, 4]).kwargs())
         assert ex.stats()["keys"] == []
         ex.close()
 
 
-class ConformanceSuite(PluginTests, GraphTests, VirtualMemoryTests, ExecutorTests, PoolTests,
-                       PiecewiseTests):
+class ConformanceSuite(
+    PluginTests, GraphTests, VirtualMemoryTests, ExecutorTests, PoolTests, PiecewiseTests
+):
     """Every conformance test; subclass it once per backend."""

@@ -31,10 +31,13 @@ def backend():  # type: ignore[no-untyped-def]
 
 @needs_cuda
 def test_routed_pool_places_capture_segments_in_the_address_space(backend) -> None:  # type: ignore[no-untyped-def]
+    from xgraph_cuda.pool import CUDACapturePool
+
     vm = backend.virtual_memory()
+    live = vm.live()
     physical = xgraph.SharedPhysicalPool(vm)
     space = physical.new_space()
-    pool = backend.new_pool(segments=space)
+    pool = CUDACapturePool(segments=space, device=backend.device)
     graph = backend.new_graph()
     dev = backend.device
     x = torch.randn(64, 256, device=dev)
@@ -63,7 +66,7 @@ def test_routed_pool_places_capture_segments_in_the_address_space(backend) -> No
     pool.close()
     assert pool.reserved_bytes() == 0  # torch gave every segment back through the allocator
     physical.close()
-    assert vm.live()["mappings"] == 0
+    assert vm.live() == live
 
 
 @needs_cuda
@@ -206,3 +209,25 @@ def test_allocator_callbacks_route_account_and_never_raise() -> None:
     with allocator.routing(broken):
         assert not alloc(2 * mib, 0, None)
     assert allocator.current_target() is None and allocator.handed_out(broken) == 0
+
+
+def test_capture_guard_names_the_model_line_not_the_adapter() -> None:
+    """The guard refuses host reads before they run, naming this file (runs without a GPU)."""
+    import inspect
+    import os
+
+    from xgraph_cuda.graph import _CaptureGuard
+
+    def forward(t: torch.Tensor) -> float:
+        return t.sum().item()  # the host read
+
+    line = inspect.getsourcelines(forward)[1] + 1
+    x = torch.ones(4)
+    with _CaptureGuard(torch.device("cpu")):
+        y = x * 2  # ordinary ops run
+        with pytest.raises(xgraph.CaptureError) as info:
+            forward(x)
+    msg = str(info.value)
+    assert f"{os.path.basename(__file__)}:{line}" in msg and "_local_scalar_dense" in msg, msg
+    assert "xgraph_cuda" not in msg
+    assert torch.equal(y, torch.full((4,), 2.0))

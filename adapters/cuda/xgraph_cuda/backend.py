@@ -90,7 +90,7 @@ class CUDABackend(Backend):
         torch.cuda.empty_cache()
 
     def new_pool(self, segments: SegmentAllocator | None = None) -> CapturePool:
-        return CUDACapturePool(self._device, segments)
+        return CUDACapturePool(segments, self._device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._device)

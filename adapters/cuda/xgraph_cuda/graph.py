@@ -33,10 +33,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _skip_adapter_frames() -> None:
-    """Make model_location() skip this package's frames (safety knows only core's own).
-
-    Without it the guard's own frame would be named as the model line in CaptureError.
-    """
+    """Make xgraph.safety.model_location() skip this package's frames, as it skips core's."""
+    # without it CaptureError would name the guard's own frame as the model line
     original = getattr(safety, "_is_library_frame", None)
     if original is None or getattr(original, "_xgraph_cuda", False):
         return
@@ -121,6 +119,10 @@ class CUDAGraph(Graph):
                 "capture_begin: this graph already holds a capture; reset() it first."
             )
         device = self.backend.device
+        if pool.device != device:
+            raise XGraphError(
+                f"capture_begin: the pool belongs to {pool.device}, this graph to {device}."
+            )
         torch.cuda.synchronize(device)
         stack = contextlib.ExitStack()
         try:
@@ -261,12 +263,10 @@ class CUDAGraph(Graph):
             return False
 
     def _undo_pool_capture(self) -> None:
-        """Undo what torch's capture_begin did to the pool when its capture_end did not finish.
-
-        torch's capture_begin routes this thread's allocations to the pool and takes a use of
-        it; only a completed capture_end / reset give them back. Left as is, the next capture
-        on the pool fails ("already recording to mempool_id") and the pool is never freed.
-        """
+        """Undo what torch's capture_begin did to the pool when its capture_end did not finish."""
+        # capture_begin routes this thread's allocations to the pool and takes a use of it;
+        # only a completed capture_end / reset give them back. Left as is, the next capture
+        # on the pool fails ("already recording to mempool_id") and the pool is never freed.
         pool = self._pool
         if pool is None or pool.mempool is None or self._torch_capture_ended():
             return
@@ -276,7 +276,7 @@ class CUDAGraph(Graph):
         if release is None:
             return
         try:
-            while pool.use_count() > max(self._base_use, 1):
+            for _ in range(pool.use_count() - max(self._base_use, 1)):
                 release(device, pool.id)
         except Exception:
             logger.exception("CUDAGraph: releasing pool %s after a failed capture failed", pool.id)

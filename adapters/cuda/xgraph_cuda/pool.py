@@ -61,7 +61,11 @@ def pool_segments_bytes(pool_id: tuple[int, int], mempool: Any = None) -> int:
 class CUDACapturePool(CapturePool):
     """A torch.cuda.MemPool for captures; `.id` goes to capture_begin, `.segments` to routing."""
 
-    def __init__(self, device: torch.device, segments: SegmentAllocator | None = None) -> None:
+    def __init__(
+        self, segments: SegmentAllocator | None = None, device: torch.device | None = None
+    ) -> None:
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.segments = segments
         # a MemPool belongs to the device current at its construction
@@ -88,11 +92,9 @@ class CUDACapturePool(CapturePool):
         return pool_segments_bytes(self.id, self._mempool)
 
     def close(self) -> None:
-        """Drop the MemPool so torch frees its segments; reset graphs captured on it first.
-
-        Tensors captured on the pool must be dead too: torch keeps a segment with a live
-        block, and frees it later outside the pool (pytorch#146431).
-        """
+        """Drop the MemPool so torch frees its segments; reset graphs captured on it first."""
+        # tensors captured on the pool must be dead too: torch keeps a segment with a live
+        # block and frees it later, outside the pool (pytorch#146431)
         if self.closed:
             return
         self.closed = True

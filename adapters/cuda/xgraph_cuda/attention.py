@@ -8,8 +8,11 @@ SDPA picks a fused kernel where it can, and computes in the input dtype.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from xgraph.attention import AttentionMetadata
 from xgraph.errors import XGraphError
@@ -47,9 +50,13 @@ def _sdpa(
         else:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+    # fused float32 kernels on the GPU may round through TF32; the math path keeps float32
+    # numerics (its matmuls follow torch.backends.cuda.matmul), like the reference runner
+    exact = q.dtype == torch.float32 and q.is_cuda
+    with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
 
 
 class SDPAPrefillRunner(AttentionRunner):

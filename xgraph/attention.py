@@ -208,13 +208,14 @@ class PagedDecodeRunner(AttentionRunner):
         w = bt.shape[1]
         keys = k_cache[bt].reshape(b, w * bs, hkv, d)
         vals = v_cache[bt].reshape(b, w * bs, hkv, d)
-        qg = q.reshape(b, hkv, hq // hkv, d).float()
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, keys.float()) * scale
+        # matmuls in the cache dtype (accumulating in float32), softmax in float32
+        qg = q.reshape(b, hkv, hq // hkv, d).to(keys.dtype)
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, keys).float() * scale
         pos = torch.arange(w * bs, device=q.device)
         masked = pos[None, :] >= md.seq_lens[:b, None]
         scores = scores.masked_fill(masked[:, None, None, :], float("-inf"))
-        probs = scores.softmax(-1)
-        o = torch.einsum("bhgl,blhd->bhgd", probs, vals.float())
+        probs = scores.softmax(-1).to(vals.dtype)
+        o = torch.einsum("bhgl,blhd->bhgd", probs, vals)
         out.copy_(o.reshape(b, hq, d))
 
 

@@ -44,8 +44,18 @@ _XGRAPH_DIR = os.path.dirname(os.path.abspath(__file__))
 _USER_DIRS_IN_XGRAPH = tuple(os.path.join(_XGRAPH_DIR, d) for d in ("models", "testing"))
 
 
+_LIBRARY_DIRS: list[str] = [_TORCH_DIR]
+
+
+def register_library_path(path: str) -> None:
+    """Treat frames under `path` (an adapter's package) as library code, not model code."""
+    path = os.path.abspath(path)
+    if path not in _LIBRARY_DIRS:
+        _LIBRARY_DIRS.append(path)
+
+
 def _is_library_frame(filename: str) -> bool:
-    if filename.startswith(_TORCH_DIR):
+    if filename.startswith(tuple(_LIBRARY_DIRS)):
         return True
     if filename.startswith(_XGRAPH_DIR):
         return not filename.startswith(_USER_DIRS_IN_XGRAPH)

@@ -29,24 +29,8 @@ from .pool import CUDACapturePool, release_parked
 
 logger = logging.getLogger("xgraph")
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _skip_adapter_frames() -> None:
-    """Make xgraph.safety.model_location() skip this package's frames, as it skips core's."""
-    # without it CaptureError would name the guard's own frame as the model line
-    original = getattr(safety, "_is_library_frame", None)
-    if original is None or getattr(original, "_xgraph_cuda", False):
-        return
-
-    def is_library_frame(filename: str) -> bool:
-        return filename.startswith(_PACKAGE_DIR) or original(filename)
-
-    is_library_frame._xgraph_cuda = True  # type: ignore[attr-defined]
-    safety._is_library_frame = is_library_frame  # type: ignore[attr-defined]
-
-
-_skip_adapter_frames()
+# frames of this package are library code: CaptureError names the model's line, not ours
+safety.register_library_path(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _CaptureGuard(TorchDispatchMode):

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# CUDA checks and benchmarks on a GPU machine, in one go; logs and JSON land in $OUT.
+#   bash scripts/device.sh [conformance|bench|all] [model]
+# The machine has torch and cuda-bindings but no network: install without dependencies.
+set -uo pipefail
+stage=${1:-all}
+model=${2:-qwen3-0.6b}
+OUT=${OUT:-out/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+log="$OUT/log.txt"
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e adapters/cuda >>"$log" 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$log"
+python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$log"
+xgraph info 2>&1 | tee -a "$log"
+rc=0
+if [ "$stage" = conformance ] || [ "$stage" = all ]; then
+  xgraph conformance --backend cuda -- -q -rfEs -p no:randomly -W ignore::DeprecationWarning \
+    2>&1 | tee "$OUT/conformance.log" | tail -n 40 || rc=1
+  python3 -m pytest -q -rfEs adapters/cuda/tests -W ignore::DeprecationWarning \
+    2>&1 | tee -a "$OUT/conformance.log" | tail -n 25 || rc=1
+fi
+if [ "$stage" = bench ] || [ "$stage" = all ]; then
+  for which in memory prefill decode; do
+    extra=()
+    [ "$which" = memory ] && extra=(--plot "$OUT/memory.png")
+    [ "$which" = decode ] && extra=(--compile 8)
+    xgraph bench "$which" --backend cuda --model "$model" --json "$OUT/$which.json" "${extra[@]}" \
+      2>&1 | tee -a "$log" | tail -n 30 || rc=1
+  done
+fi
+exit $rc

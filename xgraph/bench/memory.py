@@ -73,7 +73,7 @@ def run(
     modes: tuple[str, ...] = MODES,
     orders: tuple[str, ...] = ORDERS,
     seed: int = 0,
-    context: int = 256,
+    context: int = 64,
 ) -> dict[str, Any]:
     sizes = sorted(sizes or vllm_capture_sizes(512 if backend.device.type != "cpu" else 128))
     w = workload(backend, model, max_seqs=max(sizes), context=context)

@@ -21,12 +21,14 @@ if [ "$stage" = conformance ] || [ "$stage" = all ]; then
     2>&1 | tee -a "$OUT/conformance.log" | tail -n 25 || rc=1
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
-  for which in memory prefill decode; do
-    extra=()
-    [ "$which" = memory ] && extra=(--plot "$OUT/memory.png")
-    [ "$which" = decode ] && extra=(--compile 8)
-    xgraph bench "$which" --backend cuda --model "$model" --json "$OUT/$which.json" "${extra[@]}" \
-      2>&1 | tee -a "$log" | tail -n 30 || rc=1
-  done
+  # cheapest first, so a timeout loses the least; each writes its own JSON
+  xgraph bench decode --backend cuda --model "$model" --json "$OUT/decode.json" \
+    2>&1 | tee -a "$log" | tail -n 12 || rc=1
+  xgraph bench prefill --backend cuda --model "$model" --iters 5 --json "$OUT/prefill.json" \
+    2>&1 | tee -a "$log" | tail -n 30 || rc=1
+  xgraph bench memory --backend cuda --model "$model" --json "$OUT/memory.json" \
+    --plot "$OUT/memory.png" 2>&1 | tee -a "$log" | tail -n 16 || rc=1
+  xgraph bench decode --backend cuda --model "$model" --sizes 8 --compile 8 \
+    --json "$OUT/decode-compile.json" 2>&1 | tee -a "$log" | tail -n 6 || rc=1
 fi
 exit $rc

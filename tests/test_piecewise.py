@@ -161,3 +161,14 @@ def test_attention_outside_a_step_says_how_to_call_it():
     q = torch.zeros(1, 4, 16)
     with pytest.raises(xgraph.XGraphError, match="outside a step"):
         attention(q, q[:, :2], q[:, :2], (q, q))
+
+
+def test_precapture_of_piecewise_graphs_touches_only_the_dummy_block():
+    (w,) = workloads(6, n=1)
+    before = [t.clone() for t in w.cache.real()]
+    ex = w.executor(backend="cpu", buckets=BUCKETS)
+    ex.capture([128, 64, 8], kind="piecewise", progress=False)
+    assert sorted(ex.stats()["keys"]) == [("piecewise", 8), ("piecewise", 64), ("piecewise", 128)]
+    for a, b in zip(before, w.cache.real()):
+        assert torch.equal(a, b)
+    ex.close()

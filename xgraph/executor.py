@@ -47,14 +47,16 @@ class PagedAttention:
     """What the executor needs to drive `xgraph.attention` over a paged KV cache.
 
     Metadata buffers are sized for `max_seqs` sequences (at least the largest bucket, for
-    decode) and `max_blocks_per_seq` block-table columns. Padded tokens write their k/v to
-    `dummy_slot`; padded sequences point at `dummy_block` with seq_len 1.
+    decode) and `max_blocks_per_seq` block-table columns of `block_size` slots. Padded
+    tokens write their k/v to `dummy_slot`; padded sequences point at `dummy_block` with
+    seq_len 1.
     """
 
     max_seqs: int
     max_blocks_per_seq: int
     dummy_slot: int
     dummy_block: int
+    block_size: int
     kv_tensors: Sequence[torch.Tensor] = ()
     decode_runner: AttentionRunner | None = None
     prefill_runner: AttentionRunner | None = None
@@ -65,11 +67,12 @@ class PagedAttention:
     ) -> PagedAttention:
         """From a cache with dummy_slot, dummy_block and tensors() (e.g. PagedKVCache)."""
         return cls(
-            max_seqs,
-            max_blocks_per_seq,
-            cache.dummy_slot,
-            cache.dummy_block,
-            list(cache.tensors()),
+            max_seqs=max_seqs,
+            max_blocks_per_seq=max_blocks_per_seq,
+            dummy_slot=cache.dummy_slot,
+            dummy_block=cache.dummy_block,
+            block_size=cache.block_size,
+            kv_tensors=list(cache.tensors()),
             **kwargs,
         )
 
@@ -708,11 +711,24 @@ class GraphExecutor:
             shape = [s if isinstance(s, int) else sizes[s] for s in spec.shape]
             kwargs[spec.name] = torch.full(shape, spec.fill, dtype=spec.dtype)  # type: ignore[arg-type]
         if self.attention is not None:
-            a = self.attention
-            kwargs["attn"] = AttentionInputs(
-                [1] * n, [1] * n, [[a.dummy_block]] * n, [a.dummy_slot] * n
-            )
+            kwargs["attn"] = self._synthetic_attention(n, decode=self.mode != "piecewise")
         return kwargs
+
+    def _synthetic_attention(self, n: int, decode: bool) -> AttentionInputs:
+        """Attention inputs that touch only the dummy slot and block.
+
+        Decode: n single-token sequences. Piecewise: as few sequences as the block-table
+        width allows (runners planned on the host cost per sequence); their context is the
+        dummy block repeated, every token writes the dummy slot.
+        """
+        a = self.attention
+        assert a is not None
+        if decode:
+            return AttentionInputs([1] * n, [1] * n, [[a.dummy_block]] * n, [a.dummy_slot] * n)
+        per_seq = a.max_blocks_per_seq * a.block_size
+        lens = [per_seq] * (n // per_seq) + ([n % per_seq] if n % per_seq else [])
+        tables = [[a.dummy_block] * -(-q // a.block_size) for q in lens]
+        return AttentionInputs(lens, lens, tables, [a.dummy_slot] * n)
 
     # -- reporting and teardown ------------------------------------------------------------
 

@@ -58,6 +58,34 @@ def pool_segments_bytes(pool_id: tuple[int, int], mempool: Any = None) -> int:
     )
 
 
+_keeper_lock = threading.Lock()
+_keeper_state: dict[torch.device, tuple[torch.cuda.Stream, torch.Tensor]] = {}
+
+
+def _keeper_graph(pool_id: tuple[int, int], device: torch.device) -> torch.cuda.CUDAGraph:
+    """A one-kernel graph captured on the pool, held until close.
+
+    torch's pinned-host allocator keeps its own record of each graph pool and drops it with
+    the pool's last graph; a later capture on the same pool then fails an internal assert
+    and leaves the RNG in capture state. The keeper is that pool's permanent last graph, so
+    a pool can be captured on again after every other graph on it was reset.
+    """
+    with _keeper_lock:
+        state = _keeper_state.get(device)
+        if state is None:
+            with torch.cuda.device(device):
+                state = (torch.cuda.Stream(device), torch.zeros(1, device=device))
+            _keeper_state[device] = state
+    stream, scratch = state
+    g = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        g.capture_begin(pool=pool_id, capture_error_mode="thread_local")
+        scratch.add_(0)  # no allocation: nothing lands in the pool
+        g.capture_end()
+    return g
+
+
 class CUDACapturePool(CapturePool):
     """A torch.cuda.MemPool for captures; `.id` goes to capture_begin, `.segments` to routing."""
 
@@ -76,6 +104,8 @@ class CUDACapturePool(CapturePool):
                 self._mempool = torch.cuda.MemPool(get_allocator())
         self.id: tuple[int, int] = tuple(self._mempool.id)  # type: ignore[assignment]
         self.closed = False
+        self._keeper = _keeper_graph(self.id, device)
+
 
     @property
     def mempool(self) -> Any:
@@ -83,7 +113,7 @@ class CUDACapturePool(CapturePool):
         return self._mempool
 
     def use_count(self) -> int:
-        """torch's use count of the pool: 1 for the MemPool itself, +1 per graph holding it."""
+        """torch's use count of the pool: the MemPool, its keeper, and +1 per graph holding it."""
         return _use_count(self._mempool) if self._mempool is not None else 0
 
     def reserved_bytes(self) -> int:
@@ -98,6 +128,9 @@ class CUDACapturePool(CapturePool):
         if self.closed:
             return
         self.closed = True
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.reset()
         mempool, self._mempool = self._mempool, None
         if _use_count(mempool) > 1:
             logger.warning(

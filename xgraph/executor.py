@@ -12,6 +12,7 @@ to the real size, valid until the next step (`clone=True` copies).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -26,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .attention import AttentionMetadata, InlineRunner, step_context
 from .buckets import Buckets, Dim, Input
+from .buffers import BufferSpec, StagedBuffers
 from .errors import BucketOverflowError, CaptureError, InputError, XGraphError
 from .interfaces import AttentionRunner, Backend, Graph
 from .memory import GraphMemory, Lease
@@ -222,38 +224,31 @@ class GraphExecutor:
     # -- persistent buffers ----------------------------------------------------------------
 
     def _alloc_buffers(self) -> None:
-        dev = self.device
-        self._buf: dict[str, torch.Tensor] = {}
-        for i in self.inputs:
-            shape = [self.dims[s].max if isinstance(s, str) else int(s) for s in i.shape]
-            self._buf[i.name] = torch.full(shape, i.fill, dtype=i.dtype, device=dev)  # type: ignore[arg-type]
+        specs = [
+            BufferSpec(i.name, i.dtype,  # type: ignore[arg-type]
+                       tuple(self.dims[s].max if isinstance(s, str) else int(s) for s in i.shape),
+                       i.fill)
+            for i in self.inputs
+        ]
         a = self.attention
         if a is not None:
             t, s = self.buckets.max, max(a.max_seqs, self.buckets.max)
-            self._meta = {
-                "slot_mapping": torch.full((t,), a.dummy_slot, dtype=torch.int64, device=dev),
-                "seq_lens": torch.ones(s, dtype=torch.int32, device=dev),
-                "query_start_loc": torch.arange(s + 1, dtype=torch.int32, device=dev),
-                "block_tables": torch.full(
-                    (s, a.max_blocks_per_seq), a.dummy_block, dtype=torch.int32, device=dev
-                ),
-            }
+            # block tables last: a step's copy to the device then ends at its used rows
+            specs += [
+                BufferSpec("slot_mapping", torch.int64, (t,), a.dummy_slot),
+                BufferSpec("seq_lens", torch.int32, (s,), 1),
+                BufferSpec("query_start_loc", torch.int32, (s + 1,), 0),
+                BufferSpec("block_tables", torch.int32, (s, a.max_blocks_per_seq),
+                           a.dummy_block),
+            ]
             self._max_seqs = s
+        self._staged = StagedBuffers(specs, self.device)
+        self._buf = {i.name: self._staged[i.name] for i in self.inputs}
 
     def persistent_bytes(self) -> int:
         """Bytes of every persistent buffer (inputs, attention metadata, outputs)."""
-        bufs = list(self._buf.values()) + list(getattr(self, "_meta", {}).values())
-        bufs += self._out_bufs or []
-        return sum(b.numel() * b.element_size() for b in bufs)
-
-    @staticmethod
-    def _write(buf: torch.Tensor, value: torch.Tensor, extent: Sequence[int], fill: float) -> None:
-        """Copy `value` into the prefix of buf[extent]; the rest of buf[extent] gets `fill`."""
-        view = buf[tuple(slice(0, e) for e in extent)]
-        if tuple(value.shape) != tuple(extent):
-            view.fill_(fill)
-            view = view[tuple(slice(0, n) for n in value.shape)]
-        view.copy_(value, non_blocking=True)
+        n = sum(v.numel() * v.element_size() for _, v in self._staged.items())
+        return n + sum(b.numel() * b.element_size() for b in self._out_bufs or [])
 
     # -- validation ------------------------------------------------------------------------
 
@@ -341,10 +336,7 @@ class GraphExecutor:
             raise InputError(f"{self.name}: {n} sequences, above max_seqs={self._max_seqs}.")
         bt = attn.block_tables
         if not isinstance(bt, torch.Tensor):
-            width = max((len(r) for r in bt), default=0)
-            bt = torch.tensor(
-                [list(r) + [a.dummy_block] * (width - len(r)) for r in bt], dtype=torch.int32
-            ).reshape(n, width)
+            bt = _ragged_rows(bt, a.dummy_block)
         if bt.dtype != torch.int32 or bt.dim() != 2 or bt.shape[0] != n:
             raise InputError(
                 f"{self.name}: block_tables must be int32 [num_seqs={n}, width]; "
@@ -458,40 +450,36 @@ class GraphExecutor:
         """Write the step into the persistent buffers; return views padded to the key."""
         assert step.padded is not None
         padded = step.padded
+        st = self._staged
+        st.begin()
         views = {}
         for spec in self.inputs:
             extent = [
                 int(s) if isinstance(s, int) else padded.get(s, self.dims[s].max)
                 for s in spec.shape
             ]
-            buf = self._buf[spec.name]
-            self._write(buf, step.tensors[spec.name], extent, spec.fill)
-            views[spec.name] = buf[tuple(slice(0, e) for e in extent)]
+            views[spec.name] = st.write(spec.name, step.tensors[spec.name], extent)
         md = None
         if step.attn is not None:
             md = self._stage_attention(step, padded[NUM_TOKENS])
+        st.flush()
         return views, md
 
     def _stage_attention(self, step: _Step, tb: int) -> AttentionMetadata:
-        a, h, m = self.attention, step.attn, self._meta
+        a, h, st = self.attention, step.attn, self._staged
         assert a is not None and h is not None
         t, n = step.sizes[NUM_TOKENS], len(h.query_lens)
         full = step.kind == "full"
         b = tb if full else n  # a full graph sees the padded sequence count
         pad = b - n
         ql, sl = h.query_lens + [1] * pad, h.seq_lens + [1] * pad
-        qsl = [0] * (b + 1)
-        for i, q in enumerate(ql):
-            qsl[i + 1] = qsl[i] + q
-        self._write(m["slot_mapping"], h.slot_mapping, (tb,), a.dummy_slot)
-        self._write(m["seq_lens"], torch.tensor(sl, dtype=torch.int32), (b,), 1)
-        self._write(m["query_start_loc"], torch.tensor(qsl, dtype=torch.int32), (b + 1,), 0)
-        self._write(m["block_tables"], h.block_tables, (b, a.max_blocks_per_seq), a.dummy_block)
+        qsl = [0, *itertools.accumulate(ql)]
         return AttentionMetadata(
-            slot_mapping=m["slot_mapping"][:tb],
-            seq_lens=m["seq_lens"][:b],
-            query_start_loc=m["query_start_loc"][: b + 1],
-            block_tables=m["block_tables"][:b],
+            slot_mapping=st.write("slot_mapping", h.slot_mapping, (tb,)),
+            seq_lens=st.write("seq_lens", torch.tensor(sl, dtype=torch.int32), (b,)),
+            query_start_loc=st.write("query_start_loc", torch.tensor(qsl, dtype=torch.int32),
+                                     (b + 1,)),
+            block_tables=st.write("block_tables", h.block_tables, (b, a.max_blocks_per_seq)),
             num_tokens=tb if full else t,
             num_seqs=b,
             query_lens_host=ql,
@@ -768,6 +756,17 @@ class GraphExecutor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _ragged_rows(rows: Sequence[Sequence[int]], fill: int) -> torch.Tensor:
+    """Lists of block ids of different lengths -> int32 [rows, longest], padded with fill."""
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    width = int(lens.max()) if len(rows) else 0
+    out = torch.full((len(rows), width), fill, dtype=torch.int32)
+    if width:
+        flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int32)
+        out[torch.arange(width)[None, :] < lens[:, None]] = flat
+    return out
 
 
 def _progress(items: list[int], desc: str, enabled: bool) -> Iterable[int]:

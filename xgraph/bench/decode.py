@@ -33,12 +33,19 @@ def _host_time(backend: Backend, fn, iters: int) -> float:  # type: ignore[no-un
     return statistics.median(ts)
 
 
+def _static_metadata(w, step) -> AttentionMetadata:  # type: ignore[no-untyped-def]
+    """The step's metadata with block tables as wide as the executor's (the same work)."""
+    dev = w.cache.tensors()[0].device
+    a = step.attn
+    rows = [list(r) + [w.cache.dummy_block] * (w.max_blocks - len(r)) for r in a.block_tables]
+    return AttentionMetadata.build(a.query_lens, a.seq_lens, rows, a.slot_mapping, dev)
+
+
 def _raw_graph(w, step, runner):  # type: ignore[no-untyped-def]
     """The anchor: the forward captured by hand with torch.cuda.graph on static tensors."""
     dev = w.cache.tensors()[0].device
     ids, pos = step.input_ids.to(dev), step.positions.to(dev)
-    a = step.attn
-    md = AttentionMetadata.build(a.query_lens, a.seq_lens, a.block_tables, a.slot_mapping, dev)
+    md = _static_metadata(w, step)
     runner.plan(md)
     pool = torch.cuda.graph_pool_handle()
     side = torch.cuda.Stream()
@@ -70,7 +77,8 @@ def run(
     eager = w.executor(w.model.forward, backend=backend, buckets=batches, mode="eager")
     rows = []
     for b in batches:
-        step = w.decode_step(rng, b, max_context=256 if cuda else 64)
+        step = w.decode_step(rng, b, max_context=256 if cuda else 64).with_tensor_tables(
+            w.max_blocks, w.cache.dummy_block)
         row: dict[str, Any] = {"batch": b}
         row["eager_s"] = timer(lambda step=step: eager(**step.kwargs()), iters)
         row["xgraph_s"] = timer(lambda step=step: ex(**step.kwargs()), iters)

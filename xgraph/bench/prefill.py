@@ -50,7 +50,8 @@ def run(
     rows = []
     for n in sizes:
         for name, (ql, ctx) in compositions(n, rng).items():
-            step = w.prefill_step(rng, ql, ctx)
+            step = w.prefill_step(rng, ql, ctx).with_tensor_tables(w.max_blocks,
+                                                                   w.cache.dummy_block)
             t_eager = timer(lambda step=step: eager(**step.kwargs()), iters)
             t_pw = timer(lambda step=step: pw(**step.kwargs()), iters)
             rows.append(

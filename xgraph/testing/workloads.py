@@ -39,6 +39,14 @@ class Step:
     def kwargs(self) -> dict:
         return {"input_ids": self.input_ids, "positions": self.positions, "attn": self.attn}
 
+    def with_tensor_tables(self, width: int, fill: int) -> Step:
+        """The same step with block tables as one int32 tensor, the way engines keep them."""
+        a = self.attn
+        rows = [list(r) + [fill] * (width - len(r)) for r in a.block_tables]
+        table = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
+        return Step(self.input_ids, self.positions,
+                    AttentionInputs(a.query_lens, a.seq_lens, table, a.slot_mapping))
+
 
 class Workload:
     """A model plus the paging layout its steps use (block tables of `max_blocks` columns)."""

@@ -100,3 +100,31 @@ def test_replay_after_pool_close_is_refused(cpu):
     pool.close()
     with pytest.raises(xgraph.PoolClosedError):
         graph.replay()
+
+
+@pytest.mark.parametrize(
+    "fn, needle",
+    [
+        (lambda t: t[t > 0].sum(), "boolean mask"),
+        (lambda t: t.masked_fill(t > 0, 0).index_put_((t > 1,), torch.tensor(0.0)), "boolean mask"),
+        (lambda t: t.repeat_interleave(torch.tensor([1, 2, 1, 2, 1, 2, 1, 2])), "no output_size"),
+        (lambda t: t.unique(), "torch.unique"),
+        (lambda t: t * bool(t[0] > 0), "bool(t)"),
+    ],
+)
+def test_data_dependent_sizes_and_host_reads_are_refused(cpu, fn, needle):
+    graph, pool = cpu.new_graph(), cpu.new_pool()
+    with pytest.raises(xgraph.CaptureError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        capture(cpu, graph, pool, fn, torch.randn(8))
+    pool.close()
+
+
+def test_fixed_size_alternatives_capture_fine(cpu):
+    """What the model adaptation guide recommends instead: masks and where, fixed sizes."""
+    x = torch.randn(8)
+    graph, pool = cpu.new_graph(), cpu.new_pool()
+    y = capture(cpu, graph, pool, lambda t: torch.where(t > 0, t, 0).sum(), x)
+    x.copy_(torch.randn(8))
+    graph.replay()
+    assert torch.equal(y, torch.where(x > 0, x, 0).sum())
+    pool.close()

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import xgraph
 from xgraph import Buckets, Dim, GraphExecutor, Input
+from xgraph.attention import PagedPrefillRunner
 from xgraph.testing.workloads import TOKEN_INPUTS, Workload
 
 BUCKETS = [1, 2, 4, 8, 16]
@@ -226,3 +227,39 @@ def test_precapture_with_progress_and_stats():
 
 def test_token_inputs_declaration_is_what_the_model_takes():
     assert [i.name for i in TOKEN_INPUTS] == ["input_ids", "positions"]
+
+
+def test_construction_refuses_inconsistent_declarations():
+    w = Workload.tiny(max_blocks=6, max_seqs=24)
+
+    class NotGraphSafe(PagedPrefillRunner):
+        pass
+
+    with pytest.raises(xgraph.XGraphError, match="not graph-safe"):
+        w.executor(backend="cpu", buckets=BUCKETS,
+                   attention=w.attention(decode_runner=NotGraphSafe()))
+    w.executor(backend="cpu", buckets=BUCKETS, mode="piecewise",
+               attention=w.attention(decode_runner=NotGraphSafe())).close()
+    with pytest.raises(xgraph.XGraphError, match="taken by the step call"):
+        GraphExecutor(lambda attn: attn, backend="cpu", buckets=[1, 2],
+                      inputs=[Input("attn", torch.float32, ("num_tokens",))])
+    with pytest.raises(xgraph.XGraphError, match="below its largest padded size 64"):
+        comm_executor_with(Dim("num_comm_tokens", max=32, buckets=[16, 32, 64]))
+
+
+def comm_executor_with(dim):
+    return GraphExecutor(
+        CommModel().forward, backend="cpu", buckets=[1, 2, 4, 8],
+        inputs=[Input("x", torch.float32, ("num_tokens", 8)),
+                Input("comm", torch.float32, (dim.name, 8))], dims=[dim],
+    )
+
+
+def test_capture_failure_warning_points_at_the_callers_line():
+    w = Workload.tiny(max_blocks=6, max_seqs=24)
+    ex = w.executor(item_on_one_path(w), backend="cpu", buckets=BUCKETS)
+    with pytest.warns(xgraph.XGraphWarning) as record:
+        ex(**w.decode_step(random.Random(9), 8).kwargs())
+    assert record[0].filename == __file__
+    assert ("full", 8) in ex.stats()["failed_keys"]
+    ex.close()

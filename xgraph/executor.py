@@ -142,7 +142,8 @@ class GraphExecutor:
         inputs: declared inputs; shapes use "num_tokens" and the names of `dims`.
         backend: a name, a Backend, or None (XGRAPH_BACKEND, else the best available).
         buckets: num_tokens bucket sizes (a list, a Buckets, or an int maximum for the
-            default policy 1, 2, 4, 8, 16, 32, ...); defaults to the policy up to `max_tokens`.
+            default policy 1, 2, 4, 8, then multiples of 16); defaults to the policy up to
+            `max_tokens`.
         dims: further symbolic dims (shape-determining ones carry their own buckets).
         attention: paged-attention settings when the model calls `xgraph.attention`.
         memory: "shared-physical" (default with VMM), "shared-pool", "private", or a shared
@@ -191,11 +192,22 @@ class GraphExecutor:
                 raise XGraphError(f"Dim {d.name!r} is declared twice.")
             if d.pad_like is not None and d.pad_like != NUM_TOKENS:
                 raise XGraphError(f"Dim {d.name!r}: pad_like supports 'num_tokens' only.")
+            biggest = max(d.buckets) if d.buckets else (
+                self.buckets.max if d.pad_like else d.max)
+            if biggest > d.max:
+                raise XGraphError(
+                    f"Dim {d.name!r}: max={d.max} is below its largest padded size {biggest}; "
+                    "its buffers could not hold a padded step. Raise max."
+                )
             self.dims[d.name] = d
         self._dim_buckets = {n: Buckets(d.buckets) for n, d in self.dims.items() if d.in_key}
         self.inputs = list(inputs)
         if len({i.name for i in self.inputs}) != len(self.inputs):
             raise XGraphError("Input names must be unique.")
+        reserved = {"attn", "clone"} & {i.name for i in self.inputs}
+        if reserved:
+            raise XGraphError(f"Input names {sorted(reserved)} are taken by the step call's own "
+                              "arguments (attn=, clone=); rename them.")
         for i in self.inputs:
             for s in i.shape:
                 if isinstance(s, str) and s not in self.dims:
@@ -209,6 +221,12 @@ class GraphExecutor:
             self.decode_runner = attention.decode_runner or runners["decode"]
             self.prefill_runner = attention.prefill_runner or runners["prefill"]
             self._guarded = guarded_storages(attention.kv_tensors)
+            if mode in ("auto", "full") and not self.decode_runner.graph_safe:
+                raise XGraphError(
+                    f"{type(self.decode_runner).__name__} is not graph-safe, so decode cannot "
+                    f"run as a full graph (mode={mode!r}). Pass a graph-safe decode_runner, or "
+                    "use mode='piecewise'."
+                )
         self.memory = GraphMemory.of(self.backend, memory)
         self._owns_memory = not isinstance(memory, GraphMemory)
         self._graphs: dict[tuple, _Entry] = {}
@@ -657,7 +675,7 @@ class GraphExecutor:
             f"{self.name}: capturing {key} failed and was rolled back; this key runs eagerly "
             f"from now on (on_capture_error='eager'). Cause: {reason}"
         )
-        warnings.warn(msg, XGraphWarning, stacklevel=3)
+        warnings.warn(msg, XGraphWarning, stacklevel=4)  # the engine's step call
         logger.warning(msg)
         return self._run_padded(step, views, md, "capture failed")
 
@@ -730,6 +748,7 @@ class GraphExecutor:
             "capture_seconds": s.capture_seconds,
             "hits": {k: e.hits for k, e in self._graphs.items()},
             "eager_keys": dict(self._eager_keys),
+            "failed_keys": dict(s.failed_keys),
             "persistent_bytes": self.persistent_bytes(),
             "graph_bytes": self.memory.graph_bytes(),
             "memory": self.memory.stats(),

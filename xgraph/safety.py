@@ -96,12 +96,12 @@ def check_op(func: Any, args: tuple, kwargs: dict, device: torch.device | None =
     if how is not None:
         _raise(str(func), how)
     kw = _SIZE_KWARG_OPS.get(name)
-    if (
-        kw is not None
-        and kwargs.get(kw) is None
-        and any(isinstance(a, torch.Tensor) for a in args[1:2])
-    ):
+    if kw is not None and kwargs.get(kw) is None and any(isinstance(a, torch.Tensor) for a in args):
         _raise(str(func), f"{name.split('::')[1]} with tensor repeats and no {kw}=")
+    if name in ("aten::index", "aten::index_put", "aten::index_put_") and len(args) > 1:
+        # a boolean mask index makes the result size (or the written count) depend on data
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()):
+            _raise(str(func), "t[mask] / t[mask] = v with a boolean mask (size depends on data)")
     if device is not None and device.type != "cpu" and name in ("aten::_to_copy", "aten::copy_"):
         # a device -> host copy in the middle of a capture is a synchronising host read
         src = args[1] if name == "aten::copy_" else args[0]

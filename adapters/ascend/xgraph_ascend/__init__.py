@@ -1,5 +1,8 @@
-"""xgraph adapter for Ascend NPUs. Importing it registers the backend and loads neither torch_npu
-nor libascendcl; those are imported by the probe (when listing) or the backend (when chosen)."""
+"""xgraph adapter for Ascend NPUs: registration and availability (torch_npu, NPUs present).
+
+Importing it loads neither torch_npu nor libascendcl; the probe does, when backends are
+listed. The NPUGraph / aclrt VMM backend itself is not implemented yet, so the probe never
+reports the backend available (docs/hardware.md)."""
 
 from xgraph.plugins import BackendSpec, hookimpl
 

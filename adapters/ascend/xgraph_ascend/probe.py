@@ -28,6 +28,10 @@ def availability() -> Availability:
         return Availability(
             False, "no NPU is visible (torch.npu.is_available() is False)", versions
         )
+    # registration and discovery only so far: never claim a backend that cannot capture
     return Availability(
-        True, f"{torch.npu.device_count()} x {torch.npu.get_device_name()}", versions
+        False,
+        f"{torch.npu.device_count()} NPU(s) found, but xgraph-ascend's NPUGraph and aclrt "
+        "virtual-memory support are not implemented yet; use another backend",
+        versions,
     )

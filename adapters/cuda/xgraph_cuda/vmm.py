@@ -5,22 +5,20 @@
 - map:     cuMemMap of the whole handle + cuMemSetAccess (read/write for the device);
 - unmap:   cuMemUnmap (the range goes back to being a plain reservation);
 - free / release: cuMemRelease / cuMemAddressFree.
-One handle mapped at two addresses aliases. The contract is checked in Python before any
-driver call, with the same messages as the CPU reference VMM, so a misuse never reaches the
-driver; a driver failure raises VirtualMemoryError carrying the driver's error name.
+One handle mapped at two addresses aliases. CheckedVirtualMemory checks the contract before
+any driver call (the same messages on every backend), so a misuse never reaches the driver;
+a driver failure raises VirtualMemoryError carrying the driver's error name.
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from cuda.bindings import driver as cu
 
 from xgraph.errors import VirtualMemoryError
-from xgraph.interfaces import PhysicalChunk, VirtualMemory
+from xgraph.vmm import CheckedVirtualMemory
 
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 
@@ -71,13 +69,7 @@ def check(call: str, result: tuple, hint: str = "") -> Any:
     return rest[0] if len(rest) == 1 else rest
 
 
-@dataclass(eq=False)
-class _Chunk:
-    chunk: PhysicalChunk
-    mapped_at: set[int] = field(default_factory=set)
-
-
-class CUDAVirtualMemory(VirtualMemory):
+class CUDAVirtualMemory(CheckedVirtualMemory):
     """cuMem VirtualMemory of the backend's device; granularity is the driver's minimum."""
 
     def __init__(self, backend: Any) -> None:
@@ -89,7 +81,6 @@ class CUDAVirtualMemory(VirtualMemory):
         # the primary context is the one the runtime (torch) uses; retaining it creates it if
         # torch has not touched the device yet. Kept for the process's life.
         self._primary = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(dev))
-        self._lock = threading.Lock()
         self._ensure_context()
 
         prop = cu.CUmemAllocationProp()
@@ -102,19 +93,13 @@ class CUDAVirtualMemory(VirtualMemory):
         access.location.id = self.device_index
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = access
-        self.granularity = int(
-            check(
-                "cuMemGetAllocationGranularity",
-                cu.cuMemGetAllocationGranularity(
-                    prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-                ),
-            )
+        granularity = check(
+            "cuMemGetAllocationGranularity",
+            cu.cuMemGetAllocationGranularity(
+                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+            ),
         )
-        self._reservations: dict[int, int] = {}  # start -> size
-        self._mappings: dict[int, _Chunk] = {}  # address -> chunk mapped there
-        self._chunks: dict[int, _Chunk] = {}  # id(PhysicalChunk) -> live chunk
-
-    # -- helpers ---------------------------------------------------------------------------
+        super().__init__(int(granularity))
 
     def _ensure_context(self) -> None:
         """Driver calls need a current context; threads torch never used have none."""
@@ -123,139 +108,45 @@ class CUDAVirtualMemory(VirtualMemory):
             return
         check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._primary))
 
-    def _check_size(self, call: str, size: int) -> None:
-        if size <= 0 or size % self.granularity:
-            raise VirtualMemoryError(
-                call,
-                f"size {size} is not a positive multiple of the granularity {self.granularity}",
-                "Round sizes up to VirtualMemory.granularity.",
+    # -- driver calls (the contract is checked by CheckedVirtualMemory first) ---------------
+
+    def _reserve_range(self, size: int) -> int:
+        self._ensure_context()
+        address = int(check("cuMemAddressReserve", cu.cuMemAddressReserve(size, 0, 0, 0)))
+        if address % self.granularity:
+            # the default alignment was smaller than a chunk: ask for it explicitly
+            check("cuMemAddressFree", cu.cuMemAddressFree(address, size))
+            address = int(
+                check("cuMemAddressReserve", cu.cuMemAddressReserve(size, self.granularity, 0, 0))
             )
-
-    def _reservation_of(self, address: int, size: int) -> int:
-        for start, rsize in self._reservations.items():
-            if start <= address and address + size <= start + rsize:
-                return start
-        raise VirtualMemoryError(
-            "map",
-            f"[{address:#x}, {address + size:#x}) is not inside a reservation",
-            "Map only inside ranges returned by reserve().",
-        )
-
-    def _live(self, call: str, chunk: PhysicalChunk) -> _Chunk:
-        state = self._chunks.get(id(chunk))
-        if state is None or state.chunk is not chunk:
-            raise VirtualMemoryError(call, "chunk was not created here or is already freed")
-        return state
-
-    # -- contract --------------------------------------------------------------------------
-
-    def reserve(self, size: int) -> int:
-        size = int(size)
-        self._check_size("reserve", size)
-        with self._lock:
-            self._ensure_context()
-            address = int(check("cuMemAddressReserve", cu.cuMemAddressReserve(size, 0, 0, 0)))
-            if address % self.granularity:
-                # the default alignment was smaller than a chunk: ask for it explicitly
-                check("cuMemAddressFree", cu.cuMemAddressFree(address, size))
-                address = int(
-                    check(
-                        "cuMemAddressReserve",
-                        cu.cuMemAddressReserve(size, self.granularity, 0, 0),
-                    )
-                )
-            self._reservations[address] = size
         return address
 
-    def release(self, address: int) -> None:
-        address = int(address)
-        with self._lock:
-            size = self._reservations.get(address)
-            if size is None:
-                raise VirtualMemoryError("release", f"{address:#x} is not a reservation's start")
-            inside = [a for a in self._mappings if address <= a < address + size]
-            if inside:
-                raise VirtualMemoryError(
-                    "release",
-                    f"{len(inside)} chunk(s) still mapped in the range",
-                    "unmap() every mapping before release().",
-                )
-            self._ensure_context()
-            check("cuMemAddressFree", cu.cuMemAddressFree(address, size))
-            del self._reservations[address]
+    def _release_range(self, address: int, size: int) -> None:
+        self._ensure_context()
+        check("cuMemAddressFree", cu.cuMemAddressFree(address, size))
 
-    def create(self, size: int) -> PhysicalChunk:
-        size = int(size)
-        self._check_size("create", size)
-        with self._lock:
-            self._ensure_context()
-            handle = check("cuMemCreate", cu.cuMemCreate(size, self._prop, 0))
-            chunk = PhysicalChunk(int(handle), size)
-            self._chunks[id(chunk)] = _Chunk(chunk)
-        return chunk
+    def _create_chunk(self, size: int) -> int:
+        self._ensure_context()
+        return int(check("cuMemCreate", cu.cuMemCreate(size, self._prop, 0)))
 
-    def free(self, chunk: PhysicalChunk) -> None:
-        with self._lock:
-            state = self._live("free", chunk)
-            if state.mapped_at:
-                raise VirtualMemoryError(
-                    "free",
-                    f"chunk still mapped at {len(state.mapped_at)} address(es)",
-                    "unmap() it everywhere first.",
-                )
-            self._ensure_context()
-            check("cuMemRelease", cu.cuMemRelease(chunk.handle))
-            del self._chunks[id(chunk)]
+    def _free_chunk(self, handle: int, size: int) -> None:
+        self._ensure_context()
+        check("cuMemRelease", cu.cuMemRelease(handle))
 
-    def map(self, address: int, chunk: PhysicalChunk) -> None:
-        address = int(address)
-        with self._lock:
-            state = self._live("map", chunk)
-            if address % self.granularity:
-                raise VirtualMemoryError(
-                    "map", f"address {address:#x} is not aligned to {self.granularity}"
-                )
-            self._reservation_of(address, chunk.size)
-            for a, other in self._mappings.items():
-                if a < address + chunk.size and address < a + other.chunk.size:
-                    raise VirtualMemoryError(
-                        "map",
-                        f"[{address:#x}, +{chunk.size}) overlaps the mapping at {a:#x}",
-                        "unmap() it first.",
-                    )
-            self._ensure_context()
-            check("cuMemMap", cu.cuMemMap(address, chunk.size, 0, chunk.handle, 0))
-            try:
-                check("cuMemSetAccess", cu.cuMemSetAccess(address, chunk.size, [self._access], 1))
-            except VirtualMemoryError:
-                cu.cuMemUnmap(address, chunk.size)  # leave no inaccessible mapping behind
-                raise
-            self._mappings[address] = state
-            state.mapped_at.add(address)
+    def _map_chunk(self, address: int, handle: int, size: int) -> None:
+        self._ensure_context()
+        check("cuMemMap", cu.cuMemMap(address, size, 0, handle, 0))
+        try:
+            check("cuMemSetAccess", cu.cuMemSetAccess(address, size, [self._access], 1))
+        except VirtualMemoryError:
+            cu.cuMemUnmap(address, size)  # leave no inaccessible mapping behind
+            raise
 
-    def unmap(self, address: int) -> None:
-        address = int(address)
-        with self._lock:
-            state = self._mappings.get(address)
-            if state is None:
-                raise VirtualMemoryError("unmap", f"nothing is mapped at {address:#x}")
-            self._ensure_context()
-            check("cuMemUnmap", cu.cuMemUnmap(address, state.chunk.size))
-            del self._mappings[address]
-            state.mapped_at.discard(address)
-
-    # -- reporting -------------------------------------------------------------------------
+    def _unmap_chunk(self, address: int, size: int) -> None:
+        self._ensure_context()
+        check("cuMemUnmap", cu.cuMemUnmap(address, size))
 
     def physical_bytes(self) -> int:
         """Bytes of physical memory held in live chunks (what aliases share)."""
         with self._lock:
-            return sum(s.chunk.size for s in self._chunks.values())
-
-    def live(self) -> dict[str, int]:
-        """Counts of live reservations, mappings and chunks (leak checks)."""
-        with self._lock:
-            return {
-                "reservations": len(self._reservations),
-                "mappings": len(self._mappings),
-                "chunks": len(self._chunks),
-            }
+            return sum(c.size for c, _ in self._chunks.values())

@@ -1,0 +1,163 @@
+"""CheckedVirtualMemory: the VirtualMemory contract checked and booked once, for every backend.
+
+Drivers differ in what they verify (aclrt maps only whole handles and unmaps by address,
+cuMem needs the size back, mmap silently replaces overlapping mappings). This base class
+refuses every contract violation with the same VirtualMemoryError before a driver is
+called, keeps the books (reservations, mappings, live chunks), and leaves subclasses the
+six raw driver calls.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import abstractmethod
+from typing import Any
+
+from .errors import VirtualMemoryError
+from .interfaces import PhysicalChunk, VirtualMemory
+
+
+class CheckedVirtualMemory(VirtualMemory):
+    """Implements the contract over six driver calls (`_reserve_range` ... `_unmap_chunk`)."""
+
+    def __init__(self, granularity: int) -> None:
+        self.granularity = int(granularity)
+        self._lock = threading.RLock()
+        self._reservations: dict[int, int] = {}  # start -> size
+        self._mappings: dict[int, PhysicalChunk] = {}  # address -> chunk mapped there
+        self._chunks: dict[int, tuple[PhysicalChunk, set[int]]] = {}  # id -> (chunk, addresses)
+
+    # -- driver calls ----------------------------------------------------------------------
+
+    @abstractmethod
+    def _reserve_range(self, size: int) -> int:
+        """Reserve `size` bytes of address space aligned to the granularity; return its start."""
+
+    @abstractmethod
+    def _release_range(self, address: int, size: int) -> None:
+        """Free the whole reservation at `address`."""
+
+    @abstractmethod
+    def _create_chunk(self, size: int) -> Any:
+        """Allocate physical memory; return the runtime's handle."""
+
+    @abstractmethod
+    def _free_chunk(self, handle: Any, size: int) -> None:
+        """Free an unmapped physical allocation."""
+
+    @abstractmethod
+    def _map_chunk(self, address: int, handle: Any, size: int) -> None:
+        """Map the whole allocation at `address`, readable and writable by the device."""
+
+    @abstractmethod
+    def _unmap_chunk(self, address: int, size: int) -> None:
+        """Remove the mapping at `address`, keeping the reservation."""
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def _check_size(self, call: str, size: int) -> None:
+        if size <= 0 or size % self.granularity:
+            raise VirtualMemoryError(
+                call,
+                f"size {size} is not a positive multiple of the granularity {self.granularity}",
+                "Round sizes up to VirtualMemory.granularity.",
+            )
+
+    def _live(self, call: str, chunk: PhysicalChunk) -> set[int]:
+        entry = self._chunks.get(id(chunk))
+        if entry is None or entry[0] is not chunk:
+            raise VirtualMemoryError(call, "chunk was not created here or is already freed")
+        return entry[1]
+
+    # -- contract --------------------------------------------------------------------------
+
+    def reserve(self, size: int) -> int:
+        size = int(size)
+        self._check_size("reserve", size)
+        with self._lock:
+            address = int(self._reserve_range(size))
+            self._reservations[address] = size
+        return address
+
+    def release(self, address: int) -> None:
+        address = int(address)
+        with self._lock:
+            size = self._reservations.get(address)
+            if size is None:
+                raise VirtualMemoryError("release", f"{address:#x} is not a reservation's start")
+            inside = [a for a in self._mappings if address <= a < address + size]
+            if inside:
+                raise VirtualMemoryError(
+                    "release",
+                    f"{len(inside)} chunk(s) still mapped in the range",
+                    "unmap() every mapping before release().",
+                )
+            self._release_range(address, size)
+            del self._reservations[address]
+
+    def create(self, size: int) -> PhysicalChunk:
+        size = int(size)
+        self._check_size("create", size)
+        with self._lock:
+            chunk = PhysicalChunk(self._create_chunk(size), size)
+            self._chunks[id(chunk)] = (chunk, set())
+        return chunk
+
+    def free(self, chunk: PhysicalChunk) -> None:
+        with self._lock:
+            mapped_at = self._live("free", chunk)
+            if mapped_at:
+                raise VirtualMemoryError(
+                    "free",
+                    f"chunk still mapped at {len(mapped_at)} address(es)",
+                    "unmap() it everywhere first.",
+                )
+            self._free_chunk(chunk.handle, chunk.size)
+            del self._chunks[id(chunk)]
+
+    def map(self, address: int, chunk: PhysicalChunk) -> None:
+        address = int(address)
+        with self._lock:
+            mapped_at = self._live("map", chunk)
+            if address % self.granularity:
+                raise VirtualMemoryError(
+                    "map", f"address {address:#x} is not aligned to {self.granularity}"
+                )
+            end = address + chunk.size
+            if not any(s <= address and end <= s + n for s, n in self._reservations.items()):
+                raise VirtualMemoryError(
+                    "map",
+                    f"[{address:#x}, {end:#x}) is not inside a reservation",
+                    "Map only inside ranges returned by reserve().",
+                )
+            for a, other in self._mappings.items():
+                if a < end and address < a + other.size:
+                    raise VirtualMemoryError(
+                        "map",
+                        f"[{address:#x}, +{chunk.size}) overlaps the mapping at {a:#x}",
+                        "unmap() it first.",
+                    )
+            self._map_chunk(address, chunk.handle, chunk.size)
+            self._mappings[address] = chunk
+            mapped_at.add(address)
+
+    def unmap(self, address: int) -> None:
+        address = int(address)
+        with self._lock:
+            chunk = self._mappings.get(address)
+            if chunk is None:
+                raise VirtualMemoryError("unmap", f"nothing is mapped at {address:#x}")
+            self._unmap_chunk(address, chunk.size)
+            del self._mappings[address]
+            self._chunks[id(chunk)][1].discard(address)
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def live(self) -> dict[str, int]:
+        """Counts of live reservations, mappings and chunks (leak checks)."""
+        with self._lock:
+            return {
+                "reservations": len(self._reservations),
+                "mappings": len(self._mappings),
+                "chunks": len(self._chunks),
+            }

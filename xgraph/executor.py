@@ -231,7 +231,6 @@ class GraphExecutor:
         self._owns_memory = not isinstance(memory, GraphMemory)
         self._graphs: dict[tuple, _Entry] = {}
         self._eager_keys: dict[tuple, str] = {}
-        self._hits: Counter = Counter()
         self._out_bufs: list[torch.Tensor] | None = None
         self._out_spec: Any = None
         self._warned_overflow = False

@@ -105,6 +105,16 @@ def write_json(path: str | None, data: dict[str, Any]) -> None:
             json.dump(data, f, indent=2, default=str)
 
 
+def header(backend: Backend, model: str, w: Workload) -> dict[str, Any]:
+    """What every benchmark's JSON starts with: backend, device, model and dtype."""
+    return {
+        "backend": backend.name,
+        "device": device_name(backend),
+        "model": model,
+        "dtype": str(next(w.model.parameters()).dtype),
+    }
+
+
 def device_name(backend: Backend) -> str:
     if backend.device.type == "cuda":
         return torch.cuda.get_device_name(backend.device)

@@ -19,7 +19,7 @@ import torch
 
 from ..attention import AttentionMetadata, InlineRunner, step_context
 from ..interfaces import Backend
-from .common import Timer, device_name, table, workload
+from .common import Timer, header, table, workload
 
 
 def _host_time(backend: Backend, fn, iters: int) -> float:  # type: ignore[no-untyped-def]
@@ -99,10 +99,7 @@ def run(
     ex.close()
     eager.close()
     return {
-        "backend": backend.name,
-        "device": device_name(backend),
-        "model": model,
-        "dtype": str(next(w.model.parameters()).dtype),
+        **header(backend, model, w),
         "timing": timer.unit,
         "rows": rows,
     }

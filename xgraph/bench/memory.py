@@ -17,7 +17,7 @@ from typing import Any
 from ..buckets import vllm_capture_sizes
 from ..interfaces import Backend
 from ..memory import GraphMemory
-from .common import MiB, device_name, settle, table, workload
+from .common import MiB, header, settle, table, workload
 
 MODES = ("private", "shared-pool", "shared-physical")
 ORDERS = ("largest-first", "ascending", "random")
@@ -93,10 +93,7 @@ def run(
             r["order"] = order
             runs.append(r)
     return {
-        "backend": backend.name,
-        "device": device_name(backend),
-        "model": model,
-        "dtype": str(next(w.model.parameters()).dtype),
+        **header(backend, model, w),
         "buckets": sizes,
         "limit_bytes": limit["graph_bytes"],
         "limit_resident_bytes": limit["resident_bytes"],

@@ -15,7 +15,7 @@ from typing import Any
 from ..buckets import sglang_piecewise_sizes
 from ..interfaces import Backend
 from ..memory import GraphMemory
-from .common import MiB, Timer, device_name, settle, table, workload
+from .common import MiB, Timer, header, settle, table, workload
 
 
 def compositions(n: int, rng: random.Random) -> dict[str, tuple[list[int], list[int]]]:
@@ -97,10 +97,7 @@ def run(
         gm.close()
         settle(backend)
     return {
-        "backend": backend.name,
-        "device": device_name(backend),
-        "model": model,
-        "dtype": str(next(w.model.parameters()).dtype),
+        **header(backend, model, w),
         "timing": timer.unit,
         "steps": rows,
         "piecewise_stats": {"captures": stats["captures"], "replays": stats["replays"]},

@@ -28,7 +28,7 @@ def captured():
     mlp = make_mlp()
     x = torch.zeros(24, 64)
     graph, pool = cpu.new_graph(), cpu.new_pool()
-    y = capture(cpu, graph, pool, mlp, x)
+    y = capture(graph, pool, mlp, x)
     yield mlp, x, y, graph
     graph.reset()
     pool.close()
@@ -59,14 +59,14 @@ def test_item_raises_naming_op_and_line_and_leaves_backend_usable(cpu):
     x = torch.randn(4, 64)
     graph, pool = cpu.new_graph(), cpu.new_pool()
     with pytest.raises(xgraph.CaptureError) as info:
-        capture(cpu, graph, pool, bad_forward, mlp, x)
+        capture(graph, pool, bad_forward, mlp, x)
     msg = str(info.value)
     assert "aten._local_scalar_dense" in msg and "item()" in msg
     assert "test_cpu_graph.py:" in msg and "top = h.abs().max().item()" in msg
     assert not graph.capturing
     assert x.tolist()  # host conversions are restored after the failed capture
     # the same graph object and pool capture a safe forward afterwards
-    y = capture(cpu, graph, pool, mlp, x)
+    y = capture(graph, pool, mlp, x)
     x.normal_()
     graph.replay()
     with torch.no_grad():
@@ -85,7 +85,7 @@ def test_intermediates_live_in_the_pool_and_freed_blocks_are_reused(cpu):
             t = (t * 1.0001).tanh()  # each step frees the previous activation
         return t
 
-    capture(cpu, graph, pool, chain, x)
+    capture(graph, pool, chain, x)
     # 32 activations of 512 KiB were produced; reuse keeps the pool near a few of them
     assert pool.reserved_bytes() <= 4 * 512 * 1024, pool.reserved_bytes()
     graph.replay()
@@ -96,7 +96,7 @@ def test_intermediates_live_in_the_pool_and_freed_blocks_are_reused(cpu):
 def test_replay_after_pool_close_is_refused(cpu):
     pool = cpu.new_pool()
     graph = cpu.new_graph()
-    capture(cpu, graph, pool, lambda t: t * 2, torch.ones(4))
+    capture(graph, pool, lambda t: t * 2, torch.ones(4))
     pool.close()
     with pytest.raises(xgraph.PoolClosedError):
         graph.replay()
@@ -115,7 +115,7 @@ def test_replay_after_pool_close_is_refused(cpu):
 def test_data_dependent_sizes_and_host_reads_are_refused(cpu, fn, needle):
     graph, pool = cpu.new_graph(), cpu.new_pool()
     with pytest.raises(xgraph.CaptureError, match=needle.replace("(", r"\(").replace(")", r"\)")):
-        capture(cpu, graph, pool, fn, torch.randn(8))
+        capture(graph, pool, fn, torch.randn(8))
     pool.close()
 
 
@@ -123,7 +123,7 @@ def test_fixed_size_alternatives_capture_fine(cpu):
     """What the model adaptation guide recommends instead: masks and where, fixed sizes."""
     x = torch.randn(8)
     graph, pool = cpu.new_graph(), cpu.new_pool()
-    y = capture(cpu, graph, pool, lambda t: torch.where(t > 0, t, 0).sum(), x)
+    y = capture(graph, pool, lambda t: torch.where(t > 0, t, 0).sum(), x)
     x.copy_(torch.randn(8))
     graph.replay()
     assert torch.equal(y, torch.where(x > 0, x, 0).sum())

@@ -48,11 +48,11 @@ def test_n_mappings_cost_one_chunk_of_resident_memory(cpu, vm):
     vm16 = HostVirtualMemory(granularity=size)
     chunk = vm16.create(size)
     base = vm16.reserve(n * size)
-    pss0, rss0, phys0 = proportional_resident_bytes(), resident_bytes(), vm16.physical_bytes()
+    pss0, rss0, phys0 = proportional_resident_bytes(), resident_bytes(), vm16.backed_bytes()
     for i in range(n):
         vm16.map(base + i * size, chunk)
         cpu.as_tensor(base + i * size, size).fill_(i + 1)  # touch every page through every alias
-    pss1, rss1, phys1 = proportional_resident_bytes(), resident_bytes(), vm16.physical_bytes()
+    pss1, rss1, phys1 = proportional_resident_bytes(), resident_bytes(), vm16.backed_bytes()
     assert int(cpu.as_tensor(base, size)[-1]) == n  # all N addresses show the last write
     print(
         f"\n{n} mappings of one {size >> 20} MiB chunk: Pss +{(pss1 - pss0) >> 20} MiB, "
@@ -65,7 +65,7 @@ def test_n_mappings_cost_one_chunk_of_resident_memory(cpu, vm):
         vm16.unmap(base + i * size)
     vm16.release(base)
     vm16.free(chunk)
-    assert vm16.physical_bytes() == phys0
+    assert vm16.backed_bytes() == phys0
     assert proportional_resident_bytes() - pss0 < size * 0.25
 
 

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import xgraph
 from xgraph import Buckets, Dim, GraphExecutor, Input
-from xgraph.attention import PagedPrefillRunner
-from xgraph.testing.workloads import TOKEN_INPUTS, Workload
+from xgraph.models import TOKEN_INPUTS, Workload
+from xgraph.runners import PagedPrefillRunner
 
 BUCKETS = [1, 2, 4, 8, 16]
 RTOL = ATOL = 1e-5
@@ -181,7 +181,7 @@ def test_composite_key_separates_equal_token_counts():
 def test_bad_inputs_are_refused_before_anything_is_written():
     _, ex = comm_executor(on_overflow="raise")
     ex(x=torch.randn(2, 8), comm=torch.randn(4, 8))
-    snapshot = {k: v.clone() for k, v in ex._buf.items()}
+    snapshot = {k: v.clone() for k, v in ex.planner.staged.items()}
     bad = [
         (dict(x=torch.randn(2, 8, dtype=torch.float64), comm=torch.randn(4, 8)), "dtype"),
         (dict(x=torch.randn(2, 8, device="meta"), comm=torch.randn(4, 8)), "is on meta"),
@@ -195,7 +195,7 @@ def test_bad_inputs_are_refused_before_anything_is_written():
         assert needle in str(info.value)
     with pytest.raises(xgraph.BucketOverflowError, match="largest bucket 8"):
         ex(x=torch.randn(9, 8), comm=torch.randn(4, 8))
-    for k, v in ex._buf.items():
+    for k, v in ex.planner.staged.items():
         assert torch.equal(v, snapshot[k])
     ex.close()
 

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 import xgraph
 from xgraph import Buckets, default_sizes
-from xgraph.attention import PagedPrefillRunner, attention
-from xgraph.testing.workloads import Workload
+from xgraph.attention import attention
+from xgraph.models import Workload
+from xgraph.runners import PagedPrefillRunner
 
 RTOL = ATOL = 1e-5
 BUCKETS = Buckets(default_sizes(128))

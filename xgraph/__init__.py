@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 
-from .attention import AttentionMetadata, attention, eager_attention
+from .attention import attention, eager_attention
 from .buckets import Buckets, Dim, Input, default_sizes, vllm_capture_sizes
+from .contract import check_backend_class
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
@@ -21,7 +22,9 @@ from .errors import (
     VirtualMemoryError,
     XGraphError,
 )
-from .executor import AttentionInputs, GraphExecutor, PagedAttention, XGraphWarning
+from .executor import GraphExecutor, XGraphWarning
+from .graphs import CheckedGraph, graph
+from .hooks import BackendSpec, hookimpl
 from .interfaces import (
     AttentionRunner,
     Availability,
@@ -33,8 +36,12 @@ from .interfaces import (
     VirtualMemory,
 )
 from .memory import GraphMemory
-from .plugins import BackendInfo, BackendSpec, get_backend, hookimpl, list_backends
+from .metadata import AttentionInputs, AttentionMetadata
+from .options import Fallback, Kind, MemoryMode, Mode
+from .paging import PagedAttention
+from .plugins import BackendInfo, get_backend, list_backends
 from .pool import SharedPhysicalPool
+from .vmm import CheckedVirtualMemory
 
 __version__ = "0.1.0"
 
@@ -54,13 +61,19 @@ __all__ = [
     "Buckets",
     "CaptureError",
     "CapturePool",
+    "CheckedGraph",
+    "CheckedVirtualMemory",
     "Dim",
+    "Fallback",
     "Graph",
     "GraphExecutor",
     "GraphMemory",
     "IncompleteBackendError",
     "Input",
     "InputError",
+    "Kind",
+    "MemoryMode",
+    "Mode",
     "PagedAttention",
     "PhysicalChunk",
     "PoolClosedError",
@@ -72,9 +85,11 @@ __all__ = [
     "XGraphWarning",
     "__version__",
     "attention",
+    "check_backend_class",
     "default_sizes",
     "eager_attention",
     "get_backend",
+    "graph",
     "hookimpl",
     "list_backends",
     "vllm_capture_sizes",

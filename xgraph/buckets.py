@@ -6,7 +6,6 @@ A dim either shapes the launch (it goes into the graph key, bucketed) or is upda
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,16 +57,6 @@ class Buckets:
                 j += 1
             self._table[n] = s[j]
 
-    @classmethod
-    def of(cls, spec: Buckets | Sequence[int] | int | None, default_max: int) -> Buckets:
-        if isinstance(spec, Buckets):
-            return spec
-        if spec is None:
-            return cls(default_sizes(default_max))
-        if isinstance(spec, int):
-            return cls(default_sizes(spec))
-        return cls(spec)
-
     @property
     def max(self) -> int:
         return self.sizes[-1]
@@ -85,9 +74,6 @@ class Buckets:
 
     def __repr__(self) -> str:
         return f"Buckets({self.sizes})"
-
-    def index(self, size: int) -> int:
-        return bisect.bisect_left(self.sizes, size)
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,26 @@
-"""Contracts every backend implements: Backend, Graph, VirtualMemory, CapturePool, AttentionRunner.
+"""Contracts: every duty of a backend adapter, one line each.
 
-They are deliberately small. The conformance suite in `xgraph.testing` is the executable
-form of these contracts; a docstring here states the one-line promise each method makes.
-Core never imports a device runtime: adapters implement these classes in their own packages.
+An adapter writes what is declared abstract here; the core implements the rest once:
+`xgraph.graphs.CheckedGraph` gives a Graph its public methods (state machine, capture-safety
+guard, pool checks) over four driver calls, and `xgraph.vmm.CheckedVirtualMemory` gives a
+VirtualMemory its public methods (checks and books) over seven. `xgraph.contract` checks an
+adapter's classes once, when it is chosen. The conformance suite in `xgraph.testing` is the
+executable form of these contracts. Core never imports a device runtime.
 """
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
-from .errors import IncompleteBackendError
+import torch
 
-if TYPE_CHECKING:
-    import torch
+from .metadata import AttentionMetadata, KVCache
 
-    from .attention import AttentionMetadata
+OpCheck = Callable[[Any, tuple, dict], None]  # (aten op, args, kwargs); raises to refuse the op
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,17 @@ class SegmentAllocator(Protocol):
 class VirtualMemory(ABC):
     """Address ranges and physical chunks of one device; one chunk may be mapped at many addresses.
 
-    Chunk sizes and addresses are multiples of `granularity`. `map` always maps a whole chunk
-    (ACL cannot map part of a handle) and leaves it readable and writable by the device.
-    `unmap` needs only the address (ACL unmaps by address); implementations that need the
-    size keep it. A reservation is released whole, by its start address.
+    Public methods (implemented by CheckedVirtualMemory): `reserve(size) -> address`,
+    `release(address)`, `create(size) -> PhysicalChunk`, `free(chunk)`, `map(address, chunk)`
+    (a whole chunk, read/write), `unmap(address)`, `physical_bytes()`, `live()`. Sizes and
+    addresses are multiples of `granularity`. Adapters subclass CheckedVirtualMemory, set up
+    their runtime in `__init__(backend)`, call `super().__init__(backend)`, and write the
+    driver calls below; the core has checked every argument before it calls them.
     """
 
     granularity: int
+
+    # -- public (CheckedVirtualMemory) -----------------------------------------------------
 
     @abstractmethod
     def reserve(self, size: int) -> int:
@@ -85,29 +91,91 @@ class VirtualMemory(ABC):
     def unmap(self, address: int) -> None:
         """Remove the chunk mapped at `address`; the reservation stays."""
 
+    # -- adapter duties --------------------------------------------------------------------
+
+    @abstractmethod
+    def _granularity(self) -> int:
+        """The runtime's mapping granularity in bytes (asked once, at construction)."""
+
+    @abstractmethod
+    def _reserve_range(self, size: int) -> int:
+        """Reserve `size` bytes of address space aligned to the granularity; return its start."""
+
+    @abstractmethod
+    def _release_range(self, address: int, size: int) -> None:
+        """Free the whole reservation at `address` (nothing is mapped in it any more)."""
+
+    @abstractmethod
+    def _create_chunk(self, size: int) -> Any:
+        """Allocate `size` bytes of physical memory; return the runtime's handle."""
+
+    @abstractmethod
+    def _free_chunk(self, handle: Any, size: int) -> None:
+        """Free a physical allocation that is mapped nowhere."""
+
+    @abstractmethod
+    def _map_chunk(self, address: int, handle: Any, size: int) -> None:
+        """Map the whole allocation at `address`, readable and writable by the device."""
+
+    @abstractmethod
+    def _unmap_chunk(self, address: int, size: int) -> None:
+        """Remove the mapping at `address`, keeping the reservation."""
+
 
 class CapturePool(ABC):
-    """The memory one or more captures allocate from (a backend-native pool)."""
+    """The native memory pool one or more captures allocate from.
+
+    A pool made with `segments` (Backend.new_pool) must take every segment it holds from
+    that SegmentAllocator and give each back through it: this is how the shared-physical
+    pool puts each capture in its own address range.
+    """
+
+    def __init__(self, segments: SegmentAllocator | None = None) -> None:
+        self.segments = segments
+        self.closed = False
 
     @abstractmethod
     def reserved_bytes(self) -> int:
         """Bytes of memory this pool holds now (segments, used or cached)."""
 
     @abstractmethod
+    def _release(self) -> None:
+        """Give back everything the pool holds (called once, by close)."""
+
+    def capturing(self) -> AbstractContextManager[Any]:
+        """Entered around each capture on this pool: route the runtime's segment requests to
+        `segments` where the runtime does not say which pool asks. Default: nothing to route."""
+        return nullcontext()
+
     def close(self) -> None:
         """Give back what the pool holds; graphs captured on it must be reset first."""
+        if self.closed:
+            return
+        self.closed = True
+        self._release()
 
 
 class Graph(ABC):
     """One recorded launch sequence, replayed later on the same addresses.
 
-    Work issued between `capture_begin` and `capture_end` is recorded; tensors it allocates
-    come from the pool and stay valid for the graph's life (until `reset`). Several captures
-    may follow each other on one pool (piecewise graphs). Graphs never replay concurrently.
+    Public methods (implemented by xgraph.graphs.CheckedGraph, which adapters subclass):
+    `capture_begin(pool, op_check=None)`, `capture_end()`, `replay()`, `reset()`, `abort()`,
+    `capturing`, `captured`. Work issued between capture_begin and capture_end is recorded;
+    tensors it allocates come from the pool and stay valid for the graph's life (until
+    reset). Several captures may follow each other on one pool (piecewise graphs). Graphs
+    never replay concurrently. The core checks state and pool before each driver call below
+    and runs the capture-safety guard itself.
     """
 
+    pool_type: ClassVar[type[CapturePool]]  # the pool class this backend's new_pool returns
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    # -- public (CheckedGraph) -------------------------------------------------------------
+
     @abstractmethod
-    def capture_begin(self, pool: CapturePool) -> None:
+    def capture_begin(self, pool: CapturePool, op_check: OpCheck | None = None) -> None:
         """Start recording the work issued from now on; allocations come from `pool`."""
 
     @abstractmethod
@@ -122,18 +190,36 @@ class Graph(ABC):
     def reset(self) -> None:
         """Drop the recording and what it holds; the graph may then be captured again."""
 
-    @property
-    def capturing(self) -> bool:
-        return bool(getattr(self, "_capturing", False))
-
+    @abstractmethod
     def abort(self) -> None:
         """End a failed capture and drop whatever it recorded, whatever state it is in."""
-        if self.capturing:
-            try:
-                self.capture_end()
-            except Exception:  # the capture already failed; its own error is the one to report
-                pass
-        self.reset()
+
+    @property
+    @abstractmethod
+    def capturing(self) -> bool:
+        """Whether a capture is in progress."""
+
+    # -- adapter duties --------------------------------------------------------------------
+
+    @abstractmethod
+    def _begin(self, pool: CapturePool) -> None:
+        """Start recording the work this thread issues; its allocations come from `pool`."""
+
+    @abstractmethod
+    def _end(self) -> None:
+        """Stop recording; raise CaptureError if the runtime refused the capture."""
+
+    @abstractmethod
+    def _replay(self) -> None:
+        """Re-issue the recorded work on the addresses seen at capture."""
+
+    @abstractmethod
+    def _reset(self) -> None:
+        """Drop the recording and whatever a begun or failed capture left; works in any state."""
+
+    def _record_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        """Optional: see every op of a capture after it ran (a host recorder); returns `out`."""
+        return out
 
 
 class AttentionRunner(ABC):
@@ -157,7 +243,7 @@ class AttentionRunner(ABC):
         k: torch.Tensor,
         v: torch.Tensor,
         out: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
         scale: float,
     ) -> None:
         """Store k, v at this step's slots, then write attention of q over the cache into out."""
@@ -166,9 +252,9 @@ class AttentionRunner(ABC):
 class Backend(ABC):
     """One accelerator family: its graphs, its virtual memory and its native capture pools.
 
-    Subclasses set `name`, `priority`, `graph_class` and, where the platform has VMM,
-    `virtual_memory_class`; `check_complete` rejects a backend whose classes leave any
-    abstract method unimplemented.
+    Subclasses set `name`, `priority`, `graph_class` (a CheckedGraph) and, where the
+    platform has VMM, `virtual_memory_class` (a CheckedVirtualMemory); a backend is
+    constructed with no arguments. Methods below the abstract ones have working defaults.
     """
 
     name: ClassVar[str]
@@ -188,7 +274,8 @@ class Backend(ABC):
 
     @abstractmethod
     def new_pool(self, segments: SegmentAllocator | None = None) -> CapturePool:
-        """A fresh native capture pool; with `segments`, every segment it holds comes from there."""
+        """A fresh native capture pool (a `graph_class.pool_type`); with `segments`, every
+        segment it holds comes from there."""
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -198,10 +285,11 @@ class Backend(ABC):
     def as_tensor(self, address: int, nbytes: int) -> torch.Tensor:
         """A uint8 device tensor over `nbytes` at `address` (memory the caller keeps alive)."""
 
-    # Concrete helpers shared by every backend.
+    # -- optional hooks, with defaults -----------------------------------------------------
 
     def new_graph(self) -> Graph:
-        return self.graph_class(self)  # type: ignore[call-arg]
+        """A fresh graph of this backend."""
+        return self.graph_class(self)
 
     def virtual_memory(self) -> VirtualMemory | None:
         """This device's VirtualMemory (one per backend instance), or None without VMM."""
@@ -209,52 +297,39 @@ class Backend(ABC):
             return None
         vm = getattr(self, "_virtual_memory", None)
         if vm is None:
-            vm = self.virtual_memory_class(self)  # type: ignore[call-arg]
-            self._virtual_memory = vm
+            vm = self._virtual_memory = self.virtual_memory_class(self)  # type: ignore[call-arg]
         return vm
 
-    def warmup_context(self) -> AbstractContextManager[None]:
+    def warmup_context(self) -> AbstractContextManager[Any]:
         """Where warm-up runs: on the capture stream, so per-stream lazy allocations (cuBLAS
         workspaces) happen outside every capture pool. Default: nothing to switch."""
         return nullcontext()
 
     def empty_cache(self) -> None:
         """Give cached, unused memory of the default allocator back to the driver."""
-        return None  # the CPU backend's default allocator caches nothing of ours
+        return None
 
     def memory_in_use(self) -> int | None:
         """Bytes of device memory the process holds, as the driver sees it; None if unknown."""
         return None
 
     def attention_runners(self) -> dict[str, AttentionRunner]:
-        """Reference runners: 'decode' (graph-safe) and 'prefill' (planned on the host)."""
-        from .attention import PagedDecodeRunner, PagedPrefillRunner
+        """Faster runners of this device by role ('decode', 'prefill'); the core's reference
+        runners fill in any role left out."""
+        return {}
 
-        return {"decode": PagedDecodeRunner(), "prefill": PagedPrefillRunner()}
+    def device_name(self) -> str:
+        """A human-readable name of the device (benchmark reports)."""
+        return str(self.device)
+
+    def time_on_device(self, fn: Callable[[], Any]) -> float | None:
+        """Seconds the device spent on the work `fn` queues, or None if it cannot time it."""
+        return None
+
+    def native_graph(self, fn: Callable[[], Any]) -> Callable[[], None] | None:
+        """`fn` captured with the runtime's own graph API, bypassing xgraph, as a replay
+        callable: a benchmark anchor. None where the runtime has none of its own."""
+        return None
 
     def __repr__(self) -> str:
         return f"<xgraph backend {self.name!r} on {self.device}>"
-
-    @classmethod
-    def check_complete(cls) -> None:
-        """Raise IncompleteBackendError naming every abstract method the adapter left out."""
-        missing: list[str] = []
-        parts: list[tuple[str, Any]] = [(cls.__name__, cls)]
-        graph_cls = getattr(cls, "graph_class", None)
-        if graph_cls is None:
-            missing.append(f"{cls.__name__}.graph_class")
-        else:
-            parts.append(("graph_class", graph_cls))
-        if cls.virtual_memory_class is not None:
-            parts.append(("virtual_memory_class", cls.virtual_memory_class))
-        if not getattr(cls, "name", None):
-            missing.append(f"{cls.__name__}.name")
-        for _label, klass in parts:
-            if inspect.isabstract(klass):
-                missing += [f"{klass.__name__}.{m}" for m in sorted(klass.__abstractmethods__)]
-        if missing:
-            raise IncompleteBackendError(
-                f"Backend class {cls.__module__}.{cls.__qualname__} is incomplete: it does not "
-                f"implement {', '.join(missing)}. Implement them (see docs/writing-an-adapter.md) "
-                "and run `xgraph conformance --backend NAME` to check the adapter."
-            )

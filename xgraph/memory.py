@@ -17,9 +17,8 @@ from dataclasses import dataclass
 
 from .errors import XGraphError
 from .interfaces import Backend, CapturePool
+from .options import MemoryMode
 from .pool import AddressSpace, SharedPhysicalPool
-
-MODES = ("private", "shared-pool", "shared-physical")
 
 
 @dataclass(eq=False)
@@ -37,23 +36,23 @@ class GraphMemory:
     def __init__(
         self,
         backend: Backend,
-        mode: str | None = None,
+        mode: MemoryMode | str | None = None,
         physical: SharedPhysicalPool | None = None,
         chunk_size: int | None = None,
     ) -> None:
         self.backend = backend
         vm = backend.virtual_memory()
         if mode is None:
-            mode = "shared-physical" if (vm is not None or physical is not None) else "shared-pool"
-        if mode not in MODES:
-            raise XGraphError(f"Unknown memory mode {mode!r}; choose one of {list(MODES)}.")
-        if mode == "shared-physical" and vm is None and physical is None:
+            has_vmm = vm is not None or physical is not None
+            mode = MemoryMode.SHARED_PHYSICAL if has_vmm else MemoryMode.SHARED_POOL
+        mode = MemoryMode.parse(mode, "memory")
+        if mode is MemoryMode.SHARED_PHYSICAL and vm is None and physical is None:
             raise XGraphError(
                 f"Backend {backend.name!r} has no virtual memory, so 'shared-physical' is not "
                 "possible; use memory='shared-pool' or 'private'."
             )
         self.mode = mode
-        self._owns_physical = physical is None and mode == "shared-physical"
+        self._owns_physical = physical is None and mode is MemoryMode.SHARED_PHYSICAL
         self.physical = physical
         if self._owns_physical:
             self.physical = SharedPhysicalPool(vm, chunk_size=chunk_size)  # type: ignore[arg-type]
@@ -62,17 +61,20 @@ class GraphMemory:
         self.closed = False
 
     @classmethod
-    def of(cls, backend: Backend, memory: object) -> GraphMemory:
+    def of(
+        cls, backend: Backend, memory: GraphMemory | SharedPhysicalPool | MemoryMode | str | None
+    ) -> GraphMemory:
         if isinstance(memory, GraphMemory):
             if memory.backend is not backend:
                 raise XGraphError("A GraphMemory is bound to the backend it was created with.")
             return memory
         if isinstance(memory, SharedPhysicalPool):
-            return cls(backend, "shared-physical", physical=memory)
+            return cls(backend, MemoryMode.SHARED_PHYSICAL, physical=memory)
         if memory is None or isinstance(memory, str):
             return cls(backend, memory)
         raise XGraphError(
-            f"memory= takes a mode name {list(MODES)}, a GraphMemory or a SharedPhysicalPool; "
+            f"memory= takes a mode name {[m.value for m in MemoryMode]}, a GraphMemory or a "
+            "SharedPhysicalPool; "
             f"got {type(memory).__name__}."
         )
 
@@ -80,9 +82,9 @@ class GraphMemory:
         """The pool for the next capture (several pieces of one forward share one lease)."""
         if self.closed:
             raise XGraphError("GraphMemory is closed.")
-        if self.mode == "private":
+        if self.mode is MemoryMode.PRIVATE:
             lease = Lease(self.backend.new_pool())
-        elif self.mode == "shared-pool":
+        elif self.mode is MemoryMode.SHARED_POOL:
             if self._shared is None:
                 self._shared = self.backend.new_pool()
                 self._pools.append(self._shared)
@@ -104,14 +106,14 @@ class GraphMemory:
 
     def graph_bytes(self) -> int:
         """Memory held for graphs: physical bytes in shared-physical mode, else pool segments."""
-        if self.mode == "shared-physical":
+        if self.mode is MemoryMode.SHARED_PHYSICAL:
             assert self.physical is not None
             return self.physical.physical_bytes
         return sum(p.reserved_bytes() for p in self._pools)
 
     def stats(self) -> dict[str, object]:
         out: dict[str, object] = {
-            "mode": self.mode,
+            "mode": self.mode.value,
             "graph_bytes": self.graph_bytes(),
             "native_pools": len(self._pools),
         }

@@ -1,25 +1,63 @@
-"""Piecewise graphs: captured pieces with attention runners executed eagerly between them.
+"""Full and piecewise recordings of one forward: what the executor caches per key.
 
-During capture each `xgraph.attention` call ends the current piece (its output is
-allocated in the pool first, inside the piece), records a runner instruction holding q, k,
-v, out and the cache, and begins the next piece on the same pool. The runner does not run
-during capture (on a GPU nothing runs during capture). Replay walks the instruction list:
-piece, runner (planned on this step's metadata), piece, ... Only attention, the part that
-depends on the batch composition, stays outside the graphs, so pieces are keyed by the
-number of tokens alone.
+Full: one graph; attention runs inline inside it (a graph-safe runner, reading every
+per-step value from device buffers).
+
+Piecewise: during capture each `xgraph.attention` call ends the current piece (its output
+is allocated in the pool first, inside the piece), records a runner instruction holding q,
+k, v, out and the cache, and begins the next piece on the same pool. The runner does not
+run during capture (on a GPU nothing runs during capture). Replay walks the instruction
+list: piece, runner (planned on this step's metadata), piece, ... Only attention, the part
+that depends on the batch composition, stays outside the graphs, so pieces are keyed by the
+number of tokens alone. Attention kernels and KV-cache ops inside a piece are refused: they
+would be frozen with the capture step's batch composition.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from .attention import KVCache, block_direct_sdpa, check_no_bypass
-from .errors import XGraphError
+from .attention import InlineRunner, StepContext
+from .errors import CaptureError, XGraphError
 from .interfaces import AttentionRunner, Backend, CapturePool, Graph
+from .metadata import KVCache
+from .safety import ScopedPatch, model_location
+
+
+class FullGraph:
+    """One graph for the whole forward; `context` runs attention inline while it records."""
+
+    def __init__(self, backend: Backend, pool: CapturePool, runner: AttentionRunner | None):
+        self.graph = backend.new_graph()
+        self.pool = pool
+        if runner is not None and not runner.graph_safe:
+            raise XGraphError(
+                f"{type(runner).__name__} is not graph-safe, so it cannot run inside a full "
+                "graph. Use a graph-safe runner for decode, or the piecewise mode."
+            )
+        self.context: StepContext | None = InlineRunner(runner) if runner is not None else None
+
+    def begin(self) -> None:
+        self.graph.capture_begin(self.pool)
+
+    def end(self) -> None:
+        self.graph.capture_end()
+
+    def abort(self) -> None:
+        self.graph.abort()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def reset(self) -> None:
+        self.graph.reset()
+
+    def describe(self) -> list[str]:
+        return ["graph"]
 
 
 @dataclass
@@ -34,90 +72,118 @@ class RunnerCall:
     scale: float
 
 
-class _BypassGuard(TorchDispatchMode):
-    """Inside pieces: refuse attention kernels and any op on a KV cache (see attention.py)."""
+def _bypass_message(what: str) -> str:
+    return (
+        f"Capture failed: {what} ran inside a piecewise graph at {model_location()}. "
+        "Attention must go through `xgraph.attention(q, k, v, kv_cache)` so it runs between "
+        "pieces on each step's metadata; called directly it would be frozen with the batch "
+        "composition of the capture step. Route it through the call site."
+    )
+
+
+def _refuse_sdpa(*args: Any, **kwargs: Any) -> Any:
+    raise CaptureError(_bypass_message("torch.nn.functional.scaled_dot_product_attention"))
+
+
+# SDPA may read host values before its kernel op is dispatched, so the op-level check alone
+# could report a misleading host read instead of the bypass
+_direct_sdpa = ScopedPatch(torch.nn.functional, {"scaled_dot_product_attention": _refuse_sdpa})
+
+
+class _BypassCheck:
+    """The op check of every piece: no attention kernel, no op on a KV cache tensor."""
 
     def __init__(self, guarded: set[int]) -> None:
-        super().__init__()
         self.guarded = guarded
-        self._sdpa = block_direct_sdpa()
 
-    def __enter__(self):  # type: ignore[no-untyped-def]
-        self._sdpa.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):  # type: ignore[no-untyped-def]
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._sdpa.__exit__(None, None, None)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        check_no_bypass(func, args, kwargs, self.guarded)
-        return func(*args, **kwargs)
+    def __call__(self, func: Any, args: tuple, kwargs: dict) -> None:
+        name = func._schema.name
+        if any(k in name for k in ("scaled_dot_product", "flash_attention", "efficient_attention")):
+            raise CaptureError(_bypass_message(f"{func} (an attention kernel)"))
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.guarded:
+                raise CaptureError(_bypass_message(f"{func} on a KV cache tensor"))
 
 
 class PiecewiseGraph:
     """An instruction list of Graph pieces and RunnerCalls, replayed in capture order."""
 
     def __init__(
-        self, backend: Backend, pool: CapturePool, guarded: set[int] | None = None
+        self,
+        backend: Backend,
+        pool: CapturePool,
+        runner: AttentionRunner | None,
+        guarded: set[int] | None = None,
     ) -> None:
         self.backend = backend
         self.pool = pool
+        self.runner = runner
         self.items: list[Graph | RunnerCall] = []
         self._current: Graph | None = None
-        self._guard: _BypassGuard | None = None
-        self._guarded = guarded or set()
+        self._check = _BypassCheck(guarded or set())
+        self._scope: contextlib.ExitStack | None = None
+        self.context: StepContext = self
 
     # -- capture ---------------------------------------------------------------------------
 
-    def begin_piece(self) -> None:
+    def begin(self) -> None:
+        scope = contextlib.ExitStack()
+        scope.enter_context(_direct_sdpa.scope())
+        self._scope = scope
+        self._begin_piece()
+
+    def end(self) -> None:
+        self._end_piece()
+        self._leave_scope()
+
+    def _begin_piece(self) -> None:
         if self._current is not None:
             raise XGraphError("begin_piece: a piece is already being captured.")
         g = self.backend.new_graph()
-        g.capture_begin(self.pool)
+        g.capture_begin(self.pool, op_check=self._check)
         self._current = g
-        self._guard = _BypassGuard(self._guarded)
-        self._guard.__enter__()
 
-    def end_piece(self) -> None:
+    def _end_piece(self) -> None:
         g, self._current = self._current, None
         if g is None:
             raise XGraphError("end_piece: no piece is being captured.")
-        guard, self._guard = self._guard, None
-        if guard is not None:
-            guard.__exit__(None, None, None)
+        self.items.append(g)  # listed first, so reset() drops it even if capture_end fails
         g.capture_end()
-        self.items.append(g)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, scale: float
     ) -> torch.Tensor:
         """The call site during capture: cut the piece, record the runner, go on."""
         out = torch.empty_like(q)  # allocated inside the piece, so it lives in the pool
-        self.end_piece()
+        self._end_piece()
         self.items.append(RunnerCall(q, k, v, out, kv_cache, scale))
-        self.begin_piece()
+        self._begin_piece()
         return out
 
     def abort(self) -> None:
         """Drop a failed capture: end the open piece, reset every piece."""
-        guard, self._guard = self._guard, None
-        if guard is not None:
-            guard.__exit__(None, None, None)
-        g, self._current = self._current, None
-        if g is not None:
-            g.abort()
-        self.reset()
+        try:
+            g, self._current = self._current, None
+            if g is not None:
+                g.abort()
+        finally:
+            self._leave_scope()
+            self.reset()
+
+    def _leave_scope(self) -> None:
+        scope, self._scope = self._scope, None
+        if scope is not None:
+            scope.close()
 
     # -- replay ----------------------------------------------------------------------------
 
-    def replay(self, runner: AttentionRunner) -> None:
-        """Replay pieces in order; `runner` must already be planned for this step."""
+    def replay(self) -> None:
+        """Replay pieces in order; the runner must already be planned for this step."""
+        runner = self.runner
         for item in self.items:
             if isinstance(item, RunnerCall):
+                if runner is None:
+                    raise XGraphError("a piecewise graph with attention calls needs a runner")
                 runner.run(item.q, item.k, item.v, item.out, item.kv_cache, item.scale)
             else:
                 item.replay()
@@ -128,17 +194,10 @@ class PiecewiseGraph:
                 item.reset()
         self.items = []
 
-    @property
-    def num_pieces(self) -> int:
-        return sum(1 for i in self.items if isinstance(i, Graph))
-
-    @property
-    def num_runners(self) -> int:
-        return sum(1 for i in self.items if isinstance(i, RunnerCall))
-
     def describe(self) -> list[str]:
         return ["runner" if isinstance(i, RunnerCall) else "piece" for i in self.items]
 
 
-def guarded_storages(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...] | Any) -> set[int]:
+def guarded_storages(tensors: Any) -> set[int]:
+    """Storage addresses of the KV cache tensors (the bypass check refuses ops on them)."""
     return {t.untyped_storage().data_ptr() for t in tensors or ()}

@@ -1,14 +1,17 @@
-"""Backend discovery: pluggy hookspecs, entry-point loading and backend selection.
+"""Backend discovery and selection: the pluggy host.
 
-An adapter distribution declares an entry point in the group ``xgraph.backends`` pointing
-at a module with an ``xgraph_backends`` hookimpl. That hook returns ``BackendSpec`` objects
-holding *strings* (the backend class path and the availability probe path): nothing
-device-specific is imported until a backend is listed (probe) or chosen (class).
+Plugins are modules marked with `xgraph.hooks.hookimpl`: the built-in CPU backend's
+registration module, registered directly, and every module named by an entry point in the
+group ``xgraph.backends``, loaded by pluggy (one entry point at a time, so a broken plugin
+is reported instead of hiding the others). The host asks them through the hook
+(`pm.hook.xgraph_backends()`), probes a backend when it is listed and imports its class
+only when it is chosen.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import os
 import threading
@@ -18,30 +21,19 @@ from typing import Any
 
 import pluggy
 
+from . import safety
+from .backends.cpu import plugin as cpu_plugin
+from .contract import check_backend_class
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
     IncompleteBackendError,
     XGraphError,
 )
+from .hooks import ENTRY_POINT_GROUP, PROJECT, BackendHookSpecs, BackendSpec
 from .interfaces import Availability, Backend
 
 logger = logging.getLogger("xgraph")
-
-ENTRY_POINT_GROUP = "xgraph.backends"
-hookspec = pluggy.HookspecMarker("xgraph")
-hookimpl = pluggy.HookimplMarker("xgraph")
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """What a plugin registers: a name, a priority and where to find the class and the probe."""
-
-    name: str
-    priority: int
-    backend: str  # "package.module:Class", imported only when the backend is chosen
-    probe: str  # "package.module:function" returning an Availability; must be cheap
-    distribution: str | None = None  # for `xgraph info` versions
 
 
 @dataclass
@@ -55,12 +47,6 @@ class BackendInfo:
     versions: dict[str, str] = field(default_factory=dict)
     spec: BackendSpec | None = None
     plugin: str = ""
-
-
-class BackendHookSpecs:
-    @hookspec
-    def xgraph_backends(self) -> list[BackendSpec]:  # type: ignore[empty-body]
-        """Return the backends this plugin provides."""
 
 
 def _import_object(path: str) -> Any:
@@ -77,7 +63,7 @@ class Registry:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._pm: pluggy.PluginManager | None = None
-        self._specs: dict[str, tuple[BackendSpec, str]] | None = None
+        self._specs: dict[str, BackendSpec] | None = None
         self._broken: list[BackendInfo] = []
         self._probes: dict[str, Availability] = {}
         self._instances: dict[str, Backend] = {}
@@ -87,11 +73,9 @@ class Registry:
     def plugin_manager(self) -> pluggy.PluginManager:
         with self._lock:
             if self._pm is None:
-                pm = pluggy.PluginManager("xgraph")
+                pm = pluggy.PluginManager(PROJECT)
                 pm.add_hookspecs(BackendHookSpecs)
-                from .backends.cpu import plugin as cpu_plugin
-
-                pm.register(cpu_plugin, name="xgraph.cpu")
+                pm.register(cpu_plugin, name="xgraph.cpu")  # built in, a plugin like any other
                 if os.environ.get("XGRAPH_DISABLE_PLUGIN_AUTOLOAD", "") not in ("1", "true"):
                     self._load_entry_points(pm)
                 self._pm = pm
@@ -99,10 +83,8 @@ class Registry:
 
     def _load_entry_points(self, pm: pluggy.PluginManager) -> None:
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if pm.get_plugin(ep.name) is not None:
-                continue
             try:
-                plugin = ep.load()
+                pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
             except Exception as exc:  # a broken plugin must not take the others down
                 dist = getattr(getattr(ep, "dist", None), "name", "?")
                 logger.warning("xgraph plugin %r (%s) failed to load: %s", ep.name, dist, exc)
@@ -111,8 +93,6 @@ class Registry:
                         ep.name, -1, False, f"plugin failed to import: {exc!r}", plugin=dist
                     )
                 )
-                continue
-            pm.register(plugin, name=ep.name)
 
     def register(self, plugin: object, name: str | None = None) -> None:
         """Register a plugin object by hand (tests, embedded adapters)."""
@@ -121,22 +101,20 @@ class Registry:
             self._specs = None
             self._probes.clear()
 
-    def specs(self) -> dict[str, tuple[BackendSpec, str]]:
+    def specs(self) -> dict[str, BackendSpec]:
         with self._lock:
             if self._specs is None:
-                pm = self.plugin_manager()
-                specs: dict[str, tuple[BackendSpec, str]] = {}
-                for impl in reversed(pm.hook.xgraph_backends.get_hookimpls()):
-                    for spec in impl.function() or []:
-                        if spec.name in specs:
-                            logger.warning(
-                                "backend %r registered by both %s and %s; keeping the first",
-                                spec.name,
-                                specs[spec.name][1],
-                                impl.plugin_name,
-                            )
-                            continue
-                        specs[spec.name] = (spec, impl.plugin_name)
+                results = self.plugin_manager().hook.xgraph_backends()
+                specs: dict[str, BackendSpec] = {}
+                # pluggy answers last-registered first; the first registration of a name wins
+                for spec in itertools.chain.from_iterable(reversed(results)):
+                    if spec.name in specs:
+                        logger.warning(
+                            "backend %r is registered twice (by %s and %s); keeping the first",
+                            spec.name, specs[spec.name].distribution, spec.distribution,
+                        )  # fmt: skip
+                        continue
+                    specs[spec.name] = spec
                 self._specs = specs
             return self._specs
 
@@ -145,7 +123,7 @@ class Registry:
     def probe(self, name: str, refresh: bool = False, check_class: bool = True) -> Availability:
         """The plugin's own probe; with `check_class`, an available backend whose class does
         not load or is incomplete is reported unavailable with that reason."""
-        spec, _ = self.specs()[name]
+        spec = self.specs()[name]
         if refresh or name not in self._probes:
             try:
                 avail = _import_object(spec.probe)()
@@ -162,9 +140,14 @@ class Registry:
                 return Availability(False, str(exc), avail.versions)
         return avail
 
-    def list(self, refresh: bool = False) -> list[BackendInfo]:
+    def list(self, refresh: bool = False, hidden: bool = False) -> list[BackendInfo]:
+        """Registered backends; `hidden` ones (test, simulation) only when asked for, or
+        once selected (by name, XGRAPH_BACKEND or an earlier get)."""
         out = []
-        for name, (spec, plugin) in self.specs().items():
+        selected = {*self._instances, os.environ.get("XGRAPH_BACKEND", "").strip()}
+        for name, spec in self.specs().items():
+            if spec.hidden and not hidden and name not in selected:
+                continue
             avail = self.probe(name, refresh)
             versions = dict(avail.versions)
             if spec.distribution and spec.distribution not in versions:
@@ -174,7 +157,13 @@ class Registry:
                     pass
             out.append(
                 BackendInfo(
-                    name, spec.priority, avail.available, avail.reason, versions, spec, plugin
+                    name,
+                    spec.priority,
+                    avail.available,
+                    avail.reason,
+                    versions,
+                    spec,
+                    spec.distribution or "",
                 )
             )
         out += self._broken
@@ -199,7 +188,11 @@ class Registry:
                 f"Backend {spec.name!r}: {spec.backend} is not a subclass of xgraph.Backend. "
                 "Adapters subclass xgraph.Backend (see docs/writing-an-adapter.md)."
             )
-        cls.check_complete()
+        check_backend_class(cls)
+        # frames of the adapter's package are library code: CaptureError names the model line
+        package = importlib.import_module(cls.__module__.split(".")[0])
+        if getattr(package, "__file__", None):
+            safety.register_library_path(os.path.dirname(os.path.abspath(package.__file__)))
         return cls
 
     def get(self, name: str | None = None) -> Backend:
@@ -208,7 +201,8 @@ class Registry:
             if name is None and os.environ.get("XGRAPH_BACKEND"):
                 name, source = os.environ["XGRAPH_BACKEND"].strip(), "XGRAPH_BACKEND"
             if name is None:
-                avail = [b for b in self.list() if b.available]
+                # hidden backends (tests, simulators) are only ever chosen by name
+                avail = [b for b in self.list() if b.available and not _hidden(b)]
                 if not avail:  # cpu is always registered, so this means cpu itself is broken
                     raise BackendUnavailableError(
                         "No xgraph backend is available. Run `xgraph info` to see why."
@@ -224,7 +218,7 @@ class Registry:
                     f"Set XGRAPH_BACKEND to one of the available names, or install the adapter "
                     f"that provides {name!r} (for example `pip install xgraph-{name}`)."
                 )
-            spec = specs[name][0]
+            spec = specs[name]
             avail = self.probe(name, check_class=False)
             if not avail.available:
                 raise BackendUnavailableError(
@@ -248,6 +242,10 @@ class Registry:
             self._instances.clear()
 
 
+def _hidden(info: BackendInfo) -> bool:
+    return info.spec is not None and info.spec.hidden
+
+
 registry = Registry()
 
 
@@ -261,6 +259,7 @@ def get_backend(name: str | Backend | None = None) -> Backend:
     return registry.get(name)
 
 
-def list_backends(refresh: bool = False) -> list[BackendInfo]:
-    """Every registered backend, highest priority first, with availability and reason."""
-    return registry.list(refresh)
+def list_backends(refresh: bool = False, hidden: bool = False) -> list[BackendInfo]:
+    """Registered backends, highest priority first, with availability and reason; test and
+    simulation backends only with `hidden=True`."""
+    return registry.list(refresh, hidden)

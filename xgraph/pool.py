@@ -44,7 +44,6 @@ class AddressSpace:
             return self.pool._alloc(self, nbytes)
         except XGraphError as exc:  # allocator callbacks must not raise into the runtime
             logger.error("shared-physical pool: allocation of %d bytes failed: %s", nbytes, exc)
-            self.pool.last_error = exc
             return 0
 
     def free(self, address: int, nbytes: int) -> None:
@@ -75,7 +74,6 @@ class SharedPhysicalPool:
         self.high_water = 0  # bytes: the largest cursor any space reached
         self.map_calls = 0
         self.closed = False
-        self.last_error: Exception | None = None
 
     # -- spaces ----------------------------------------------------------------------------
 

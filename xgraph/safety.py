@@ -13,7 +13,7 @@ import linecache
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,12 +39,11 @@ HOST_READ_OPS = {k: v for k, v in HOST_READ_OPS.items() if v}
 # ops whose output size depends on data unless the caller passes it
 _SIZE_KWARG_OPS = {"aten::repeat_interleave": "output_size"}
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_XGRAPH_DIR = os.path.dirname(os.path.abspath(__file__))
-_USER_DIRS_IN_XGRAPH = tuple(os.path.join(_XGRAPH_DIR, d) for d in ("models", "testing"))
-
-
-_LIBRARY_DIRS: list[str] = [_TORCH_DIR]
+_LIBRARY_DIRS: list[str] = [
+    os.path.dirname(torch.__file__),
+    os.path.dirname(os.path.abspath(__file__)),
+]
+_MODEL_DIRS: list[str] = []  # inside library dirs, but model code (xgraph.models, testing)
 
 
 def register_library_path(path: str) -> None:
@@ -54,11 +53,18 @@ def register_library_path(path: str) -> None:
         _LIBRARY_DIRS.append(path)
 
 
+def register_model_path(path: str) -> None:
+    """Treat frames under `path` as model code even inside a library dir (reference models)."""
+    path = os.path.abspath(path)
+    if path not in _MODEL_DIRS:
+        _MODEL_DIRS.append(path)
+
+
 def _is_library_frame(filename: str) -> bool:
+    if filename.startswith(tuple(_MODEL_DIRS)):
+        return False
     if filename.startswith(tuple(_LIBRARY_DIRS)):
         return True
-    if filename.startswith(_XGRAPH_DIR):
-        return not filename.startswith(_USER_DIRS_IN_XGRAPH)
     return filename.startswith("<frozen") or filename.endswith(("contextlib.py", "weakref.py"))
 
 
@@ -114,34 +120,75 @@ def check_op(func: Any, args: tuple, kwargs: dict, device: torch.device | None =
             _raise(str(func), "Tensor.cpu() / .to('cpu') / .numpy() of a device tensor")
 
 
-_patch_lock = threading.Lock()
-_patch_depth = 0
-_saved: dict[str, Any] = {}
+class ScopedPatch:
+    """Attributes of `owner` replaced while any thread is inside `scope()`.
+
+    The replacement acts only in threads inside a scope; every other thread gets the
+    original, so a capture in one thread never disturbs a tokenizer or a scheduler in
+    another. Installed when the first scope opens, removed when the last one closes.
+    """
+
+    def __init__(self, owner: Any, blocked: dict[str, Callable[..., Any]]) -> None:
+        self.owner = owner
+        self.blocked = blocked
+        self._lock = threading.Lock()
+        self._scopes = 0
+        self._saved: dict[str, Any] = {}
+        self._local = threading.local()
+
+    def _wrapper(self, name: str, original: Any) -> Callable[..., Any]:
+        blocked, local = self.blocked[name], self._local
+
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            if getattr(local, "depth", 0):
+                return blocked(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        return patched
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        with self._lock:
+            if self._scopes == 0:
+                for name in self.blocked:
+                    self._saved[name] = getattr(self.owner, name)
+                    setattr(self.owner, name, self._wrapper(name, self._saved[name]))
+            self._scopes += 1
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+            with self._lock:
+                self._scopes -= 1
+                if self._scopes == 0:
+                    for name, fn in self._saved.items():
+                        setattr(self.owner, name, fn)
+                    self._saved.clear()
+
+    def active_here(self) -> bool:
+        """Whether this thread is inside a scope."""
+        return bool(getattr(self._local, "depth", 0))
 
 
-def _host_conversion(name: str):
+def _host_conversion(name: str) -> Callable[..., Any]:
     def blocked(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         _raise(f"Tensor.{name}", f"Tensor.{name}() copies tensor data to the host")
 
     return blocked
 
 
-@contextlib.contextmanager
-def block_host_conversions() -> Iterator[None]:
-    """Make Tensor.tolist / numpy / __array__ raise CaptureError (they bypass torch dispatch)."""
-    global _patch_depth
-    with _patch_lock:
-        if _patch_depth == 0:
-            for name in ("tolist", "numpy", "__array__"):
-                _saved[name] = getattr(torch.Tensor, name)
-                setattr(torch.Tensor, name, _host_conversion(name))
-        _patch_depth += 1
-    try:
-        yield
-    finally:
-        with _patch_lock:
-            _patch_depth -= 1
-            if _patch_depth == 0:
-                for name, fn in _saved.items():
-                    setattr(torch.Tensor, name, fn)
-                _saved.clear()
+_host_conversions = ScopedPatch(
+    torch.Tensor, {n: _host_conversion(n) for n in ("tolist", "numpy", "__array__")}
+)
+
+
+def block_host_conversions() -> contextlib.AbstractContextManager[None]:
+    """In this thread, make Tensor.tolist / numpy / __array__ raise CaptureError (they bypass
+    torch dispatch); other threads keep the originals."""
+    return _host_conversions.scope()
+
+
+def host_conversions_blocked() -> bool:
+    """Whether this thread is inside a capture guard (tests, diagnostics)."""
+    return _host_conversions.active_here()

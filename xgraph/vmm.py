@@ -4,54 +4,33 @@ Drivers differ in what they verify (aclrt maps only whole handles and unmaps by 
 cuMem needs the size back, mmap silently replaces overlapping mappings). This base class
 refuses every contract violation with the same VirtualMemoryError before a driver is
 called, keeps the books (reservations, mappings, live chunks), and leaves subclasses the
-six raw driver calls.
+driver calls declared in `xgraph.interfaces.VirtualMemory` (granularity and six calls).
 """
 
 from __future__ import annotations
 
 import threading
-from abc import abstractmethod
-from typing import Any
 
 from .errors import VirtualMemoryError
-from .interfaces import PhysicalChunk, VirtualMemory
+from .interfaces import Backend, PhysicalChunk, VirtualMemory
 
 
 class CheckedVirtualMemory(VirtualMemory):
-    """Implements the contract over six driver calls (`_reserve_range` ... `_unmap_chunk`)."""
+    """Implements the public contract over the driver calls (`_granularity` ... `_unmap_chunk`).
 
-    def __init__(self, granularity: int) -> None:
-        self.granularity = int(granularity)
+    Subclasses set up their runtime, then call `super().__init__(backend)`, which asks the
+    driver for its granularity once.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.granularity = int(self._granularity())
+        if self.granularity <= 0:
+            raise VirtualMemoryError("granularity", f"the driver reported {self.granularity}")
         self._lock = threading.RLock()
         self._reservations: dict[int, int] = {}  # start -> size
         self._mappings: dict[int, PhysicalChunk] = {}  # address -> chunk mapped there
         self._chunks: dict[int, tuple[PhysicalChunk, set[int]]] = {}  # id -> (chunk, addresses)
-
-    # -- driver calls ----------------------------------------------------------------------
-
-    @abstractmethod
-    def _reserve_range(self, size: int) -> int:
-        """Reserve `size` bytes of address space aligned to the granularity; return its start."""
-
-    @abstractmethod
-    def _release_range(self, address: int, size: int) -> None:
-        """Free the whole reservation at `address`."""
-
-    @abstractmethod
-    def _create_chunk(self, size: int) -> Any:
-        """Allocate physical memory; return the runtime's handle."""
-
-    @abstractmethod
-    def _free_chunk(self, handle: Any, size: int) -> None:
-        """Free an unmapped physical allocation."""
-
-    @abstractmethod
-    def _map_chunk(self, address: int, handle: Any, size: int) -> None:
-        """Map the whole allocation at `address`, readable and writable by the device."""
-
-    @abstractmethod
-    def _unmap_chunk(self, address: int, size: int) -> None:
-        """Remove the mapping at `address`, keeping the reservation."""
 
     # -- checks ----------------------------------------------------------------------------
 
@@ -152,6 +131,11 @@ class CheckedVirtualMemory(VirtualMemory):
             self._chunks[id(chunk)][1].discard(address)
 
     # -- reporting -------------------------------------------------------------------------
+
+    def physical_bytes(self) -> int:
+        """Bytes of physical memory in live chunks (what aliases share), by the books."""
+        with self._lock:
+            return sum(c.size for c, _ in self._chunks.values())
 
     def live(self) -> dict[str, int]:
         """Counts of live reservations, mappings and chunks (leak checks)."""

@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 from ..interfaces import Backend
-from ..models import Qwen3Model
-from ..testing.workloads import Workload
+from ..models import Qwen3Model, Workload
 
 MiB = 1 << 20
 

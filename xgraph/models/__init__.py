@@ -1,5 +1,15 @@
-"""Reference workloads: a Qwen3-style decoder with a paged KV cache."""
+"""Reference workloads: a Qwen3-style decoder with a paged KV cache, and step generators.
 
+Frames of this package are model code: a host read inside these forwards is reported at
+its line here, as it would be in an engine's own model.
+"""
+
+import os
+
+from ..safety import register_model_path
 from .qwen3 import PagedKVCache, Qwen3Config, Qwen3Model
+from .workload import TOKEN_INPUTS, Step, Workload
 
-__all__ = ["PagedKVCache", "Qwen3Config", "Qwen3Model"]
+register_model_path(os.path.dirname(os.path.abspath(__file__)))
+
+__all__ = ["TOKEN_INPUTS", "PagedKVCache", "Qwen3Config", "Qwen3Model", "Step", "Workload"]

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..attention import KVCache, attention
+from ..attention import attention
+from ..metadata import KVCache
 
 
 @dataclass(frozen=True)
@@ -300,7 +301,3 @@ class Qwen3Model(nn.Module):
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """forward followed by the LM head, as one capturable callable."""
         return self.compute_logits(self.forward(input_ids, positions))
-
-    def describe(self) -> dict:
-        n = sum(p.numel() for p in self.parameters())
-        return {**asdict(self.config), "parameters": n}

@@ -4,19 +4,23 @@ from xgraph.testing import ConformanceSuite
 
 class TestMyBackend(ConformanceSuite):
     backend_name = "mybackend"
+
+Frames of this package are model code: the suite's own forwards are reported at their lines.
 """
 
-from .suite import (
-    BackendTests,
-    ConformanceSuite,
-    ExecutorTests,
-    GraphTests,
-    PiecewiseTests,
-    PluginTests,
-    PoolTests,
-    VirtualMemoryTests,
-    capture,
-)
+import os
+
+from ..safety import register_model_path
+from .base import BackendTests, capture, small_mlp
+from .discovery import PluginTests
+from .executor import ExecutorTests
+from .graph import GraphTests
+from .piecewise import PiecewiseTests
+from .pool import PoolTests
+from .suite import ConformanceSuite
+from .vmm import VirtualMemoryTests
+
+register_model_path(os.path.dirname(os.path.abspath(__file__)))
 
 __all__ = [
     "BackendTests",
@@ -28,4 +32,5 @@ __all__ = [
     "PoolTests",
     "VirtualMemoryTests",
     "capture",
+    "small_mlp",
 ]

@@ -4,7 +4,7 @@ Importing it loads neither torch_npu nor libascendcl; the probe does, when backe
 listed. The NPUGraph / aclrt VMM backend itself is not implemented yet, so the probe never
 reports the backend available (docs/hardware.md)."""
 
-from xgraph.plugins import BackendSpec, hookimpl
+from xgraph.hooks import BackendSpec, hookimpl
 
 
 @hookimpl

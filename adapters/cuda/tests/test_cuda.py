@@ -117,7 +117,7 @@ def test_driver_failure_carries_the_driver_error_name(backend) -> None:  # type:
 
 def _paged_case(device: torch.device, seed: int = 0):  # type: ignore[no-untyped-def]
     """A random paged cache and a 3-sequence step (prefill, chunked prefill, decode-like)."""
-    from xgraph.attention import AttentionMetadata
+    from xgraph.metadata import AttentionMetadata
 
     g = torch.Generator().manual_seed(seed)
     num_blocks, bs, hkv, hq, d = 40, 4, 2, 4, 16
@@ -143,7 +143,7 @@ def _paged_case(device: torch.device, seed: int = 0):  # type: ignore[no-untyped
 def test_sdpa_prefill_runner_matches_the_reference(device: str) -> None:
     from xgraph_cuda.attention import SDPAPrefillRunner
 
-    from xgraph.attention import PagedPrefillRunner
+    from xgraph.runners import PagedPrefillRunner
 
     dev = torch.device(device)
     md, q, k, v, cache = _paged_case(dev)

@@ -1,7 +1,7 @@
 """xgraph adapter for NVIDIA GPUs. Importing it registers the backend and loads no CUDA library;
 the backend class (`xgraph_cuda.backend`) is imported only when the backend is chosen."""
 
-from xgraph.plugins import BackendSpec, hookimpl
+from xgraph.hooks import BackendSpec, hookimpl
 
 
 @hookimpl

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from xgraph.attention import AttentionMetadata
 from xgraph.errors import XGraphError
 from xgraph.interfaces import AttentionRunner
+from xgraph.metadata import AttentionMetadata
 
 # SDPA broadcasts kv heads over query heads itself from torch 2.5 on
 _HAS_GQA = torch.__version__ >= "2.5"

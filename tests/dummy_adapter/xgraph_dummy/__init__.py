@@ -5,7 +5,7 @@ classes, so it must pass the conformance suite. It reports itself available only
 XGRAPH_DUMMY_BACKEND=1, so installing it does not change which backend others get.
 """
 
-from xgraph.plugins import BackendSpec, hookimpl
+from xgraph.hooks import BackendSpec, hookimpl
 
 
 @hookimpl
@@ -17,5 +17,6 @@ def xgraph_backends() -> list[BackendSpec]:
             backend="xgraph_dummy.backend:DummyBackend",
             probe="xgraph_dummy.backend:probe",
             distribution="xgraph-dummy",
+            hidden=True,  # a test adapter: `xgraph info --all` lists it
         )
     ]

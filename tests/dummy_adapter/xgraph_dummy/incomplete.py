@@ -1,21 +1,21 @@
-"""An adapter whose graph class forgets `reset`: xgraph must refuse it with a clear error."""
+"""An adapter whose graph forgets `_reset` and whose backend forgets `as_tensor`: refused."""
 
 from __future__ import annotations
 
 import torch
 
-from xgraph.interfaces import Availability, Backend, CapturePool, Graph
-from xgraph.plugins import BackendSpec, hookimpl
+from xgraph import Availability, Backend, CapturePool, CheckedGraph
+from xgraph.hooks import BackendSpec, hookimpl
 
 
-class HalfGraph(Graph):
-    def capture_begin(self, pool: CapturePool) -> None: ...
+class HalfGraph(CheckedGraph):
+    def _begin(self, pool: CapturePool) -> None: ...
 
-    def capture_end(self) -> None: ...
+    def _end(self) -> None: ...
 
-    def replay(self) -> None: ...
+    def _replay(self) -> None: ...
 
-    # reset() is missing
+    # _reset() is missing, and so is pool_type
 
 
 class IncompleteBackend(Backend):
@@ -48,5 +48,6 @@ def xgraph_backends() -> list[BackendSpec]:
             backend="xgraph_dummy.incomplete:IncompleteBackend",
             probe="xgraph_dummy.incomplete:IncompleteBackend.availability",
             distribution="xgraph-dummy",
+            hidden=True,
         )
     ]

@@ -3,6 +3,14 @@
 from .backend import CPUBackend
 from .graph import CPUGraph
 from .pool import HostCachingPool
+from .tape import OpTape, host_tensor
 from .vmm import HostVirtualMemory
 
-__all__ = ["CPUBackend", "CPUGraph", "HostCachingPool", "HostVirtualMemory"]
+__all__ = [
+    "CPUBackend",
+    "CPUGraph",
+    "HostCachingPool",
+    "HostVirtualMemory",
+    "OpTape",
+    "host_tensor",
+]

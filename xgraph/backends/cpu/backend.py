@@ -9,8 +9,9 @@ import torch
 
 from ...errors import XGraphError
 from ...interfaces import Availability, Backend, CapturePool, SegmentAllocator
-from .graph import CPUGraph, host_tensor
+from .graph import CPUGraph
 from .pool import HostCachingPool
+from .tape import host_tensor
 from .vmm import HostVirtualMemory, proportional_resident_bytes
 
 
@@ -39,7 +40,7 @@ class CPUBackend(Backend):
         vm = self.virtual_memory()
         if vm is None:
             raise XGraphError("CPU capture pools need memfd_create (Linux); this OS has none.")
-        return HostCachingPool(vm, segments)  # type: ignore[arg-type]
+        return HostCachingPool(vm, segments)  # type: ignore[arg-type]  # ours: a HostVirtualMemory
 
     def synchronize(self) -> None:
         """CPU ops complete before they return: nothing is queued."""
@@ -49,3 +50,6 @@ class CPUBackend(Backend):
 
     def memory_in_use(self) -> int | None:
         return proportional_resident_bytes() or None
+
+    def device_name(self) -> str:
+        return f"{platform.processor() or platform.machine()} (CPU)"

@@ -1,245 +1,36 @@
-"""The CPU reference graph: a tape of the aten ops a capture actually ran.
-
-Capture runs the forward under a TorchDispatchMode. Every op is checked for host reads
-(`xgraph.safety`), executed, and recorded with its tensors. Fresh outputs are moved into
-blocks of the capture pool, so intermediates live in pool memory exactly as on a GPU, and
-blocks freed during the capture are reused by later ops of it. The tape keeps pool tensors
-as (address, layout) records rather than objects, so freeing works; at capture_end the
-records become tensors over the same addresses. Replay re-executes each op on the recorded
-tensors and writes its result into the recorded output: results follow new input values
-while the op sequence and every address stay fixed. Python control flow, host scalars and
-host reads are frozen at capture, which is what makes this a faithful stand-in for a GPU graph.
-"""
+"""The CPU reference graph: CheckedGraph's four driver calls over an OpTape."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
-
-from ...errors import PoolClosedError, XGraphError
-from ...interfaces import CapturePool, Graph
-from ...safety import block_host_conversions, check_op
+from ...graphs import CheckedGraph
+from ...interfaces import CapturePool
 from .pool import HostCachingPool
-
-_EMPTY_OPS = {
-    "aten::empty",
-    "aten::empty_strided",
-    "aten::empty_like",
-    "aten::new_empty",
-    "aten::new_empty_strided",
-}
-
-_buffer_types: dict[int, type] = {}
+from .tape import OpTape
 
 
-def _buffer(address: int, nbytes: int) -> ctypes.Array:
-    """A ctypes view of host memory; a subclass so it can carry a weakref finalizer."""
-    t = _buffer_types.get(nbytes)
-    if t is None:
-        t = _buffer_types[nbytes] = type(f"_Block{nbytes}", (ctypes.c_char * nbytes,), {})
-    return t.from_address(address)
+class CPUGraph(CheckedGraph):
+    """Records the ops of a capture on the host and re-executes them on replay."""
 
+    pool_type = HostCachingPool
 
-def host_tensor(address: int, nbytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor over memory the caller keeps alive."""
-    return torch.frombuffer(_buffer(address, nbytes), dtype=torch.uint8)
+    def __init__(self, backend: Any) -> None:
+        super().__init__(backend)
+        self.tape = OpTape()
 
+    def _begin(self, pool: CapturePool) -> None:
+        assert isinstance(pool, HostCachingPool)  # CheckedGraph checked pool_type
+        self.tape.begin(pool)
 
-@dataclass(frozen=True)
-class _PoolRef:
-    """A pool tensor as the tape stores it: where its storage is and how it is laid out."""
+    def _record_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        return self.tape.record(func, args, kwargs, out)
 
-    address: int
-    nbytes: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
+    def _end(self) -> None:
+        self.tape.seal()
 
+    def _replay(self) -> None:
+        self.tape.replay()
 
-def _ref(t: torch.Tensor) -> _PoolRef:
-    st = t.untyped_storage()
-    return _PoolRef(
-        st.data_ptr(), st.nbytes(), t.dtype, tuple(t.shape), t.stride(), t.storage_offset()
-    )
-
-
-class _Recorder(TorchDispatchMode):
-    def __init__(self, graph: CPUGraph) -> None:
-        super().__init__()
-        self.graph = graph
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        check_op(func, args, kwargs)
-        out = func(*args, **kwargs)
-        return self.graph._record(func, args, kwargs, out)
-
-
-@dataclass
-class _Entry:
-    func: Any
-    flat: list[Any]  # args/kwargs leaves, pool tensors as _PoolRef
-    spec: Any
-    outs: list[tuple[int, int | None, _PoolRef]]  # (return index, list index, destination)
-    multi: bool  # several returns (a tuple)
-
-
-class CPUGraph(Graph):
-    """Recorded-op graph for the CPU backend (see the module docstring)."""
-
-    def __init__(self, backend: object = None) -> None:
-        self.backend = backend
-        self._capturing = False
-        self._pool: HostCachingPool | None = None
-        self._pools: list[HostCachingPool] = []
-        self._entries: list[_Entry] = []
-        self._program: list[tuple[Callable, tuple, dict, list]] = []
-        self._stack: contextlib.ExitStack | None = None
-        self.num_ops = 0
-
-    # -- capture ---------------------------------------------------------------------------
-
-    def capture_begin(self, pool: CapturePool) -> None:
-        if self._capturing:
-            raise XGraphError("capture_begin: this graph is already capturing; call capture_end.")
-        if not isinstance(pool, HostCachingPool):
-            raise XGraphError(
-                f"capture_begin: the CPU graph needs a pool from CPUBackend.new_pool(), got "
-                f"{type(pool).__name__}."
-            )
-        if pool.closed:
-            raise PoolClosedError("capture_begin: the pool is closed; create a new one.")
-        self._pool = pool
-        if pool not in self._pools:
-            self._pools.append(pool)
-        stack = contextlib.ExitStack()
-        stack.enter_context(block_host_conversions())
-        stack.enter_context(_Recorder(self))
-        self._stack = stack
-        self._capturing = True
-
-    def capture_end(self) -> None:
-        if not self._capturing:
-            raise XGraphError("capture_end: no capture in progress.")
-        self._capturing = False
-        stack, self._stack = self._stack, None
-        assert stack is not None
-        stack.close()
-        self._compile()
-
-    def _to_pool(self, t: torch.Tensor) -> torch.Tensor:
-        """Copy a fresh op output into a pool block; the block is freed when the tensor dies."""
-        pool = self._pool
-        assert pool is not None
-        st = t.untyped_storage()
-        n = st.nbytes()
-        if n == 0:
-            return t
-        address = pool.alloc(n)
-        buf = _buffer(address, n)
-        weakref.finalize(buf, pool.free, address)
-        pst = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
-        pst.copy_(st)
-        return torch.empty(0, dtype=t.dtype).set_(pst, t.storage_offset(), t.shape, t.stride())
-
-    def _leaf(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            pool = self._pool
-            assert pool is not None
-            if (
-                x.device.type == "cpu"
-                and x.untyped_storage().nbytes()
-                and pool.owns(x.untyped_storage().data_ptr())
-            ):
-                return _ref(x)
-        return x
-
-    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        schema = func._schema
-        multi = len(schema.returns) > 1
-        rets = list(out) if multi else [out]
-        outs: list[tuple[int, int | None, _PoolRef]] = []
-        for i, (r, rs) in enumerate(zip(rets, schema.returns)):
-            if rs.alias_info is not None:  # a view or the mutated input: already in place
-                continue
-            if isinstance(r, torch.Tensor):
-                rets[i] = self._to_pool(r)
-                if rets[i].untyped_storage().nbytes():
-                    outs.append((i, None, _ref(rets[i])))
-            elif isinstance(r, (list, tuple)):
-                moved = [self._to_pool(x) if isinstance(x, torch.Tensor) else x for x in r]
-                for j, x in enumerate(moved):
-                    if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes():
-                        outs.append((i, j, _ref(x)))
-                rets[i] = type(r)(moved)
-        flat, spec = tree_flatten((args, kwargs))
-        flat = [self._leaf(x) for x in flat]
-        name = schema.name
-        mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        pure_view = not outs and not mutates
-        if name not in _EMPTY_OPS and not pure_view:
-            self._entries.append(_Entry(func, flat, spec, outs, multi))
-        self.num_ops += 1
-        return tuple(rets) if multi else rets[0]
-
-    def _compile(self) -> None:
-        """Turn the tape's address records into tensors over the same (still mapped) memory."""
-        storages: dict[tuple[int, int], torch.UntypedStorage] = {}
-
-        def tensor(r: _PoolRef) -> torch.Tensor:
-            key = (r.address, r.nbytes)
-            st = storages.get(key)
-            if st is None:
-                st = storages[key] = host_tensor(r.address, r.nbytes).untyped_storage()
-            return torch.empty(0, dtype=r.dtype).set_(st, r.offset, r.size, r.stride)
-
-        program = []
-        for e in self._entries:
-            leaves = [tensor(x) if isinstance(x, _PoolRef) else x for x in e.flat]
-            args, kwargs = tree_unflatten(leaves, e.spec)
-            outs = [(i, j, tensor(r)) for i, j, r in e.outs]
-            program.append((e.func, tuple(args), dict(kwargs), outs, e.multi))
-        self._entries = []
-        self._program += program
-
-    # -- replay ----------------------------------------------------------------------------
-
-    def replay(self) -> None:
-        if self._capturing:
-            raise XGraphError("replay: the graph is still capturing; call capture_end first.")
-        for pool in self._pools:
-            if pool.closed:
-                raise PoolClosedError(
-                    "replay: the pool this graph was captured on is closed; capture it again."
-                )
-        with torch.no_grad():
-            for func, args, kwargs, outs, multi in self._program:
-                res = func(*args, **kwargs)
-                for i, j, dst in outs:
-                    r = res[i] if multi else res
-                    dst.copy_(r if j is None else r[j])
-
-    def reset(self) -> None:
-        if self._capturing:
-            self._capturing = False
-            if self._stack is not None:
-                self._stack.close()
-                self._stack = None
-        self._entries = []
-        self._program = []
-        self._pools = []
-        self._pool = None
-        self.num_ops = 0
-
-    @property
-    def num_replay_ops(self) -> int:
-        return len(self._program)
+    def _reset(self) -> None:
+        self.tape.clear()

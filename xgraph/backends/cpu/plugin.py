@@ -1,8 +1,8 @@
-"""Registers the CPU reference backend; the core registers this module itself."""
+"""Registers the CPU reference backend; the host registers this module like any plugin."""
 
 from __future__ import annotations
 
-from ...plugins import BackendSpec, hookimpl
+from ...hooks import BackendSpec, hookimpl
 
 
 @hookimpl

@@ -15,7 +15,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from ...errors import PoolClosedError, XGraphError
-from ...interfaces import CapturePool, SegmentAllocator
+from ...interfaces import CapturePool, PhysicalChunk, SegmentAllocator
 
 if TYPE_CHECKING:
     from .vmm import HostVirtualMemory
@@ -28,7 +28,7 @@ class _OwnSegments:
 
     def __init__(self, vm: HostVirtualMemory) -> None:
         self.vm = vm
-        self._held: dict[int, object] = {}
+        self._held: dict[int, PhysicalChunk] = {}
 
     def alloc(self, nbytes: int) -> int:
         address = self.vm.reserve(nbytes)
@@ -40,7 +40,7 @@ class _OwnSegments:
     def free(self, address: int, nbytes: int) -> None:
         chunk = self._held.pop(address)
         self.vm.unmap(address)
-        self.vm.free(chunk)  # type: ignore[arg-type]
+        self.vm.free(chunk)
         self.vm.release(address)
 
 
@@ -48,9 +48,10 @@ class HostCachingPool(CapturePool):
     """Best-fit block allocator over segments; blocks never cross a segment boundary."""
 
     def __init__(self, vm: HostVirtualMemory, segments: SegmentAllocator | None = None) -> None:
+        super().__init__(segments)
         self.vm = vm
         self.granularity = vm.granularity
-        self._segments: SegmentAllocator = segments if segments is not None else _OwnSegments(vm)
+        self._source: SegmentAllocator = segments if segments is not None else _OwnSegments(vm)
         self._lock = threading.Lock()
         self._segs: list[tuple[int, int]] = []  # sorted (start, size)
         self._free: list[tuple[int, int]] = []  # sorted (size, address) for best fit
@@ -60,7 +61,6 @@ class HostCachingPool(CapturePool):
         # frees arrive from tensor finalizers, possibly in the middle of alloc (cyclic GC):
         # queue them and apply them under the lock
         self._pending: collections.deque[int] = collections.deque()
-        self.closed = False
 
     # -- allocation ------------------------------------------------------------------------
 
@@ -85,7 +85,7 @@ class HostCachingPool(CapturePool):
                 self._remove_free(addr)
             else:
                 seg = -(-size // self.granularity) * self.granularity
-                addr = self._segments.alloc(seg)
+                addr = self._source.alloc(seg)
                 if not addr:
                     raise XGraphError(
                         f"Out of memory: the pool's segment allocator could not supply {seg} bytes."
@@ -135,16 +135,8 @@ class HostCachingPool(CapturePool):
     def reserved_bytes(self) -> int:
         return sum(s for _, s in self._segs)
 
-    def allocated_bytes(self) -> int:
+    def _release(self) -> None:
         with self._lock:
-            self._drain()
-            return sum(self._used.values())
-
-    def close(self) -> None:
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
             segs, self._segs = self._segs, []
             self._free.clear()
             self._free_at.clear()
@@ -152,4 +144,4 @@ class HostCachingPool(CapturePool):
             self._used.clear()
             self._pending.clear()
         for addr, size in segs:
-            self._segments.free(addr, size)
+            self._source.free(addr, size)

@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+from typing import Any
 
 from ...errors import VirtualMemoryError, XGraphError
 from ...vmm import CheckedVirtualMemory
@@ -52,7 +53,7 @@ def _errno_name() -> str:
 class HostVirtualMemory(CheckedVirtualMemory):
     """memfd-backed VirtualMemory of the host; granularity defaults to 64 KiB."""
 
-    def __init__(self, backend: object = None, granularity: int | None = None) -> None:
+    def __init__(self, backend: Any = None, granularity: int | None = None) -> None:
         if not hasattr(os, "memfd_create"):
             raise XGraphError(
                 "The CPU backend's virtual memory needs memfd_create (Linux). On this OS use "
@@ -65,9 +66,13 @@ class HostVirtualMemory(CheckedVirtualMemory):
                 f"CPU VMM granularity {gran} is not a multiple of the page size {mmap.PAGESIZE}; "
                 "choose a multiple (XGRAPH_CPU_GRANULARITY)."
             )
-        super().__init__(gran)
+        self._gran = gran
         self._fd = os.memfd_create("xgraph-physical", getattr(os, "MFD_CLOEXEC", 1))
         self._file_end = 0  # chunks are regions of the memfd; offsets are never reused
+        super().__init__(backend)
+
+    def _granularity(self) -> int:
+        return self._gran
 
     def _placeholder(self, address: int, size: int) -> None:
         r = _libc.mmap(
@@ -123,8 +128,8 @@ class HostVirtualMemory(CheckedVirtualMemory):
     def _unmap_chunk(self, address: int, size: int) -> None:
         self._placeholder(address, size)
 
-    def physical_bytes(self) -> int:
-        """Bytes of the memfd actually backed by pages (what aliases share)."""
+    def backed_bytes(self) -> int:
+        """Bytes of the memfd actually backed by pages, as the kernel counts them."""
         return os.fstat(self._fd).st_blocks * 512
 
 

@@ -1,4 +1,4 @@
-"""Step generators and eager references shared by the tests, the conformance suite and bench.
+"""Step generators and eager references shared by the benchmarks, the conformance suite and tests.
 
 A `Workload` holds a reference model and its executor settings; `decode_step` and
 `prefill_step` draw random batches over disjoint cache blocks; `eager` runs the model
@@ -12,11 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import AttentionMetadata, PagedDecodeRunner, PagedPrefillRunner, eager_attention
+from ..attention import eager_attention
 from ..buckets import Buckets, Input
-from ..executor import AttentionInputs, GraphExecutor, PagedAttention
+from ..executor import GraphExecutor
 from ..interfaces import AttentionRunner
-from ..models import Qwen3Model
+from ..metadata import AttentionInputs
+from ..paging import PagedAttention
+from ..runners import PagedDecodeRunner, PagedPrefillRunner
+from .qwen3 import Qwen3Model
 
 TOKEN_INPUTS = [
     Input("input_ids", torch.int64, ("num_tokens",), fill=0),
@@ -42,10 +45,9 @@ class Step:
     def with_tensor_tables(self, width: int, fill: int) -> Step:
         """The same step with block tables as one int32 tensor, the way engines keep them."""
         a = self.attn
-        rows = [list(r) + [fill] * (width - len(r)) for r in a.block_tables]
-        table = torch.tensor(rows, dtype=torch.int32).reshape(len(rows), width)
         return Step(self.input_ids, self.positions,
-                    AttentionInputs(a.query_lens, a.seq_lens, table, a.slot_mapping))
+                    AttentionInputs(a.query_lens, a.seq_lens, a.table(fill, width),
+                                    a.slot_mapping))
 
 
 class Workload:
@@ -127,21 +129,13 @@ class Workload:
         """The step as the executor stages it: padded to the bucket, declared fills."""
         t = step.num_tokens
         tb = buckets.pad(t) or t
-        pad = tb - t
         a = step.attn
-        cache = self.cache
-        n = len(a.query_lens)
-        b = tb if full else n
-        rows = [list(r) + [cache.dummy_block] * (self.max_blocks - len(r)) for r in a.block_tables]
-        rows += [[cache.dummy_block] * self.max_blocks] * (b - n)
+        b = tb if full else len(a.query_lens)
+        pad = torch.zeros(tb - t, dtype=torch.int64)
         return Step(
-            torch.cat([step.input_ids, torch.zeros(pad, dtype=torch.int64)]),
-            torch.cat([step.positions, torch.zeros(pad, dtype=torch.int64)]),
-            AttentionInputs(
-                list(a.query_lens) + [1] * (b - n), list(a.seq_lens) + [1] * (b - n), rows,
-                torch.cat([torch.as_tensor(a.slot_mapping),
-                           torch.full((pad,), cache.dummy_slot, dtype=torch.int64)]),
-            ),
+            torch.cat([step.input_ids, pad]),
+            torch.cat([step.positions, pad]),
+            a.padded(b, tb, self.cache.dummy_slot, self.cache.dummy_block, self.max_blocks),
         )
 
     def eager(self, step: Step, runner: AttentionRunner | None = None, forward=None,  # type: ignore[no-untyped-def]
@@ -149,10 +143,8 @@ class Workload:
         """The forward without graphs; `num_tokens` tells the runner how many rows are real."""
         dev = self.cache.tensors()[0].device
         a = step.attn
-        is_decode = all(q == 1 for q in a.query_lens)
-        runner = runner or (PagedDecodeRunner() if is_decode else PagedPrefillRunner())
-        md = AttentionMetadata.build(a.query_lens, a.seq_lens, a.block_tables, a.slot_mapping,
-                                     dev)
+        runner = runner or (PagedDecodeRunner() if a.is_decode else PagedPrefillRunner())
+        md = a.metadata(dev)
         if num_tokens is not None:
             md.num_tokens = num_tokens
         with torch.no_grad(), eager_attention(runner, md):

@@ -1,0 +1,199 @@
+"""CheckedGraph: the Graph contract's state machine and capture safety, once for every backend.
+
+An adapter writes four driver calls (`_begin`, `_end`, `_replay`, `_reset`; see
+xgraph.interfaces.Graph). This class checks every call against the state machine
+(idle -> capturing -> captured -> reset -> idle) and the pool (its type, not closed, open
+for each replay), enters the pool's segment routing around the capture, and runs the
+capture-safety guard: one TorchDispatchMode that refuses host reads of device data before
+they run (`xgraph.safety.check_op`, plus any per-capture check such as the piecewise
+bypass check), and the per-thread block on Tensor.tolist / numpy. A capture that fails in
+any way, KeyboardInterrupt included, is undone through `_reset`.
+
+`graph(g)` is the public context manager for capturing one callable outside an executor,
+in the style of `torch.cuda.graph`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import PoolClosedError, XGraphError
+from .interfaces import CapturePool, Graph, OpCheck
+from .safety import block_host_conversions, check_op
+
+logger = logging.getLogger("xgraph")
+
+_IDLE, _CAPTURING, _CAPTURED = "idle", "capturing", "captured"
+
+
+class _CaptureGuard(TorchDispatchMode):
+    """Checks each op before it runs; lets the graph's driver see it after (host recorders)."""
+
+    def __init__(self, graph: CheckedGraph, op_check: OpCheck | None) -> None:
+        super().__init__()
+        self.graph = graph
+        self.device = graph.backend.device
+        self.op_check = op_check
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        check_op(func, args, kwargs, self.device)
+        if self.op_check is not None:
+            self.op_check(func, args, kwargs)
+        return self.graph._record_op(func, args, kwargs, func(*args, **kwargs))
+
+
+class CheckedGraph(Graph):
+    """Implements the public Graph contract over the adapter's four driver calls."""
+
+    pool_type = CapturePool
+
+    def __init__(self, backend: Any) -> None:
+        super().__init__(backend)
+        self._state = _IDLE
+        self._pools: list[CapturePool] = []
+        self._route: contextlib.ExitStack | None = None  # the pool's segment routing
+        self._guard: contextlib.ExitStack | None = None  # the capture-safety guard
+        self.owned_pool: CapturePool | None = None  # made by graph(); closed by reset()
+
+    @property
+    def capturing(self) -> bool:
+        return self._state == _CAPTURING
+
+    @property
+    def captured(self) -> bool:
+        return self._state == _CAPTURED
+
+    def capture_begin(self, pool: CapturePool, op_check: OpCheck | None = None) -> None:
+        if self._state != _IDLE:
+            raise XGraphError(
+                f"capture_begin: this graph is {self._state}; "
+                + ("call capture_end first." if self.capturing else "reset() it first.")
+            )
+        if not isinstance(pool, self.pool_type):
+            raise XGraphError(
+                f"capture_begin: {type(self).__name__} needs a pool from "
+                f"{type(self.backend).__name__}.new_pool(), got {type(pool).__name__}."
+            )
+        if pool.closed:
+            raise PoolClosedError("capture_begin: the pool is closed; create a new one.")
+        route = contextlib.ExitStack()
+        try:
+            route.enter_context(pool.capturing())
+            self._begin(pool)
+            self._state = _CAPTURING
+            if pool not in self._pools:
+                self._pools.append(pool)
+            self._route = route
+            guard = contextlib.ExitStack()
+            self._guard = guard
+            guard.enter_context(block_host_conversions())
+            guard.enter_context(_CaptureGuard(self, op_check))
+        except BaseException:
+            self._undo_capture(route)
+            raise
+
+    def capture_end(self) -> None:
+        if not self.capturing:
+            raise XGraphError("capture_end: no capture in progress.")
+        self._close_guard()  # the runtime's own end-of-capture work is not model code
+        try:
+            self._end()
+        except BaseException:
+            self._undo_capture(self._route)
+            raise
+        route, self._route = self._route, None
+        if route is not None:
+            route.close()
+        self._state = _CAPTURED
+
+    def replay(self) -> None:
+        if self._state != _CAPTURED:
+            raise XGraphError(
+                "replay: the graph is still capturing; call capture_end first."
+                if self.capturing
+                else "replay: nothing captured; call capture_begin / capture_end first."
+            )
+        for pool in self._pools:
+            if pool.closed:
+                raise PoolClosedError(
+                    "replay: the pool this graph was captured on is closed; capture it again."
+                )
+        self._replay()
+
+    def reset(self) -> None:
+        if self.capturing:
+            self._undo_capture(self._route)
+            return
+        try:
+            self._reset()
+        finally:
+            self._forget()
+
+    def abort(self) -> None:
+        """End a failed capture whatever state it left, then reset; never leaves a capture on."""
+        try:
+            self.reset()
+        except Exception:  # the capture already failed; its own error is the one to report
+            logger.exception("%s: reset after a failed capture failed", type(self).__name__)
+
+    # -- teardown --------------------------------------------------------------------------
+
+    def _close_guard(self) -> None:
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.close()
+
+    def _undo_capture(self, route: contextlib.ExitStack | None) -> None:
+        """Leave the guard, let the driver drop the half capture, leave the routing."""
+        try:
+            self._close_guard()
+        finally:
+            try:
+                self._reset()
+            finally:
+                self._route = None
+                if route is not None:
+                    route.close()
+                self._forget()
+
+    def _forget(self) -> None:
+        self._state = _IDLE
+        self._pools = []
+        pool, self.owned_pool = self.owned_pool, None
+        if pool is not None:
+            pool.close()
+
+
+@contextlib.contextmanager
+def graph(g: Graph, pool: CapturePool | None = None) -> Iterator[Graph]:
+    """Capture the work of the block into `g`, like `torch.cuda.graph`.
+
+    Warm the callable up first (lazy initialisation must not happen inside a capture). With
+    no `pool`, the graph gets a fresh one of its own, closed by `g.reset()`. Any exception,
+    KeyboardInterrupt included, aborts the capture and propagates.
+    """
+    backend = g.backend
+    backend.synchronize()
+    own = pool is None
+    if pool is None:
+        pool = backend.new_pool()
+    try:
+        g.capture_begin(pool)
+    except BaseException:
+        if own:
+            pool.close()
+        raise
+    if own and isinstance(g, CheckedGraph):
+        g.owned_pool = pool
+    try:
+        yield g
+    except BaseException:
+        g.abort()
+        raise
+    g.capture_end()

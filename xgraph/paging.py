@@ -1,0 +1,46 @@
+"""PagedAttention: what the executor needs to drive `xgraph.attention` over a paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .interfaces import AttentionRunner
+
+
+@dataclass
+class PagedAttention:
+    """The paging layout of the KV cache and the runners that attend over it.
+
+    Metadata buffers are sized for `max_seqs` sequences (at least the largest bucket, for
+    decode) and `max_blocks_per_seq` block-table columns of `block_size` slots. Padded
+    tokens write their k/v to `dummy_slot`; padded sequences point at `dummy_block` with
+    seq_len 1. Runners left None come from the backend, else the reference ones.
+    """
+
+    max_seqs: int
+    max_blocks_per_seq: int
+    dummy_slot: int
+    dummy_block: int
+    block_size: int
+    kv_tensors: Sequence[torch.Tensor] = ()
+    decode_runner: AttentionRunner | None = None
+    prefill_runner: AttentionRunner | None = None
+
+    @classmethod
+    def for_cache(
+        cls, cache: Any, max_seqs: int, max_blocks_per_seq: int, **kwargs: Any
+    ) -> PagedAttention:
+        """From a cache with dummy_slot, dummy_block, block_size and tensors() (PagedKVCache)."""
+        return cls(
+            max_seqs=max_seqs,
+            max_blocks_per_seq=max_blocks_per_seq,
+            dummy_slot=cache.dummy_slot,
+            dummy_block=cache.dummy_block,
+            block_size=cache.block_size,
+            kv_tensors=list(cache.tensors()),
+            **kwargs,
+        )

@@ -1,0 +1,149 @@
+"""The reference attention runners: correct on any torch device, and the shared pieces of others.
+
+`store_kv` writes a step's k/v into the paged cache and `sequence_spans` cuts a step into
+its sequences on the host; device runners (an adapter's SDPA or fused kernels) reuse both,
+so every runner stores and plans the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import XGraphError
+from .interfaces import AttentionRunner
+from .metadata import AttentionMetadata, KVCache
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slots: torch.Tensor) -> None:
+    """Write the first k.shape[0] tokens' k and v at their cache slots."""
+    k_cache, v_cache = kv_cache
+    n = k.shape[0]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots[:n], k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots[:n], v)
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence of a step: its query rows [start, start + query_len) and its context."""
+
+    start: int
+    query_len: int
+    seq_len: int
+    row: torch.Tensor  # its block-table row (device)
+
+
+def sequence_spans(md: AttentionMetadata) -> list[SeqSpan]:
+    """The step's sequences, from the host copies of its lengths (runners planned on the host)."""
+    spans, start = [], 0
+    for i, (ql, sl) in enumerate(zip(md.query_lens_host, md.seq_lens_host)):
+        spans.append(SeqSpan(start, ql, sl, md.block_tables[i]))
+        start += ql
+    return spans
+
+
+class _Planned(AttentionRunner):
+    """Keeps the step's metadata; `run` before any `plan` is an error, not a stale step."""
+
+    def __init__(self) -> None:
+        self.md: AttentionMetadata | None = None
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        self.md = metadata
+
+    def planned(self) -> AttentionMetadata:
+        if self.md is None:
+            raise XGraphError(f"{type(self).__name__}.run before plan(): plan each step first.")
+        return self.md
+
+
+class PagedDecodeRunner(_Planned):
+    """Graph-safe decode attention: one query token per sequence, all data from device.
+
+    Launch shape is fixed by (sequences, block-table width): every sequence gathers its
+    whole block-table row and masks positions >= seq_len on the device, so neither the
+    sequence lengths nor the block tables ever reach the host.
+    """
+
+    graph_safe = True
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: KVCache,
+        scale: float,
+    ) -> None:
+        md = self.planned()
+        store_kv(k, v, kv_cache, md.slot_mapping)
+        k_cache, v_cache = kv_cache
+        b, hq, d = q.shape
+        bs, hkv = k_cache.shape[1], k_cache.shape[2]
+        bt = md.block_tables[:b].long()  # [b, w]
+        w = bt.shape[1]
+        keys = k_cache[bt].reshape(b, w * bs, hkv, d)
+        vals = v_cache[bt].reshape(b, w * bs, hkv, d)
+        # matmuls in the cache dtype (accumulating in float32), softmax in float32
+        qg = q.reshape(b, hkv, hq // hkv, d).to(keys.dtype)
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, keys).float() * scale
+        pos = torch.arange(w * bs, device=q.device)
+        masked = pos[None, :] >= md.seq_lens[:b, None]
+        scores = scores.masked_fill(masked[:, None, None, :], float("-inf"))
+        probs = scores.softmax(-1).to(vals.dtype)
+        o = torch.einsum("bhgl,blhd->bhgd", probs, vals)
+        out.copy_(o.reshape(b, hq, d))
+
+
+class PagedPrefillRunner(_Planned):
+    """Prefill / chunked-prefill / mixed attention, planned on the host (not graph-safe).
+
+    Each sequence attends causally over its cached context plus its new tokens; sequence
+    boundaries come from the host plan, so the launch differs with the batch composition.
+    Rows past the step's real tokens (bucket padding) are zeroed.
+    """
+
+    graph_safe = False
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        super().plan(metadata)
+        self.spans = sequence_spans(metadata)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: KVCache,
+        scale: float,
+    ) -> None:
+        md = self.planned()
+        n = md.num_tokens
+        store_kv(k[:n], v[:n], kv_cache, md.slot_mapping)
+        k_cache, v_cache = kv_cache
+        bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        hq = q.shape[1]
+        for s in self.spans:
+            start, ql, sl = s.start, s.query_len, s.seq_len
+            nb = -(-sl // bs)
+            blocks = s.row[:nb].long()
+            keys = k_cache[blocks].reshape(nb * bs, hkv, d)[:sl]
+            vals = v_cache[blocks].reshape(nb * bs, hkv, d)[:sl]
+            qi = q[start : start + ql].reshape(ql, hkv, hq // hkv, d).float()
+            scores = torch.einsum("qhgd,lhd->hgql", qi, keys.float()) * scale
+            # query j sits at position sl - ql + j and sees keys at positions <= its own
+            qpos = torch.arange(sl - ql, sl, device=q.device)[:, None]
+            kpos = torch.arange(sl, device=q.device)[None, :]
+            scores = scores.masked_fill((kpos > qpos)[None, None], float("-inf"))
+            o = torch.einsum("hgql,lhd->qhgd", scores.softmax(-1), vals.float())
+            out[start : start + ql].copy_(o.reshape(ql, hq, d))
+        if out.shape[0] > n:
+            out[n:].zero_()
+
+
+def reference_runners() -> dict[str, AttentionRunner]:
+    """Fresh reference runners by role: 'decode' (graph-safe) and 'prefill' (host-planned)."""
+    return {"decode": PagedDecodeRunner(), "prefill": PagedPrefillRunner()}

@@ -1,0 +1,34 @@
+"""Conformance of discovery and selection."""
+
+from __future__ import annotations
+
+import pytest
+
+import xgraph
+from xgraph.interfaces import Backend
+
+from .base import BackendTests
+
+
+class PluginTests(BackendTests):
+    """Discovery and selection: listed, selectable by name and by XGRAPH_BACKEND, complete."""
+
+    def test_listed_as_available(self, backend: Backend) -> None:
+        info = {b.name: b for b in xgraph.list_backends()}
+        assert backend.name in info
+        assert info[backend.name].available, info[backend.name].reason
+
+    def test_selected_by_name_is_one_object(self, backend: Backend) -> None:
+        assert xgraph.get_backend(backend.name) is backend
+        assert isinstance(backend, Backend)
+        xgraph.check_backend_class(type(backend))
+
+    def test_selected_by_environment(self, backend: Backend, monkeypatch) -> None:
+        monkeypatch.setenv("XGRAPH_BACKEND", backend.name)
+        assert xgraph.get_backend() is backend
+
+    def test_unknown_name_names_the_available_ones(self, backend: Backend) -> None:
+        with pytest.raises(xgraph.BackendNotFoundError) as info:
+            xgraph.get_backend("no-such-backend")
+        msg = str(info.value)
+        assert "'no-such-backend'" in msg and repr(backend.name) in msg and "XGRAPH_BACKEND" in msg

@@ -21,8 +21,9 @@ from .errors import (
     PoolClosedError,
     VirtualMemoryError,
     XGraphError,
+    XGraphWarning,
 )
-from .executor import GraphExecutor, XGraphWarning
+from .executor import GraphExecutor
 from .graphs import CheckedGraph, graph
 from .hooks import BackendSpec, hookimpl
 from .interfaces import (

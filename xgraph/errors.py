@@ -45,3 +45,7 @@ class VirtualMemoryError(XGraphError):
 
 class PoolClosedError(XGraphError):
     """Use of a memory pool (or of a graph captured on it) after the pool was closed."""
+
+
+class XGraphWarning(UserWarning):
+    """Warnings about work that runs differently from what was asked (eagerly, another mode)."""

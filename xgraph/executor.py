@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .attention import InlineRunner, StepContext, step_context
 from .buckets import Buckets, Dim, Input, default_sizes
-from .errors import CaptureError, XGraphError
+from .errors import CaptureError, XGraphError, XGraphWarning
 from .interfaces import AttentionRunner, Backend
 from .memory import GraphMemory, Lease
 from .metadata import AttentionInputs
@@ -42,10 +42,6 @@ from .steps import Step, StepPlanner
 logger = logging.getLogger("xgraph")
 
 DEFAULT_MAX_TOKENS = 512
-
-
-class XGraphWarning(UserWarning):
-    """Warnings about steps that ran eagerly instead of through a graph."""
 
 
 class Recording(Protocol):

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,6 +30,13 @@ from .safety import block_host_conversions, check_op
 logger = logging.getLogger("xgraph")
 
 _IDLE, _CAPTURING, _CAPTURED = "idle", "capturing", "captured"
+
+_local = threading.local()
+
+
+def capturing_graph() -> CheckedGraph | None:
+    """The graph this thread is capturing now, if any (runners register updates on it)."""
+    return getattr(_local, "graph", None)
 
 
 class _CaptureGuard(TorchDispatchMode):
@@ -59,6 +67,7 @@ class CheckedGraph(Graph):
         self._pools: list[CapturePool] = []
         self._route: contextlib.ExitStack | None = None  # the pool's segment routing
         self._guard: contextlib.ExitStack | None = None  # the capture-safety guard
+        self._updates: list[Callable[[], None]] = []
         self.owned_pool: CapturePool | None = None  # made by graph(); closed by reset()
 
     @property
@@ -94,6 +103,7 @@ class CheckedGraph(Graph):
             self._guard = guard
             guard.enter_context(block_host_conversions())
             guard.enter_context(_CaptureGuard(self, op_check))
+            guard.enter_context(_current(self))
         except BaseException:
             self._undo_capture(route)
             raise
@@ -112,6 +122,13 @@ class CheckedGraph(Graph):
             route.close()
         self._state = _CAPTURED
 
+    def add_update(self, update: Callable[[], None]) -> None:
+        """During capture: run `update` before every replay of this graph, in the order added
+        (a runner re-applies per-step parameters, e.g. an NPU graph task update)."""
+        if not self.capturing:
+            raise XGraphError("add_update: only a graph being captured takes update callbacks.")
+        self._updates.append(update)
+
     def replay(self) -> None:
         if self._state != _CAPTURED:
             raise XGraphError(
@@ -124,6 +141,8 @@ class CheckedGraph(Graph):
                 raise PoolClosedError(
                     "replay: the pool this graph was captured on is closed; capture it again."
                 )
+        for update in self._updates:
+            update()
         self._replay()
 
     def reset(self) -> None:
@@ -165,9 +184,20 @@ class CheckedGraph(Graph):
     def _forget(self) -> None:
         self._state = _IDLE
         self._pools = []
+        self._updates = []
         pool, self.owned_pool = self.owned_pool, None
         if pool is not None:
             pool.close()
+
+
+@contextlib.contextmanager
+def _current(g: CheckedGraph) -> Iterator[None]:
+    outer = getattr(_local, "graph", None)
+    _local.graph = g
+    try:
+        yield
+    finally:
+        _local.graph = outer
 
 
 @contextlib.contextmanager

@@ -300,6 +300,11 @@ class Backend(ABC):
             vm = self._virtual_memory = self.virtual_memory_class(self)  # type: ignore[call-arg]
         return vm
 
+    def segments_support(self) -> Availability:
+        """Whether `new_pool(segments)` can route every segment to `segments` here (needed by
+        shared-physical memory, which otherwise falls back to shared-pool with a warning)."""
+        return Availability(True)
+
     def warmup_context(self) -> AbstractContextManager[Any]:
         """Where warm-up runs: on the capture stream, so per-stream lazy allocations (cuBLAS
         workspaces) happen outside every capture pool. Default: nothing to switch."""

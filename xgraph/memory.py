@@ -13,12 +13,25 @@ a draft model): pass the same object as `memory=` to each. Graphs never replay c
 
 from __future__ import annotations
 
+import logging
+import warnings
 from dataclasses import dataclass
 
-from .errors import XGraphError
+from .errors import XGraphError, XGraphWarning
 from .interfaces import Backend, CapturePool
 from .options import MemoryMode
 from .pool import AddressSpace, SharedPhysicalPool
+
+
+logger = logging.getLogger("xgraph")
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, XGraphWarning, stacklevel=4)
+        logger.warning(msg)
 
 
 @dataclass(eq=False)
@@ -46,6 +59,14 @@ class GraphMemory:
             has_vmm = vm is not None or physical is not None
             mode = MemoryMode.SHARED_PHYSICAL if has_vmm else MemoryMode.SHARED_POOL
         mode = MemoryMode.parse(mode, "memory")
+        support = backend.segments_support()
+        if mode is MemoryMode.SHARED_PHYSICAL and not support.available:
+            _warn_once(
+                f"Backend {backend.name!r} cannot give captures shared physical memory here "
+                f"({support.reason}); graph memory uses 'shared-pool' instead (max of shapes "
+                "only when the largest is captured first)."
+            )
+            mode, physical = MemoryMode.SHARED_POOL, None
         if mode is MemoryMode.SHARED_PHYSICAL and vm is None and physical is None:
             raise XGraphError(
                 f"Backend {backend.name!r} has no virtual memory, so 'shared-physical' is not "

@@ -22,7 +22,6 @@ from .interfaces import Backend, CapturePool
 from .options import MemoryMode
 from .pool import AddressSpace, SharedPhysicalPool
 
-
 logger = logging.getLogger("xgraph")
 _warned: set[str] = set()
 

@@ -43,7 +43,7 @@ def sequence_spans(md: AttentionMetadata) -> list[SeqSpan]:
     return spans
 
 
-class _Planned(AttentionRunner):
+class PlannedRunner(AttentionRunner):
     """Keeps the step's metadata; `run` before any `plan` is an error, not a stale step."""
 
     def __init__(self) -> None:
@@ -58,7 +58,7 @@ class _Planned(AttentionRunner):
         return self.md
 
 
-class PagedDecodeRunner(_Planned):
+class PagedDecodeRunner(PlannedRunner):
     """Graph-safe decode attention: one query token per sequence, all data from device.
 
     Launch shape is fixed by (sequences, block-table width): every sequence gathers its
@@ -97,7 +97,7 @@ class PagedDecodeRunner(_Planned):
         out.copy_(o.reshape(b, hq, d))
 
 
-class PagedPrefillRunner(_Planned):
+class PagedPrefillRunner(PlannedRunner):
     """Prefill / chunked-prefill / mixed attention, planned on the host (not graph-safe).
 
     Each sequence attends causally over its cached context plus its new tokens; sequence

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-from xgraph.attention import PagedDecodeRunner
 from xgraph.errors import BackendUnavailableError
 from xgraph.interfaces import (
     AttentionRunner,
@@ -104,4 +104,28 @@ class CUDABackend(Backend):
         return int(total - free)
 
     def attention_runners(self) -> dict[str, AttentionRunner]:
-        return {"decode": PagedDecodeRunner(), "prefill": SDPAPrefillRunner()}
+        return {"prefill": SDPAPrefillRunner()}  # decode: the core's graph-safe reference
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(self._device)
+
+    def time_on_device(self, fn: Callable[[], Any]) -> float | None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def native_graph(self, fn: Callable[[], Any]) -> Callable[[], None] | None:
+        """`fn` captured with torch.cuda.graph on a pool of its own (the raw-graph anchor)."""
+        side = torch.cuda.Stream(self._device)
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up, as torch's docs ask, on a side stream
+                fn()
+        torch.cuda.current_stream(self._device).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
+            fn()
+        return g.replay

@@ -1,49 +1,31 @@
-"""CUDA graphs: torch.cuda.CUDAGraph on a side stream, guarded against host reads.
+"""CUDA graphs: CheckedGraph's four driver calls over torch.cuda.CUDAGraph on a side stream.
 
-capture_begin synchronizes (as torch.cuda.graph does; its empty_cache is skipped, it would
-only drop other pools' cached segments), moves the current stream to the backend's capture
-stream, routes a routed pool's segment requests to its target, begins the capture on the
-pool, and enters a guard: a TorchDispatchMode that runs `xgraph.safety.check_op` before each
-op, so `.item()`, `nonzero`, `.cpu()` and the like raise CaptureError naming the op and the
-model line before CUDA invalidates the capture. capture_end and abort undo all of it in
-reverse order; abort copes with whatever state a failed capture left behind.
+`_begin` synchronizes (as torch.cuda.graph does; its empty_cache is skipped, it would only
+drop other pools' cached segments), moves the current stream to the backend's capture
+stream and begins torch's capture on the pool in thread-local mode. `_reset` copes with
+whatever a failed capture left: it ends a capture torch could not end, undoes torch's
+bookkeeping of the pool, and restores the streams. The state machine, the pool checks, the
+segment routing and the capture-safety guard are CheckedGraph's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from xgraph import safety
-from xgraph.errors import CaptureError, PoolClosedError, XGraphError
-from xgraph.interfaces import CapturePool, Graph
-from xgraph.safety import block_host_conversions, check_op
+from xgraph.errors import CaptureError, XGraphError
+from xgraph.graphs import CheckedGraph
+from xgraph.interfaces import CapturePool
 
-from .allocator import routing
 from .pool import CUDACapturePool, release_parked
 
+if TYPE_CHECKING:
+    from .backend import CUDABackend
+
 logger = logging.getLogger("xgraph")
-
-# frames of this package are library code: CaptureError names the model's line, not ours
-safety.register_library_path(os.path.dirname(os.path.abspath(__file__)))
-
-
-class _CaptureGuard(TorchDispatchMode):
-    """Refuse, before they run, ops that would read device data on the host."""
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.device = device
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        check_op(func, args, kwargs, self.device)
-        return func(*args, **kwargs)
 
 
 def _end_allocate_to_pool(device: int, pool_id: tuple[int, int]) -> bool:
@@ -71,85 +53,45 @@ def _force_end_capture(stream: torch.cuda.Stream) -> None:
         logger.debug("cuStreamEndCapture after a failed capture returned %s", err)
 
 
-class CUDAGraph(Graph):
-    """One torch.cuda.CUDAGraph; reset() replaces it, so the object can capture again."""
+class CUDAGraph(CheckedGraph):
+    """One torch.cuda.CUDAGraph; `_reset` replaces it, so the object can capture again."""
 
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
+    pool_type = CUDACapturePool
+    backend: CUDABackend
+
+    def __init__(self, backend: CUDABackend) -> None:
+        super().__init__(backend)
         self._g = torch.cuda.CUDAGraph()
-        self._capturing = False
-        self._captured = False
-        self._begun = False  # torch's capture_begin succeeded and capture_end has not
+        self._begun = False  # torch's capture_begin succeeded and its capture_end has not
         self._pool: CUDACapturePool | None = None
         self._base_use = 0  # the pool's use count before this capture began
         self._side: torch.cuda.Stream | None = None
-        self._stack: contextlib.ExitStack | None = None  # device, streams, routing
-        self._guard: contextlib.ExitStack | None = None  # dispatch guard, host conversions
+        self._stack: contextlib.ExitStack | None = None  # device and stream switches
 
-    # -- capture ---------------------------------------------------------------------------
-
-    def capture_begin(self, pool: CapturePool) -> None:
-        if self._capturing:
-            raise XGraphError("capture_begin: this graph is already capturing; call capture_end.")
-        if not isinstance(pool, CUDACapturePool):
-            raise XGraphError(
-                f"capture_begin: the CUDA graph needs a pool from CUDABackend.new_pool(), got "
-                f"{type(pool).__name__}."
-            )
-        if pool.closed:
-            raise PoolClosedError("capture_begin: the pool is closed; create a new one.")
-        if self._captured:
-            raise XGraphError(
-                "capture_begin: this graph already holds a capture; reset() it first."
-            )
+    def _begin(self, pool: CapturePool) -> None:
+        assert isinstance(pool, CUDACapturePool)  # CheckedGraph checked pool_type
         device = self.backend.device
         if pool.device != device:
             raise XGraphError(
                 f"capture_begin: the pool belongs to {pool.device}, this graph to {device}."
             )
         torch.cuda.synchronize(device)
-        stack = contextlib.ExitStack()
-        try:
-            stack.enter_context(torch.cuda.device(device))
-            origin = torch.cuda.current_stream(device)
-            side = self.backend.capture_stream()
-            side.wait_stream(origin)
-            # runs last on exit, once the stream is restored: later work sees the capture's
-            stack.callback(origin.wait_stream, side)
-            stack.enter_context(torch.cuda.stream(side))
-            if pool.segments is not None:
-                stack.enter_context(routing(pool.segments))
-            self._side, self._pool, self._base_use = side, pool, pool.use_count()
-            self._g.capture_begin(pool=pool.id, capture_error_mode="thread_local")
-        except BaseException:
-            self._undo_pool_capture()
-            stack.close()
-            self._side = self._pool = None
-            raise
-        self._stack = stack
+        stack = self._stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(device))
+        origin = torch.cuda.current_stream(device)
+        side = self._side = self.backend.capture_stream()
+        side.wait_stream(origin)
+        # runs last on exit, once the stream is restored: later work sees the capture's
+        stack.callback(origin.wait_stream, side)
+        stack.enter_context(torch.cuda.stream(side))
+        self._pool, self._base_use = pool, pool.use_count()
+        self._g.capture_begin(pool=pool.id, capture_error_mode="thread_local")
         self._begun = True
-        guard = contextlib.ExitStack()
-        try:
-            guard.enter_context(block_host_conversions())
-            guard.enter_context(_CaptureGuard(device))
-        except BaseException:
-            guard.close()
-            self._capturing = True
-            self.abort()
-            raise
-        self._guard = guard
-        self._capturing = True
 
-    def capture_end(self) -> None:
-        if not self._capturing:
-            raise XGraphError("capture_end: no capture in progress.")
-        self._exit_guard()
-        self._capturing = False
+    def _end(self) -> None:
         try:
             self._g.capture_end()
         except Exception as exc:
-            self._after_failed_end()
-            self._close_stack()
             raise CaptureError(
                 f"Capture failed: CUDA could not record the forward ({exc}). An op in it is "
                 "not capturable (a synchronizing call, a host copy, a CUDA API call not allowed "
@@ -157,74 +99,40 @@ class CUDAGraph(Graph):
                 "Run the forward eagerly to find it, or leave it out of the captured forward."
             ) from exc
         self._begun = False
-        self._captured = True
         self._close_stack()
 
-    # -- replay ----------------------------------------------------------------------------
-
-    def replay(self) -> None:
-        if self._capturing:
-            raise XGraphError("replay: the graph is still capturing; call capture_end first.")
-        if not self._captured:
-            raise XGraphError("replay: nothing captured; call capture_begin / capture_end first.")
-        if self._pool is not None and self._pool.closed:
-            raise PoolClosedError(
-                "replay: the pool this graph was captured on is closed; capture it again."
-            )
+    def _replay(self) -> None:
         self._g.replay()
 
-    def reset(self) -> None:
-        if self._capturing or self._begun or self._stack is not None or self._guard is not None:
-            self._teardown_capture()
+    def _reset(self) -> None:
         try:
+            if self._begun:
+                self._end_failed_capture()
+            self._close_stack()
             self._g.reset()
         finally:
             # a fresh torch graph: torch refuses a second capture on an instance that had one
             self._g = torch.cuda.CUDAGraph()
-            self._captured = False
             self._pool = None
             self._side = None
             release_parked()
 
-    def abort(self) -> None:
-        """End a failed capture whatever state it left, then reset; never leaves a capture on."""
-        try:
-            self._teardown_capture()
-        finally:
-            self.reset()
-
-    # -- teardown helpers ------------------------------------------------------------------
-
-    def _exit_guard(self) -> None:
-        guard, self._guard = self._guard, None
-        if guard is not None:
-            try:
-                guard.close()
-            except Exception:
-                logger.exception("CUDAGraph: leaving the capture guard failed")
+    # -- after a failed capture ------------------------------------------------------------
 
     def _close_stack(self) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
 
-    def _teardown_capture(self) -> None:
-        self._exit_guard()
-        self._capturing = False
-        if self._begun:
-            try:
-                if self._side is not None:
-                    with torch.cuda.stream(self._side):
-                        self._g.capture_end()
-                else:
-                    self._g.capture_end()
-                self._begun = False
-            except Exception:  # the capture already failed; its own error is the one to report
-                self._after_failed_end()
-        self._close_stack()
-
-    def _after_failed_end(self) -> None:
-        """After capture_end raised: undo torch's pool bookkeeping, leave capture mode."""
+    def _end_failed_capture(self) -> None:
+        """End torch's capture on the side stream; if torch cannot, undo it by hand."""
+        try:
+            with torch.cuda.stream(self._side) if self._side else contextlib.nullcontext():
+                self._g.capture_end()
+            self._begun = False
+            return
+        except Exception:  # the capture already failed; its own error is the one to report
+            pass
         self._begun = False
         self._undo_pool_capture()
         side = self._side

@@ -2,7 +2,7 @@
 
 - native (segments=None): torch's caching allocator takes segments with cudaMalloc;
 - routed (segments=a SegmentAllocator): the pool's allocator is xgraph's process-wide one
-  (allocator.py), and the graph routes its segment requests to `segments` during capture.
+  (xgraph.routing), and `capturing()` routes its segment requests to `segments`.
 A CUDAGraph captured on the pool holds a use of it until the graph is reset, so reset the
 graphs before close(): torch then frees the pool's cached segments (routed ones through the
 allocator's free callback, back to their target). A pool closed while a graph still holds
@@ -12,6 +12,7 @@ MemPool that a graph still uses is destroyed).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -19,8 +20,9 @@ from typing import Any
 import torch
 
 from xgraph.interfaces import CapturePool, SegmentAllocator
+from xgraph.routing import handed_out, routing
 
-from .allocator import get_allocator, handed_out
+from .allocator import get_allocator
 
 logger = logging.getLogger("xgraph")
 
@@ -92,10 +94,10 @@ class CUDACapturePool(CapturePool):
     def __init__(
         self, segments: SegmentAllocator | None = None, device: torch.device | None = None
     ) -> None:
+        super().__init__(segments)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self.segments = segments
         # a MemPool belongs to the device current at its construction
         with torch.cuda.device(device):
             if segments is None:
@@ -103,9 +105,7 @@ class CUDACapturePool(CapturePool):
             else:
                 self._mempool = torch.cuda.MemPool(get_allocator())
         self.id: tuple[int, int] = tuple(self._mempool.id)  # type: ignore[assignment]
-        self.closed = False
-        self._keeper = _keeper_graph(self.id, device)
-
+        self._keeper: torch.cuda.CUDAGraph | None = _keeper_graph(self.id, device)
 
     @property
     def mempool(self) -> Any:
@@ -121,13 +121,16 @@ class CUDACapturePool(CapturePool):
             return handed_out(self.segments)
         return pool_segments_bytes(self.id, self._mempool)
 
-    def close(self) -> None:
+    def capturing(self) -> contextlib.AbstractContextManager[Any]:
+        """torch never says which capture asks for a segment: route this thread's requests."""
+        if self.segments is None:
+            return contextlib.nullcontext()
+        return routing(self.segments)
+
+    def _release(self) -> None:
         """Drop the MemPool so torch frees its segments; reset graphs captured on it first."""
         # tensors captured on the pool must be dead too: torch keeps a segment with a live
         # block and frees it later, outside the pool (pytorch#146431)
-        if self.closed:
-            return
-        self.closed = True
         keeper, self._keeper = self._keeper, None
         if keeper is not None:
             keeper.reset()

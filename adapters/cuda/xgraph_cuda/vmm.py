@@ -93,13 +93,16 @@ class CUDAVirtualMemory(CheckedVirtualMemory):
         access.location.id = self.device_index
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = access
-        granularity = check(
-            "cuMemGetAllocationGranularity",
-            cu.cuMemGetAllocationGranularity(
-                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-            ),
+        super().__init__(backend)
+
+    def _granularity(self) -> int:
+        flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        return int(
+            check(
+                "cuMemGetAllocationGranularity",
+                cu.cuMemGetAllocationGranularity(self._prop, flag),
+            )
         )
-        super().__init__(int(granularity))
 
     def _ensure_context(self) -> None:
         """Driver calls need a current context; threads torch never used have none."""
@@ -145,8 +148,3 @@ class CUDAVirtualMemory(CheckedVirtualMemory):
     def _unmap_chunk(self, address: int, size: int) -> None:
         self._ensure_context()
         check("cuMemUnmap", cu.cuMemUnmap(address, size))
-
-    def physical_bytes(self) -> int:
-        """Bytes of physical memory held in live chunks (what aliases share)."""
-        with self._lock:
-            return sum(c.size for c, _ in self._chunks.values())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -22,8 +22,14 @@ from xgraph.interfaces import CapturePool
 
 from .pool import CUDACapturePool, release_parked
 
-if TYPE_CHECKING:
-    from .backend import CUDABackend
+
+class _StreamOwner(Protocol):
+    """What the graph needs of its backend (CUDABackend): its device and capture stream."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def capture_stream(self) -> torch.cuda.Stream: ...
 
 logger = logging.getLogger("xgraph")
 
@@ -57,9 +63,9 @@ class CUDAGraph(CheckedGraph):
     """One torch.cuda.CUDAGraph; `_reset` replaces it, so the object can capture again."""
 
     pool_type = CUDACapturePool
-    backend: CUDABackend
+    backend: _StreamOwner
 
-    def __init__(self, backend: CUDABackend) -> None:
+    def __init__(self, backend: _StreamOwner) -> None:
         super().__init__(backend)
         self._g = torch.cuda.CUDAGraph()
         self._begun = False  # torch's capture_begin succeeded and its capture_end has not

@@ -1,0 +1,163 @@
+"""The shape of the code: no import cycles, small files and functions, no CPU/CUDA copies.
+
+These read the source (no imports of the modules under test), so they run anywhere.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = {
+    "xgraph": os.path.join(ROOT, "xgraph"),
+    "xgraph_cuda": os.path.join(ROOT, "adapters", "cuda", "xgraph_cuda"),
+    "xgraph_ascend": os.path.join(ROOT, "adapters", "ascend", "xgraph_ascend"),
+}
+
+
+def _modules(package: str) -> dict[str, str]:
+    """Module name -> file, for every .py file of a package."""
+    base = PACKAGES[package]
+    out = {}
+    for folder, _, files in os.walk(base):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                rel = os.path.relpath(path, os.path.dirname(base))[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = path
+    return out
+
+
+def _imports(module: str, path: str, known: set[str]) -> set[str]:
+    """Modules of `known` that `module` imports anywhere (function-level imports included)."""
+    tree = ast.parse(open(path).read(), path)
+    is_pkg = path.endswith("__init__.py")
+    found = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".")
+                keep = len(parts) - node.level + (1 if is_pkg else 0)
+                base = ".".join(parts[:keep] + ([base] if base else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for n in names:
+            if n in known and n != module:
+                found.add(n)
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a path, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                return [*stack[stack.index(m) :], m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("package", ["xgraph", "xgraph_cuda", "xgraph_ascend"])
+def test_no_import_cycle(package):
+    mods = _modules(package)
+    # a package's __init__ importing its own submodules is how packages are built; what
+    # must not happen is a module importing back into something that imports it
+    graph = {m: _imports(m, p, set(mods)) for m, p in mods.items()}
+    for m in graph:
+        graph[m] = {d for d in graph[m] if not (m.startswith(d + ".") and mods[d].endswith(
+            "__init__.py"))}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def _functions(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+@pytest.mark.parametrize("package", ["xgraph", "xgraph_cuda", "xgraph_ascend"])
+def test_files_and_functions_stay_small(package):
+    too_long = []
+    for mod, path in _modules(package).items():
+        source = open(path).read()
+        lines = source.count("\n")
+        if lines > 500:
+            too_long.append(f"{mod}: {lines} lines (> 500)")
+        for fn in _functions(ast.parse(source, path)):
+            n = (fn.end_lineno or fn.lineno) - fn.lineno + 1
+            if n > 60:
+                too_long.append(f"{mod}.{fn.name} at line {fn.lineno}: {n} lines (> 60)")
+    assert not too_long, "\n".join(too_long)
+
+
+def _windows(path: str, size: int = 6) -> dict[tuple[str, ...], int]:
+    """Every run of `size` code lines (comments, blank, import and docstring-only lines
+    dropped, whitespace folded) -> the line it starts at."""
+    keep = []
+    for i, raw in enumerate(open(path), 1):
+        line = " ".join(raw.split())
+        if not line or line.startswith(("#", "import ", "from ", '"""', "'''")) or line in (
+            ")", "]", "}", "):", "],", "),", "else:", "try:", "finally:", "pass"):
+            continue
+        keep.append((i, line))
+    return {
+        tuple(t for _, t in keep[j : j + size]): keep[j][0] for j in range(len(keep) - size + 1)
+    }
+
+
+def test_no_six_line_block_repeated_between_cpu_backend_and_cuda_adapter():
+    cpu = os.path.join(PACKAGES["xgraph"], "backends", "cpu")
+    cuda = PACKAGES["xgraph_cuda"]
+    cpu_runs: dict[tuple[str, ...], str] = {}
+    for f in sorted(os.listdir(cpu)):
+        if f.endswith(".py"):
+            for run, at in _windows(os.path.join(cpu, f)).items():
+                cpu_runs.setdefault(run, f"{f}:{at}")
+    shared = []
+    for f in sorted(os.listdir(cuda)):
+        if f.endswith(".py"):
+            for run, at in _windows(os.path.join(cuda, f)).items():
+                if run in cpu_runs:
+                    shared.append(f"cuda {f}:{at} = cpu {cpu_runs[run]}")
+    assert not shared, "\n".join(shared)
+
+
+def test_core_imports_no_device_runtime():
+    """Core modules never import torch_npu, cuda-python or an adapter."""
+    banned = re.compile(r"^\s*(import|from)\s+(torch_npu|cuda\b|cuda\.|xgraph_cuda|xgraph_ascend)")
+    offenders = [
+        f"{mod}: {line.strip()}"
+        for mod, path in _modules("xgraph").items()
+        for line in open(path)
+        if banned.match(line)
+    ]
+    assert not offenders, offenders

@@ -57,6 +57,12 @@ class PlannedRunner(AttentionRunner):
             raise XGraphError(f"{type(self).__name__}.run before plan(): plan each step first.")
         return self.md
 
+    def store_step(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> AttentionMetadata:
+        """Store the step's real tokens' k/v (padding rows stay out of the cache)."""
+        md = self.planned()
+        store_kv(k[: md.num_tokens], v[: md.num_tokens], kv_cache, md.slot_mapping)
+        return md
+
 
 class PagedDecodeRunner(PlannedRunner):
     """Graph-safe decode attention: one query token per sequence, all data from device.
@@ -68,15 +74,8 @@ class PagedDecodeRunner(PlannedRunner):
 
     graph_safe = True
 
-    def run(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        kv_cache: KVCache,
-        scale: float,
-    ) -> None:
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            kv_cache: KVCache, scale: float) -> None:  # fmt: skip
         md = self.planned()
         store_kv(k, v, kv_cache, md.slot_mapping)
         k_cache, v_cache = kv_cache
@@ -111,18 +110,9 @@ class PagedPrefillRunner(PlannedRunner):
         super().plan(metadata)
         self.spans = sequence_spans(metadata)
 
-    def run(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        kv_cache: KVCache,
-        scale: float,
-    ) -> None:
-        md = self.planned()
-        n = md.num_tokens
-        store_kv(k[:n], v[:n], kv_cache, md.slot_mapping)
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            kv_cache: KVCache, scale: float) -> None:  # fmt: skip
+        n = self.store_step(k, v, kv_cache).num_tokens
         k_cache, v_cache = kv_cache
         bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         hq = q.shape[1]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from xgraph.metadata import AttentionMetadata, KVCache
-from xgraph.runners import PlannedRunner, SeqSpan, sequence_spans, store_kv
+from xgraph.runners import PlannedRunner, SeqSpan, sequence_spans
 
 
 def _sdpa(
@@ -66,18 +66,9 @@ class SDPAPrefillRunner(PlannedRunner):
             ids = self._blocks[(i, bs)] = s.row[: -(-s.seq_len // bs)].long()
         return ids
 
-    def run(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        kv_cache: KVCache,
-        scale: float,
-    ) -> None:
-        md = self.planned()
-        n = md.num_tokens
-        store_kv(k[:n], v[:n], kv_cache, md.slot_mapping)
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            kv_cache: KVCache, scale: float) -> None:  # fmt: skip
+        n = self.store_step(k, v, kv_cache).num_tokens
         k_cache, v_cache = kv_cache
         bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         hq = q.shape[1]

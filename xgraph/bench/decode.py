@@ -1,63 +1,118 @@
 """`xgraph bench decode`: decode step time against the anchors, and executor host overhead.
 
-Side by side in one process, per batch size: eager, raw torch.cuda.CUDAGraph over static
-buffers in a shared pool (the hand-written anchor), torch.compile(mode="reduce-overhead")
-(optional, slow to compile), and the GraphExecutor step (staging + replay). Times are
-medians of device-event timings. Host overhead: host wall time of one executor step minus
-that of the raw graph's replay() call, each measured with an idle device (synchronized
-before the call) so neither waits on earlier work.
+Side by side in one process, per batch size: eager, the GraphExecutor step (staging +
+replay), the forward captured by hand with the runtime's own graph API on static buffers
+(`backend.native_graph`; absent where the backend has none) and, optionally on
+accelerators, torch.compile(mode="reduce-overhead") (slow to compile). Times are medians of
+device timings where the backend has a device timer. Host overhead: host wall time of one
+executor step minus that of the native graph's replay call, each measured with an idle
+device (synchronized before the call) so neither waits on earlier work.
 """
 
 from __future__ import annotations
 
 import random
-import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..attention import AttentionMetadata, InlineRunner, step_context
-from ..interfaces import Backend
-from .common import Timer, header, table, workload
+from ..attention import InlineRunner, step_context
+from ..executor import GraphExecutor
+from ..interfaces import AttentionRunner, Backend
+from ..metadata import AttentionMetadata
+from ..models import Step, Workload
+from ..runners import reference_runners
+from .report import header, table, workload
+from .timing import Timer, host_time
 
 
-def _host_time(backend: Backend, fn, iters: int) -> float:  # type: ignore[no-untyped-def]
-    ts = []
-    for _ in range(iters):
-        backend.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    backend.synchronize()
-    return statistics.median(ts)
-
-
-def _static_metadata(w, step) -> AttentionMetadata:  # type: ignore[no-untyped-def]
+def _static_metadata(w: Workload, step: Step) -> AttentionMetadata:
     """The step's metadata with block tables as wide as the executor's (the same work)."""
     dev = w.cache.tensors()[0].device
-    a = step.attn
-    rows = [list(r) + [w.cache.dummy_block] * (w.max_blocks - len(r)) for r in a.block_tables]
-    return AttentionMetadata.build(a.query_lens, a.seq_lens, rows, a.slot_mapping, dev)
+    wide = step.with_tensor_tables(w.max_blocks, w.cache.dummy_block)
+    return wide.attn.metadata(dev, fill_block=w.cache.dummy_block)
 
 
-def _raw_graph(w, step, runner):  # type: ignore[no-untyped-def]
-    """The anchor: the forward captured by hand with torch.cuda.graph on static tensors."""
+def _decode_runner(backend: Backend) -> AttentionRunner:
+    """A fresh decode runner of the kind the executor picks, so the anchors run the same forward."""
+    return {**reference_runners(), **backend.attention_runners()}["decode"]
+
+
+def _static_inputs(
+    backend: Backend, w: Workload, step: Step
+) -> tuple[torch.Tensor, torch.Tensor, InlineRunner]:
+    """Device token inputs and a runner planned on the step: the anchors' static buffers."""
     dev = w.cache.tensors()[0].device
-    ids, pos = step.input_ids.to(dev), step.positions.to(dev)
-    md = _static_metadata(w, step)
-    runner.plan(md)
-    pool = torch.cuda.graph_pool_handle()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad(), step_context(InlineRunner(runner)):
-        for _ in range(2):
+    runner = _decode_runner(backend)
+    runner.plan(_static_metadata(w, step))
+    return step.input_ids.to(dev), step.positions.to(dev), InlineRunner(runner)
+
+
+def _native_anchor(backend: Backend, w: Workload, step: Step) -> Callable[[], None] | None:
+    """The forward captured with the runtime's own graph API (a replay callable), or None."""
+    ids, pos, ctx = _static_inputs(backend, w, step)
+
+    def forward() -> None:
+        with torch.no_grad(), step_context(ctx):
             w.model.forward(ids, pos)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.no_grad(), step_context(InlineRunner(runner)), torch.cuda.graph(g, pool=pool):
-        out = w.model.forward(ids, pos)
-    return g, out
+
+    return backend.native_graph(forward)
+
+
+def _compiled(
+    backend: Backend, w: Workload, step: Step, timer: Timer, iters: int
+) -> dict[str, Any]:
+    """torch.compile(mode='reduce-overhead') of the same forward with the decode runner."""
+    ids, pos, ctx = _static_inputs(backend, w, step)
+
+    def fwd(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        with step_context(ctx):
+            return w.model.forward(ids, pos)
+
+    try:
+        t0 = time.perf_counter()
+        compiled = torch.compile(fwd, mode="reduce-overhead")
+        with torch.no_grad():
+            for _ in range(3):
+                compiled(ids, pos)
+        backend.synchronize()
+        compile_s = time.perf_counter() - t0
+
+        def call() -> None:
+            with torch.no_grad():
+                compiled(ids, pos)
+
+        return {"compile_s": timer(call, iters), "compile_warmup_s": compile_s}
+    except Exception as exc:  # the anchor failing must not hide the other numbers
+        return {"compile_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
+def _measure(
+    backend: Backend,
+    w: Workload,
+    step: Step,
+    executors: tuple[GraphExecutor, GraphExecutor],
+    timer: Timer,
+    iters: int,
+) -> dict[str, Any]:
+    """One batch's times: eager and executor, then the native-graph anchor where there is one."""
+    ex, eager = executors
+    row: dict[str, Any] = {
+        "eager_s": timer(lambda: eager(**step.kwargs()), iters),
+        "xgraph_s": timer(lambda: ex(**step.kwargs()), iters),
+        "xgraph_host_s": host_time(backend, lambda: ex(**step.kwargs()), iters),
+    }
+    replay = _native_anchor(backend, w, step)
+    if replay is not None:
+        row["raw_graph_s"] = timer(replay, iters)
+        row["raw_replay_host_s"] = host_time(backend, replay, iters)
+        row["host_overhead_s"] = row["xgraph_host_s"] - row["raw_replay_host_s"]
+        row["xgraph/raw_graph"] = row["xgraph_s"] / row["raw_graph_s"]
+        del replay  # the anchor's graph and its pool go before the next batch's
+    row["eager/xgraph"] = row["eager_s"] / row["xgraph_s"]
+    return row
 
 
 def run(
@@ -68,76 +123,26 @@ def run(
     compile_batches: list[int] | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    cuda = backend.device.type == "cuda"
-    batches = batches or ([1, 8, 64, 256] if cuda else [1, 8, 32])
-    w = workload(backend, model, max_seqs=max(batches), context=512 if cuda else 64)
+    accel = backend.device.type != "cpu"
+    batches = batches or ([1, 8, 64, 256] if accel else [1, 8, 32])
+    w = workload(backend, model, max_seqs=max(batches), context=512 if accel else 64)
     timer = Timer(backend)
     rng = random.Random(seed)
     ex = w.executor(w.model.forward, backend=backend, buckets=batches)
     eager = w.executor(w.model.forward, backend=backend, buckets=batches, mode="eager")
     rows = []
     for b in batches:
-        step = w.decode_step(rng, b, max_context=256 if cuda else 64).with_tensor_tables(
-            w.max_blocks, w.cache.dummy_block)
-        row: dict[str, Any] = {"batch": b}
-        row["eager_s"] = timer(lambda step=step: eager(**step.kwargs()), iters)
-        row["xgraph_s"] = timer(lambda step=step: ex(**step.kwargs()), iters)
-        row["xgraph_host_s"] = _host_time(backend, lambda step=step: ex(**step.kwargs()), iters)
-        if cuda:
-            from ..attention import PagedDecodeRunner
-
-            g, _ = _raw_graph(w, step, PagedDecodeRunner())
-            row["raw_graph_s"] = timer(g.replay, iters)
-            row["raw_replay_host_s"] = _host_time(backend, g.replay, iters)
-            row["host_overhead_s"] = row["xgraph_host_s"] - row["raw_replay_host_s"]
-            row["xgraph/raw_graph"] = row["xgraph_s"] / row["raw_graph_s"]
-            del g
-        row["eager/xgraph"] = row["eager_s"] / row["xgraph_s"]
-        if cuda and compile_batches and b in compile_batches:
-            row.update(_compiled(w, step, timer, iters))
+        step = w.decode_step(rng, b, max_context=256 if accel else 64).with_tensor_tables(
+            w.max_blocks, w.cache.dummy_block
+        )
+        row = {"batch": b, **_measure(backend, w, step, (ex, eager), timer, iters)}
+        # torch.compile's reduce-overhead mode is a graph runtime of its own: accelerators only
+        if accel and compile_batches and b in compile_batches:
+            row.update(_compiled(backend, w, step, timer, iters))
         rows.append(row)
     ex.close()
     eager.close()
-    return {
-        **header(backend, model, w),
-        "timing": timer.unit,
-        "rows": rows,
-    }
-
-
-def _compiled(w, step, timer: Timer, iters: int) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    """torch.compile(mode='reduce-overhead') of the same forward with the decode runner."""
-    from ..attention import PagedDecodeRunner
-
-    dev = w.cache.tensors()[0].device
-    a = step.attn
-    runner = PagedDecodeRunner()
-    runner.plan(
-        AttentionMetadata.build(a.query_lens, a.seq_lens, a.block_tables, a.slot_mapping, dev)
-    )
-    ids, pos = step.input_ids.to(dev), step.positions.to(dev)
-    ctx = InlineRunner(runner)
-
-    def fwd(ids, pos):  # type: ignore[no-untyped-def]
-        with step_context(ctx):
-            return w.model.forward(ids, pos)
-
-    try:
-        t0 = time.perf_counter()
-        compiled = torch.compile(fwd, mode="reduce-overhead")
-        with torch.no_grad():
-            for _ in range(3):
-                compiled(ids, pos)
-        torch.cuda.synchronize()
-        compile_s = time.perf_counter() - t0
-
-        def call():  # type: ignore[no-untyped-def]
-            with torch.no_grad():
-                compiled(ids, pos)
-
-        return {"compile_s": timer(call, iters), "compile_warmup_s": compile_s}
-    except Exception as exc:  # the anchor failing must not hide the other numbers
-        return {"compile_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    return {**header(backend, model, w), "timing": timer.unit, "rows": rows}
 
 
 def summarize(data: dict[str, Any]) -> str:
@@ -149,7 +154,7 @@ def summarize(data: dict[str, Any]) -> str:
             "xgraph ms": r["xgraph_s"] * 1e3,
             "eager/xgraph": r["eager/xgraph"],
         }
-        if "raw_graph_s" in r:
+        if "raw_graph_s" in r:  # only where the backend has a native graph API
             row.update(
                 {
                     "raw graph ms": r["raw_graph_s"] * 1e3,

@@ -2,11 +2,11 @@
 
 For each mode (private, shared-pool, shared-physical) and order (largest-first, ascending,
 random) one fresh executor captures full decode graphs of the reference model for every
-size, in one process. Graph memory is the driver's reading (CUDA: total - free after
-returning cached default-allocator memory) minus a baseline taken after the model, KV cache
-and persistent buffers exist; on the CPU backend it is the pool's bytes (memfd-backed
-physical memory) with the process's proportional resident size (Pss) beside it. The limit
-is the largest size captured alone into a fresh pool, measured the same way in the same run.
+size, in one process. Graph memory is read as `readings` says (the driver's reading minus a
+baseline taken after the model, KV cache and persistent buffers exist, on accelerators that
+report one; the pool's bytes elsewhere, with the process's memory in use beside it). The
+limit is the largest size captured alone into a fresh pool, measured the same way in the
+same run.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from typing import Any
 from ..buckets import vllm_capture_sizes
 from ..interfaces import Backend
 from ..memory import GraphMemory
-from .common import MiB, header, settle, table, workload
+from ..models import Workload
+from .readings import MiB, driver_reading, measure, settle
+from .report import header, table, workload
 
 MODES = ("private", "shared-pool", "shared-physical")
 ORDERS = ("largest-first", "ascending", "random")
@@ -34,20 +36,20 @@ def ordered(sizes: list[int], order: str, seed: int) -> list[int]:
 
 
 def _measure_capture(
-    backend: Backend, w: Any, mode: str, sizes: list[int], order_sizes: list[int]
+    backend: Backend, w: Workload, mode: str, sizes: list[int], order_sizes: list[int]
 ) -> dict[str, Any]:
     mem = GraphMemory(backend, mode)
     ex = w.executor(
         w.model.forward, backend=backend, buckets=sizes, memory=mem, name=f"bench-{mode}"
     )
-    cpu = backend.device.type == "cpu"
+    driver = driver_reading(backend)
     base = settle(backend)
     curve, resident = [], []
     for n in order_sizes:
         ex.capture([n], progress=False)
         now = settle(backend)
         resident.append((now or 0) - (base or 0))
-        curve.append(mem.graph_bytes() if cpu else resident[-1])
+        curve.append(resident[-1] if driver else mem.graph_bytes())
     s = ex.stats()
     result = {
         "mode": mode,
@@ -97,9 +99,7 @@ def run(
         "buckets": sizes,
         "limit_bytes": limit["graph_bytes"],
         "limit_resident_bytes": limit["resident_bytes"],
-        "measure": "pool bytes (memfd physical) and Pss"
-        if backend.device.type == "cpu"
-        else "driver: total - free after empty_cache, minus baseline",
+        "measure": measure(backend),
         "runs": runs,
     }
 

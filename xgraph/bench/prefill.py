@@ -15,7 +15,17 @@ from typing import Any
 from ..buckets import sglang_piecewise_sizes
 from ..interfaces import Backend
 from ..memory import GraphMemory
-from .common import MiB, Timer, header, settle, table, workload
+from ..models import Workload
+from .readings import MiB, driver_reading, settle
+from .report import header, table, workload
+from .timing import Timer
+
+MEMORY_RUNS = (
+    ("shared-physical", "ascending"),
+    ("shared-physical", "largest-first"),
+    ("shared-pool", "largest-first"),
+    ("shared-pool", "ascending"),
+)
 
 
 def compositions(n: int, rng: random.Random) -> dict[str, tuple[list[int], list[int]]]:
@@ -30,28 +40,18 @@ def compositions(n: int, rng: random.Random) -> dict[str, tuple[list[int], list[
     }
 
 
-def run(
-    backend: Backend,
-    model: str = "tiny",
-    sizes: list[int] | None = None,
-    memory_max: int | None = None,
-    iters: int = 10,
-    seed: int = 0,
-) -> dict[str, Any]:
-    cpu = backend.device.type == "cpu"
-    sizes = sizes or ([32, 64, 128] if cpu else [128, 512, 2048])
-    memory_max = memory_max or (256 if cpu else 2048)
-    largest = max(max(sizes), memory_max)
-    w = workload(backend, model, max_seqs=16, context=2 * largest)
-    timer = Timer(backend)
-    rng = random.Random(seed)
+def _step_rows(
+    backend: Backend, w: Workload, sizes: list[int], timer: Timer, iters: int, rng: random.Random
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Eager and piecewise time of every composition of every size, and the piecewise counts."""
     eager = w.executor(w.model.forward, backend=backend, buckets=sizes, mode="eager")
     pw = w.executor(w.model.forward, backend=backend, buckets=sizes, mode="piecewise")
     rows = []
     for n in sizes:
         for name, (ql, ctx) in compositions(n, rng).items():
-            step = w.prefill_step(rng, ql, ctx).with_tensor_tables(w.max_blocks,
-                                                                   w.cache.dummy_block)
+            step = w.prefill_step(rng, ql, ctx).with_tensor_tables(
+                w.max_blocks, w.cache.dummy_block
+            )
             t_eager = timer(lambda step=step: eager(**step.kwargs()), iters)
             t_pw = timer(lambda step=step: pw(**step.kwargs()), iters)
             rows.append(
@@ -67,42 +67,53 @@ def run(
     stats = pw.stats()
     eager.close()
     pw.close()
+    return rows, {"captures": stats["captures"], "replays": stats["replays"]}
+
+
+def _memory_row(backend: Backend, w: Workload, sizes: list[int], mode: str, order: str) -> dict:
+    """Piecewise graphs of every size captured in `order` into fresh `mode` memory."""
+    gm = GraphMemory(backend, mode)
+    ex = w.executor(w.model.forward, backend=backend, buckets=sizes, memory=gm, mode="piecewise")
+    base = settle(backend)
+    ex.capture(sorted(sizes, reverse=order == "largest-first"), kind="piecewise", progress=False)
+    now = settle(backend)
+    stats = ex.stats()
+    row = {
+        "mode": mode,
+        "order": order,
+        "graph_bytes": (now or 0) - (base or 0) if driver_reading(backend) else gm.graph_bytes(),
+        "pool_bytes": gm.graph_bytes(),
+        "capture_seconds": stats["capture_seconds"],
+        "graphs": stats["captures"],
+    }
+    ex.close()
+    gm.close()
+    settle(backend)
+    return row
+
+
+def run(
+    backend: Backend,
+    model: str = "tiny",
+    sizes: list[int] | None = None,
+    memory_max: int | None = None,
+    iters: int = 10,
+    seed: int = 0,
+) -> dict[str, Any]:
+    accel = backend.device.type != "cpu"
+    sizes = sizes or ([128, 512, 2048] if accel else [32, 64, 128])
+    memory_max = memory_max or (2048 if accel else 256)
+    w = workload(backend, model, max_seqs=16, context=2 * max(max(sizes), memory_max))
+    timer = Timer(backend)
+    rows, counts = _step_rows(backend, w, sizes, timer, iters, random.Random(seed))
     mem_sizes = sglang_piecewise_sizes(memory_max)
-    mem_rows = []
-    for mode, order in (
-        ("shared-physical", "ascending"),
-        ("shared-physical", "largest-first"),
-        ("shared-pool", "largest-first"),
-        ("shared-pool", "ascending"),
-    ):
-        gm = GraphMemory(backend, mode)
-        ex = w.executor(
-            w.model.forward, backend=backend, buckets=mem_sizes, memory=gm, mode="piecewise"
-        )
-        base = settle(backend)
-        todo = sorted(mem_sizes, reverse=order == "largest-first")
-        ex.capture(todo, kind="piecewise", progress=False)
-        now = settle(backend)
-        mem_rows.append(
-            {
-                "mode": mode,
-                "order": order,
-                "graph_bytes": gm.graph_bytes() if cpu else (now or 0) - (base or 0),
-                "pool_bytes": gm.graph_bytes(),
-                "capture_seconds": ex.stats()["capture_seconds"],
-                "graphs": ex.stats()["captures"],
-            }
-        )
-        ex.close()
-        gm.close()
-        settle(backend)
     return {
         **header(backend, model, w),
         "timing": timer.unit,
         "steps": rows,
-        "piecewise_stats": {"captures": stats["captures"], "replays": stats["replays"]},
+        "piecewise_stats": counts,
         "memory_sizes": mem_sizes,
-        "memory": mem_rows,
+        "memory": [_memory_row(backend, w, mem_sizes, m, o) for m, o in MEMORY_RUNS],
     }
 
 

@@ -1,0 +1,109 @@
+"""`xgraph bench ...` on the command line: the options, and one runner per benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ..buckets import vllm_capture_sizes
+from ..interfaces import Backend
+from . import decode, memory, prefill
+from .report import write_json
+
+BENCHMARKS = ("memory", "prefill", "decode")
+
+
+def _sizes(text: str | None) -> list[int] | None:
+    return [int(x) for x in text.split(",")] if text else None
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("bench", help="benchmarks: memory | prefill | decode | all")
+    p.add_argument("which", choices=[*BENCHMARKS, "all"])
+    p.add_argument("--backend", default=None)
+    p.add_argument("--model", default="tiny", help="tiny | qwen3-0.6b")
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="comma-separated sizes (memory: capture sizes; prefill: step sizes; "
+        "decode: batch sizes); defaults depend on the backend",
+    )
+    p.add_argument(
+        "--max-size",
+        type=int,
+        default=None,
+        help="memory: vLLM's capture sizes up to this (default 512 on accelerators, 128 on "
+        "the CPU backend); bench prefill: its piecewise-memory sizes up to this (default "
+        "2048 on accelerators, 256 on the CPU backend)",
+    )
+    p.add_argument(
+        "--compile",
+        default=None,
+        help="decode: batch sizes to also run under torch.compile reduce-overhead "
+        "(accelerators only)",
+    )
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--json", default=None, help="write the results here (bench all: a folder)")
+    p.add_argument("--plot", default=None, help="memory: write a PNG plot here")
+    p.add_argument("--out", default=None, help="bench all: folder for JSON, PNG and tables")
+    p.set_defaults(func=main)
+
+
+# Each runner: (backend, args, sizes given for this benchmark or None) -> (JSON data, table).
+# --sizes only applies when one benchmark runs: its meaning differs between them.
+Result = tuple[dict[str, Any], str]
+Runner = Callable[[Backend, argparse.Namespace, list[int] | None], Result]
+
+
+def _memory(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    if sizes is None and args.max_size:
+        sizes = vllm_capture_sizes(args.max_size)
+    data = memory.run(backend, args.model, sizes)
+    plot_path = args.plot or (os.path.join(args.out, "memory.png") if args.out else None)
+    if plot_path:
+        memory.plot(data, plot_path)
+    return data, memory.summarize(data)
+
+
+def _prefill(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    # bench all keeps prefill's default memory sizes: --max-size there sizes the memory run
+    memory_max = args.max_size if args.which == "prefill" else None
+    data = prefill.run(backend, args.model, sizes, memory_max=memory_max, iters=args.iters or 10)
+    return data, prefill.summarize(data)
+
+
+def _decode(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    data = decode.run(
+        backend,
+        args.model,
+        sizes,
+        iters=args.iters or 50,
+        compile_batches=_sizes(args.compile),
+    )
+    return data, decode.summarize(data)
+
+
+RUNNERS: dict[str, Runner] = {"memory": _memory, "prefill": _prefill, "decode": _decode}
+
+
+def main(args: argparse.Namespace) -> int:
+    import xgraph
+
+    backend = xgraph.get_backend(args.backend)
+    which = list(BENCHMARKS) if args.which == "all" else [args.which]
+    out = args.out
+    if out:
+        os.makedirs(out, exist_ok=True)
+    report = []
+    for name in which:
+        own = _sizes(args.sizes) if args.which == name else None
+        data, text = RUNNERS[name](backend, args, own)
+        print(f"\n## bench {name}\n\n{text}\n", flush=True)
+        report.append(f"## bench {name}\n\n{text}\n")
+        write_json(os.path.join(out, f"{name}.json") if out else args.json, data)
+    if out:
+        with open(os.path.join(out, "report.md"), "w") as f:
+            f.write("\n".join(report))
+    return 0

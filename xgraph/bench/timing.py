@@ -1,0 +1,69 @@
+"""How the benchmarks time things: device time where the backend can measure it, else host time.
+
+`Timer` asks `backend.time_on_device(fn)` (CUDA: events around the work `fn` queues) and,
+where the backend answers None, falls back to host wall time around a synchronized call.
+`host_time` is the host cost of issuing a call, measured with an idle device.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..interfaces import Backend
+
+
+class Timer:
+    """Median time of a callable on the device where the backend can time it, else on the host."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        # decided by the first measurement: a backend without a device timer answers None,
+        # and asking again every iteration would only add noise
+        self.on_device: bool | None = None
+
+    def once(self, fn: Callable[[], Any]) -> float:
+        """Seconds one call of `fn` took (device time, or synchronized host wall time)."""
+        if self.on_device is not False:
+            t = self.backend.time_on_device(fn)
+            if t is not None:
+                self.on_device = True
+                return t
+            self.on_device = False
+        # synchronized on both sides so an accelerator's queued work is inside the window
+        # (a no-op on the CPU backend, whose ops complete before they return)
+        self.backend.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        self.backend.synchronize()
+        return time.perf_counter() - t0
+
+    def __call__(self, fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> float:
+        for _ in range(warmup):
+            fn()
+        self.backend.synchronize()
+        return statistics.median(self.once(fn) for _ in range(iters))
+
+    @property
+    def unit(self) -> str:
+        """What the times are, for the reports' "timing" field."""
+        if self.on_device:
+            return f"device time ({self.backend.device_name()})"
+        if self.backend.device.type == "cpu":
+            return "host wall time (CPU backend)"
+        return f"host wall time, synchronized ({self.backend.name} has no device timer)"
+
+
+def host_time(backend: Backend, fn: Callable[[], Any], iters: int) -> float:
+    """Median host wall time of issuing `fn` with an idle device (synchronized before each call),
+    so the call never waits on earlier work: the host cost alone, not the device's."""
+    ts = []
+    for _ in range(iters):
+        backend.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    backend.synchronize()
+    return statistics.median(ts)

@@ -1,8 +1,11 @@
-"""xgraph adapter for Ascend NPUs: registration and availability (torch_npu, NPUs present).
+"""xgraph adapter for Ascend NPUs. Importing it registers two backends and loads neither
+torch_npu nor libascendcl:
 
-Importing it loads neither torch_npu nor libascendcl; the probe does, when backends are
-listed. The NPUGraph / aclrt VMM backend itself is not implemented yet, so the probe never
-reports the backend available (docs/hardware.md)."""
+- `ascend`: ACL graphs (torch_npu NPUGraph), aclrt virtual memory, torch_npu MemPools;
+  available where torch_npu imports and an NPU is visible (the probe says why not);
+- `ascend-sim`: the same adapter over a simulated ACL runtime on the host; hidden (listed
+  only when selected) and never chosen by priority. CI proves the adapter against it.
+"""
 
 from xgraph.hooks import BackendSpec, hookimpl
 
@@ -16,5 +19,13 @@ def xgraph_backends() -> list[BackendSpec]:
             backend="xgraph_ascend.backend:AscendBackend",
             probe="xgraph_ascend.probe:availability",
             distribution="xgraph-ascend",
-        )
+        ),
+        BackendSpec(
+            name="ascend-sim",
+            priority=1,
+            backend="xgraph_ascend.backend:AscendSimBackend",
+            probe="xgraph_ascend.sim:availability",
+            distribution="xgraph-ascend",
+            hidden=True,  # a simulator: selected by name only
+        ),
     ]

@@ -1,0 +1,161 @@
+"""libascendcl as ctypes sees it: structs, enum values and the C prototypes xgraph calls.
+
+Declarations only: nothing here loads a library. The runtime facade binds these prototypes
+to the symbols of libascendcl (`AclFunctions.from_library`), the simulator binds the very
+same prototypes to Python functions (`AclFunctions.from_python`), so in both cases the
+adapter calls a real C function pointer: argument conversion, the `void**` out-parameters
+and the 32-byte `aclrtPhysicalMemProp` are marshalled the same way.
+
+Sources: CANN `acl_rt.h` / `acl_mdl.h` (hicann/runtime); see /work/shared/ascend.md §3.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Mapping
+from typing import Any
+
+# -- types and enum values (acl_rt.h) -------------------------------------------------------
+
+ACL_SUCCESS = 0
+ACL_MEM_HANDLE_TYPE_NONE = 0
+ACL_MEM_ALLOCATION_TYPE_PINNED = 0
+ACL_HBM_MEM_HUGE = 4
+ACL_HBM_MEM_HUGE1G = 10
+ACL_MEM_LOCATION_TYPE_DEVICE = 1
+ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+ACL_MEM_MALLOC_HUGE_FIRST = 0  # aclrtMemMallocPolicy of aclrtMalloc
+
+GRANULARITY_2M = 2 << 20  # "currently fixed at 2M" (CANN docs); used when the query is missing
+HUGE_1G = 1 << 30
+
+# memAttr values that name device (HBM) memory; DDR attributes are refused for a device
+HBM_ATTRS = {1, 4, 5, 8, 9, 10, 11}
+
+
+class aclrtMemLocation(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_uint32), ("type", ctypes.c_uint32)]
+
+
+class aclrtPhysicalMemProp(ctypes.Structure):
+    _fields_ = [
+        ("handleType", ctypes.c_uint32),
+        ("allocationType", ctypes.c_uint32),
+        ("memAttr", ctypes.c_uint32),
+        ("location", aclrtMemLocation),
+        ("reserve", ctypes.c_uint64),
+    ]
+
+
+# the layout every caller of libascendcl relies on (LP64): a wrong field would shift reserve
+assert ctypes.sizeof(aclrtPhysicalMemProp) == 32
+assert aclrtPhysicalMemProp.location.offset == 12 and aclrtPhysicalMemProp.reserve.offset == 24
+
+
+def device_memory_prop(device_index: int, attr: int = ACL_HBM_MEM_HUGE) -> aclrtPhysicalMemProp:
+    """The physical-memory properties torch_npu, xLLM and vllm-ascend all pass: pinned HBM."""
+    prop = aclrtPhysicalMemProp()
+    prop.handleType = ACL_MEM_HANDLE_TYPE_NONE
+    prop.allocationType = ACL_MEM_ALLOCATION_TYPE_PINNED
+    prop.memAttr = attr
+    prop.location.id = device_index
+    prop.location.type = ACL_MEM_LOCATION_TYPE_DEVICE
+    prop.reserve = 0
+    return prop
+
+
+# -- prototypes ------------------------------------------------------------------------------
+
+_ERR = ctypes.c_int  # aclError
+_P = ctypes.c_void_p
+_PP = ctypes.POINTER(ctypes.c_void_p)
+_SIZE = ctypes.c_size_t
+_U64 = ctypes.c_uint64
+
+PROTOTYPES: dict[str, Any] = {
+    # aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment,
+    #                                 void *expectPtr, uint64_t flags)
+    "aclrtReserveMemAddress": ctypes.CFUNCTYPE(_ERR, _PP, _SIZE, _SIZE, _P, _U64),
+    "aclrtReleaseMemAddress": ctypes.CFUNCTYPE(_ERR, _P),
+    # aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size,
+    #                              const aclrtPhysicalMemProp *prop, uint64_t flags)
+    "aclrtMallocPhysical": ctypes.CFUNCTYPE(
+        _ERR, _PP, _SIZE, ctypes.POINTER(aclrtPhysicalMemProp), _U64
+    ),
+    "aclrtFreePhysical": ctypes.CFUNCTYPE(_ERR, _P),
+    # aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle h,
+    #                      uint64_t flags)
+    "aclrtMapMem": ctypes.CFUNCTYPE(_ERR, _P, _SIZE, _SIZE, _P, _U64),
+    "aclrtUnmapMem": ctypes.CFUNCTYPE(_ERR, _P),
+    # aclError aclrtMemGetAllocationGranularity(aclrtPhysicalMemProp *prop,
+    #                                           aclrtMemGranularityOptions option, size_t *g)
+    "aclrtMemGetAllocationGranularity": ctypes.CFUNCTYPE(
+        _ERR, ctypes.POINTER(aclrtPhysicalMemProp), ctypes.c_int, ctypes.POINTER(_SIZE)
+    ),
+    # aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
+    "aclrtMalloc": ctypes.CFUNCTYPE(_ERR, _PP, _SIZE, ctypes.c_int),
+    "aclrtFree": ctypes.CFUNCTYPE(_ERR, _P),
+    # aclError aclmdlRICaptureEnd(aclrtStream stream, aclmdlRI *modelRI)
+    "aclmdlRICaptureEnd": ctypes.CFUNCTYPE(_ERR, _P, _PP),
+    "aclmdlRIDestroy": ctypes.CFUNCTYPE(_ERR, _P),
+    # const char *aclGetRecentErrMsg(void): declared as void* so no Python bytes object has
+    # to own the C string (read with ctypes.string_at)
+    "aclGetRecentErrMsg": ctypes.CFUNCTYPE(_P),
+}
+
+# absent from older libascendcl builds (the 7.0.0-era header has no granularity query)
+OPTIONAL = {"aclrtMemGetAllocationGranularity", "aclGetRecentErrMsg"}
+
+# torch_npu's pluggable allocator, C side (NPUPluggableAllocator.h):
+# void* alloc(size_t size, int device, aclrtStream stream);
+# void free(void* ptr, size_t size, int device, aclrtStream stream);
+PLUGGABLE_ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+PLUGGABLE_FREE = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
+)
+
+
+class AclFunctions:
+    """libascendcl's functions as typed C function pointers, by name."""
+
+    def __init__(self, table: Mapping[str, Any], origin: str) -> None:
+        self._table = dict(table)
+        self.origin = origin  # "libascendcl.so" or "simulated libascendcl"
+
+    @classmethod
+    def from_library(cls, lib: ctypes.CDLL) -> AclFunctions:
+        """Bind every prototype to the library's symbol; optional ones may be missing."""
+        table = {}
+        for name, proto in PROTOTYPES.items():
+            try:
+                table[name] = proto((name, lib))
+            except AttributeError:
+                if name not in OPTIONAL:
+                    raise
+        return cls(table, getattr(lib, "_name", "libascendcl.so"))
+
+    @classmethod
+    def from_python(cls, impls: Mapping[str, Callable[..., Any]], origin: str) -> AclFunctions:
+        """Bind every prototype to a Python implementation (the simulator)."""
+        missing = set(PROTOTYPES) - set(impls) - OPTIONAL
+        if missing:
+            raise TypeError(f"simulated libascendcl lacks {sorted(missing)}")
+        return cls({n: PROTOTYPES[n](f) for n, f in impls.items() if n in PROTOTYPES}, origin)
+
+    def has(self, name: str) -> bool:
+        return name in self._table
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["_table"][name]
+        except KeyError:
+            raise AttributeError(f"{self.origin} has no {name}") from None
+
+    def recent_error(self) -> str:
+        """aclGetRecentErrMsg(), or '' where the library has none."""
+        fn = self._table.get("aclGetRecentErrMsg")
+        if fn is None:
+            return ""
+        ptr = fn()
+        return ctypes.string_at(ptr).decode(errors="replace").strip() if ptr else ""

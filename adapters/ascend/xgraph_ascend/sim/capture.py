@@ -1,0 +1,180 @@
+"""One simulated stream capture: the recorded program, task groups and their updates.
+
+A capture records what its thread issues on the capture stream: aten ops through a
+TorchDispatchMode into the CPU backend's OpTape (fresh tensors land in the capture pool),
+and device tasks (kernels of the simulated torch_npu, ExternalEvent waits, resets and
+records) as Task items between tape segments. Replay runs the program in order.
+
+Rules kept here (CANN "single-stream capture" rules): an op on the default stream while
+capturing invalidates the capture (107031); a synchronize invalidates it (107030, raised
+by the runtime); a task group must open and close on a capturing stream, not nested
+(107029 / 107033); a graph task update must re-issue, on a stream that is not capturing,
+exactly the group's tasks in count and type (207019), and it replaces their parameters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode,
+)
+
+from xgraph.backends.cpu import OpTape
+
+from ..errors import AclRuntimeError
+
+if TYPE_CHECKING:
+    from .caching import PrivatePool
+    from .streams import SimStream, SimStreams
+
+STREAM_NOT_CAPTURED = 107029
+CAPTURE_IMPLICIT = 107031
+TASK_GROUP_STATUS = 107033
+UPDATE_MISMATCH = 207019
+
+
+@dataclass
+class Task:
+    """A device task: a kernel (parameters replaceable by update) or an event operation."""
+
+    kind: str
+    fn: Callable[..., None] | None  # None: an aten op inside a task group (counted only)
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def run(self) -> None:
+        if self.fn is None:
+            return
+        # a kernel is opaque to dispatch modes, like a device kernel to torch
+        with _disable_current_modes(), torch.no_grad():
+            self.fn(*self.args, **self.kwargs)
+
+
+@dataclass(eq=False)
+class TaskGroupHandle:
+    """What graph_task_group_end returns: the group's tasks inside one capture."""
+
+    capture: SimCapture
+    tasks: list[Task]
+
+
+@dataclass(eq=False)
+class UpdateSession:
+    """An update in progress on a stream: the tasks it re-issues, checked at its end."""
+
+    handle: TaskGroupHandle
+    issued: list[Task] = field(default_factory=list)
+
+    def finish(self) -> None:
+        want = [t.kind for t in self.handle.tasks]
+        got = [t.kind for t in self.issued]
+        if want != got:
+            raise AclRuntimeError(
+                UPDATE_MISMATCH, "aclmdlRICaptureTaskUpdateEnd",
+                f"the update issued {got}, the task group holds {want}: an update must "
+                "re-issue the group's tasks, same count and type",
+            )  # fmt: skip
+        for old, new in zip(self.handle.tasks, self.issued):
+            old.args, old.kwargs = new.args, new.kwargs
+
+
+class SimCapture(TorchDispatchMode):
+    """The recorder of one capture; entered in the capturing thread, exited by its end."""
+
+    def __init__(self, streams: SimStreams, stream: SimStream, pool: PrivatePool, mode: str):
+        super().__init__()
+        self.streams, self.stream, self.pool, self.mode = streams, stream, pool, mode
+        self.thread = threading.get_ident()
+        self.program: list[OpTape | Task] = []
+        self.tape = self._new_tape()
+        self.group: list[Task] | None = None
+        self.invalid: tuple[int, str] | None = None
+        self.state = "capturing"  # -> "captured" | "failed" -> "reset"
+
+    def _new_tape(self) -> OpTape:
+        tape = OpTape()
+        tape.begin(self.pool.cache)
+        return tape
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        current = self.streams.current()
+        if current is not self.stream:
+            if current.is_default:
+                self.invalidate(CAPTURE_IMPLICIT, f"{func} ran on the default stream")
+            return out  # another stream: runs, not recorded
+        out = self.tape.record(func, args, kwargs, out)
+        if self.group is not None:
+            self.group.append(Task(func._schema.name, None))
+        return out
+
+    def invalidate(self, code: int, why: str) -> None:
+        if self.invalid is None:
+            self.invalid = (code, why)
+
+    def add_task(self, task: Task) -> None:
+        """Append a device task between two tape segments (and to the open group)."""
+        self.tape.seal()
+        self.program += [self.tape, task]
+        self.tape = self._new_tape()
+        if self.group is not None:
+            self.group.append(task)
+
+    def start(self) -> None:
+        self.__enter__()
+        self.stream.capture = self
+
+    def stop(self) -> int:
+        """End the capture (from its own thread); 0 or the code that invalidated it."""
+        if threading.get_ident() != self.thread:
+            return 107038  # ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD
+        if _get_current_dispatch_mode() is not self:
+            raise RuntimeError(
+                "simulated capture end: another TorchDispatchMode is still active above the "
+                "capture's recorder; modes entered during a capture must be left before it ends"
+            )
+        self.__exit__(None, None, None)
+        self.stream.capture = None
+        self.tape.seal()
+        self.program.append(self.tape)
+        if self.group is not None:
+            self.invalidate(TASK_GROUP_STATUS, "a task group was left open")
+        self.state = "failed" if self.invalid else "captured"
+        return self.invalid[0] if self.invalid else 0
+
+    def replay(self) -> None:
+        with torch.no_grad():
+            for item in self.program:
+                if isinstance(item, Task):
+                    item.run()
+                else:
+                    item.replay()
+
+    def drop(self) -> None:
+        self.state = "reset"
+        for item in self.program:
+            if isinstance(item, OpTape):
+                item.clear()
+        self.program = []
+
+
+def route_task(streams: SimStreams, stream: Any, task: Task, run_at_capture: bool) -> None:
+    """Issue a device task on `stream` (None: current): record it, collect it for an update,
+    or run it now."""
+    s = stream if stream is not None else streams.current()
+    if s.capture is not None:
+        s.capture.add_task(task)
+        if run_at_capture:
+            task.run()  # like the tape, a capture computes real values once
+    elif s.update is not None:
+        s.update.issued.append(task)
+    else:
+        task.run()

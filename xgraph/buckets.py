@@ -103,10 +103,13 @@ class Input:
     """A declared model input: one persistent buffer of shape `shape` at the dims' maxima.
 
     `shape` holds ints and dim names ("num_tokens", or names of declared Dims); `fill` is
-    written into padding (e.g. a dummy slot for slot mappings, 0 for token ids).
+    written into padding (e.g. a dummy slot for slot mappings, 0 for token ids); `bounds`
+    makes the executor refuse values outside [low, high) with an InputError naming the input
+    (an index out of range inside a graph would only fail inside the replay, unnamed).
     """
 
     name: str
     dtype: object  # torch.dtype; kept loose so the dataclass needs no torch import
     shape: tuple[int | str, ...]
     fill: float | int = 0
+    bounds: tuple[int, int] | None = None  # valid values lie in [low, high): token ids, positions

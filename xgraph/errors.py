@@ -43,6 +43,10 @@ class VirtualMemoryError(XGraphError):
         super().__init__(msg)
 
 
+class ConcurrentStepError(XGraphError, RuntimeError):
+    """A second thread called an executor while a step of it was running."""
+
+
 class PoolClosedError(XGraphError):
     """Use of a memory pool (or of a graph captured on it) after the pool was closed."""
 

@@ -13,12 +13,14 @@ copies).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,7 +29,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .attention import InlineRunner, StepContext, step_context
 from .buckets import Buckets, Dim, Input, default_sizes
-from .errors import CaptureError, XGraphError, XGraphWarning
+from .errors import (
+    CaptureError,
+    ConcurrentStepError,
+    VirtualMemoryError,
+    XGraphError,
+    XGraphWarning,
+)
 from .interfaces import AttentionRunner, Backend
 from .memory import GraphMemory, Lease
 from .metadata import AttentionInputs
@@ -134,6 +142,7 @@ class GraphExecutor:
         self._out_spec: Any = None
         self._stats = ExecutorStats()
         self._closed = False
+        self._busy = threading.Lock()  # one step at a time: outputs are shared buffers
 
     def _runners(
         self, attention: PagedAttention | None
@@ -161,14 +170,34 @@ class GraphExecutor:
     def __call__(
         self, attn: AttentionInputs | None = None, clone: bool = False, **inputs: torch.Tensor
     ) -> Any:
-        """Run one step; returns the forward's outputs sliced to the real number of tokens."""
-        if self._closed:
-            raise XGraphError(f"{self.name} is closed; create a new executor.")
-        out = self._run(self.planner.plan(inputs, attn))
-        if clone:
-            flat, spec = tree_flatten(out)
-            out = tree_unflatten([t.clone() for t in flat], spec)
+        """Run one step; returns the forward's outputs sliced to the real number of tokens.
+
+        Not reentrant and not for concurrent use: a call while another thread's step runs
+        raises ConcurrentStepError (outputs are views of one set of persistent buffers, so
+        two overlapping steps could not both be right). Serialize steps in the engine.
+        """
+        with self._exclusive("step"):
+            out = self._run(self.planner.plan(inputs, attn))
+            if clone:  # inside the lock: the next step may overwrite the buffers right after
+                flat, spec = tree_flatten(out)
+                out = tree_unflatten([t.clone() for t in flat], spec)
         return out
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        if not self._busy.acquire(blocking=False):
+            raise ConcurrentStepError(
+                f"{self.name}: a {what} was started while another step of this executor is "
+                "running (another thread, or the forward calling its own executor). A "
+                "GraphExecutor runs one step at a time: serialize the calls, or give each "
+                "thread its own executor."
+            )
+        try:
+            if self._closed:
+                raise XGraphError(f"{self.name} is closed; create a new executor.")
+            yield
+        finally:
+            self._busy.release()
 
     def _run(self, step: Step) -> Any:
         if step.kind is Kind.EAGER:
@@ -281,11 +310,16 @@ class GraphExecutor:
         try:
             graph = self._recording(step.kind, lease)
             self._record(step, graph)
-        except Exception as exc:
-            if graph is not None:
-                graph.abort()
-            self.memory.rollback(lease)
-            return self._capture_failed(step, exc)
+        except BaseException as exc:  # a transaction: Ctrl-C mid-capture rolls back too
+            try:
+                if graph is not None:
+                    graph.abort()
+            finally:
+                self.memory.rollback(lease)
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: re-raised
+                raise
+            failure = lease.space.failure if lease.space is not None else None
+            return self._capture_failed(step, failure or exc)
         seconds = time.perf_counter() - t0
         entry = _Entry(step.kind, graph, lease, seconds)
         self._graphs[step.key] = entry
@@ -301,7 +335,7 @@ class GraphExecutor:
         reason = f"{type(exc).__name__}: {exc}"
         self._stats.failed_keys[key] = reason
         if self.on_capture_error is Fallback.RAISE:
-            if isinstance(exc, CaptureError):
+            if isinstance(exc, (CaptureError, VirtualMemoryError)):
                 raise exc
             raise CaptureError(
                 f"{self.name}: capturing {key} failed ({reason}). Nothing was kept; fix the "
@@ -337,7 +371,8 @@ class GraphExecutor:
         todo = list(sizes) if sizes is not None else sorted(self.buckets.sizes, reverse=True)
         for n in _progress(todo, f"{self.name}: capturing {k.value} graphs", progress):
             tensors, attn = self.planner.synthetic(n, k, key_dims)
-            self._run(self.planner.plan(tensors, attn, kind=k))
+            with self._exclusive("capture"):
+                self._run(self.planner.plan(tensors, attn, kind=k, synthetic=True))
 
     # -- reporting and teardown ------------------------------------------------------------
 
@@ -364,15 +399,21 @@ class GraphExecutor:
         return e.graph if e else None
 
     def close(self) -> None:
-        """Reset every graph, then give back graph memory (if this executor owns it)."""
+        """Wait for queued work, reset every graph, give back graph memory (if owned).
+
+        Safe right after steps, with no synchronize of the caller's: replays still queued
+        on the device finish before any memory they use is unmapped or freed.
+        """
         if self._closed:
             return
-        self._closed = True
-        for e in self._graphs.values():
-            e.graph.reset()
-        self._graphs.clear()
-        if self._owns_memory:
-            self.memory.close()
+        with self._exclusive("close"):
+            self._closed = True
+            self.backend.synchronize()
+            for e in self._graphs.values():
+                e.graph.reset()
+            self._graphs.clear()
+            if self._owns_memory:
+                self.memory.close()
 
     def __enter__(self) -> GraphExecutor:
         return self

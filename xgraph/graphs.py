@@ -150,6 +150,8 @@ class CheckedGraph(Graph):
             self._undo_capture(self._route)
             return
         try:
+            if self.captured:
+                self.backend.synchronize()  # a queued replay may still run this graph
             self._reset()
         finally:
             self._forget()

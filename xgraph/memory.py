@@ -118,6 +118,7 @@ class GraphMemory:
 
     def rollback(self, lease: Lease) -> None:
         """Undo a failed capture's lease: its own pool closed, its VA space and chunks gone."""
+        self.backend.synchronize()  # warm-up work may still read the memory going away
         if lease.owned:
             lease.pool.close()
             self._pools.remove(lease.pool)
@@ -146,6 +147,7 @@ class GraphMemory:
         if self.closed:
             return
         self.closed = True
+        self.backend.synchronize()  # queued replays may still use every pool's memory
         for p in self._pools:
             p.close()
         self._pools.clear()

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .errors import XGraphError
 from .interfaces import AttentionRunner
 
 
@@ -29,6 +30,21 @@ class PagedAttention:
     kv_tensors: Sequence[torch.Tensor] = ()
     decode_runner: AttentionRunner | None = None
     prefill_runner: AttentionRunner | None = None
+    num_blocks: int = 0  # blocks per cache tensor, the dummy included; 0: from kv_tensors
+
+    def __post_init__(self) -> None:
+        if not self.num_blocks:
+            if not self.kv_tensors:
+                raise XGraphError(
+                    "PagedAttention needs num_blocks (or kv_tensors) to check block ids; use "
+                    "PagedAttention.for_cache(cache, ...) or pass num_blocks=."
+                )
+            self.num_blocks = int(self.kv_tensors[0].shape[0])
+        if not 0 <= self.dummy_block < self.num_blocks:
+            raise XGraphError(
+                f"PagedAttention: dummy_block {self.dummy_block} is outside the cache's "
+                f"{self.num_blocks} blocks."
+            )
 
     @classmethod
     def for_cache(

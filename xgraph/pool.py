@@ -37,13 +37,15 @@ class AddressSpace:
     mapped: int = 0  # chunks [0, mapped) are mapped at base + k * chunk
     created: list[int] = field(default_factory=list)  # indices of chunks this space created
     closed: bool = False
+    failure: XGraphError | None = None  # why the last allocation returned 0
 
     def alloc(self, nbytes: int) -> int:
         """Bump-allocate a segment; returns 0 when the pool cannot supply it (OOM)."""
         try:
-            return self.pool._alloc(self, nbytes)
+            return self.pool.grow(self, nbytes)
         except XGraphError as exc:  # allocator callbacks must not raise into the runtime
             logger.error("shared-physical pool: allocation of %d bytes failed: %s", nbytes, exc)
+            self.failure = exc  # the executor reports it instead of the runtime's bare OOM
             return 0
 
     def free(self, address: int, nbytes: int) -> None:
@@ -87,7 +89,8 @@ class SharedPhysicalPool:
             self.spaces.append(space)
             return space
 
-    def _alloc(self, space: AddressSpace, nbytes: int) -> int:
+    def grow(self, space: AddressSpace, nbytes: int) -> int:
+        """Give `space` the next `nbytes` (rounded to chunks), mapping and creating chunks."""
         with self._lock:
             if self.closed or space.closed:
                 raise PoolClosedError("allocation from a closed pool or space")

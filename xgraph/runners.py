@@ -68,8 +68,9 @@ class PagedDecodeRunner(PlannedRunner):
     """Graph-safe decode attention: one query token per sequence, all data from device.
 
     Launch shape is fixed by (sequences, block-table width): every sequence gathers its
-    whole block-table row and masks positions >= seq_len on the device, so neither the
-    sequence lengths nor the block tables ever reach the host.
+    whole block-table row and masks positions >= seq_len on the device (scores and values
+    both, so garbage there cannot reach a real row), so neither the sequence lengths nor the
+    block tables ever reach the host.
     """
 
     graph_safe = True
@@ -92,6 +93,9 @@ class PagedDecodeRunner(PlannedRunner):
         masked = pos[None, :] >= md.seq_lens[:b, None]
         scores = scores.masked_fill(masked[:, None, None, :], float("-inf"))
         probs = scores.softmax(-1).to(vals.dtype)
+        # slots past seq_len (the dummy block, stale or never-written cache) may hold NaN or
+        # inf: a zero probability times NaN is NaN, so they are zeroed, not just weighted 0
+        vals = vals.masked_fill(masked[:, :, None, None], 0)
         o = torch.einsum("bhgl,blhd->bhgd", probs, vals)
         out.copy_(o.reshape(b, hq, d))
 

@@ -134,11 +134,17 @@ class StepPlanner:
     # -- plan ------------------------------------------------------------------------------
 
     def plan(
-        self, inputs: Mapping[str, Any], attn: AttentionInputs | None, kind: Kind | None = None
+        self,
+        inputs: Mapping[str, Any],
+        attn: AttentionInputs | None,
+        kind: Kind | None = None,
+        synthetic: bool = False,
     ) -> Step:
-        """Validate, classify, bucket and stage one step; `kind` forces the graph kind."""
+        """Validate, classify, bucket and stage one step; `kind` forces the graph kind;
+        `synthetic` marks the executor's own pre-capture steps (dummy block only)."""
         tensors, sizes = validate_inputs(self.name, self.inputs, self.dims, inputs, self.device)
-        step = Step(Kind.EAGER, tensors, sizes, attn=self._attention(attn, sizes[NUM_TOKENS]))
+        attn = self._attention(attn, sizes[NUM_TOKENS], synthetic)
+        step = Step(Kind.EAGER, tensors, sizes, attn=attn)
         self._classify(step, kind)
         if step.kind is Kind.EAGER:
             if step.attn is not None:
@@ -147,7 +153,9 @@ class StepPlanner:
         self._stage(step)
         return step
 
-    def _attention(self, attn: AttentionInputs | None, num_tokens: int) -> AttentionInputs | None:
+    def _attention(
+        self, attn: AttentionInputs | None, num_tokens: int, synthetic: bool
+    ) -> AttentionInputs | None:
         if self.attention is None:
             if attn is not None:
                 raise InputError(
@@ -160,7 +168,7 @@ class StepPlanner:
                 "attn=xgraph.AttentionInputs(...)."
             )
         return validate_attention(
-            self.name, self.attention, attn, num_tokens, self.max_seqs, self.device
+            self.name, self.attention, attn, num_tokens, self.max_seqs, self.device, synthetic
         )
 
     def _classify(self, step: Step, forced: Kind | None) -> None:

@@ -32,6 +32,12 @@ class CheckedVirtualMemory(VirtualMemory):
         self._mappings: dict[int, PhysicalChunk] = {}  # address -> chunk mapped there
         self._chunks: dict[int, tuple[PhysicalChunk, set[int]]] = {}  # id -> (chunk, addresses)
 
+    def _quiesce(self) -> None:
+        """Wait for queued device work before memory goes away: unmapping what a queued
+        kernel still reads is an illegal access that poisons the whole CUDA context."""
+        if self.backend is not None:
+            self.backend.synchronize()
+
     # -- checks ----------------------------------------------------------------------------
 
     def _check_size(self, call: str, size: int) -> None:
@@ -85,6 +91,7 @@ class CheckedVirtualMemory(VirtualMemory):
     def free(self, chunk: PhysicalChunk) -> None:
         with self._lock:
             mapped_at = self._live("free", chunk)
+            self._quiesce()
             if mapped_at:
                 raise VirtualMemoryError(
                     "free",
@@ -126,6 +133,7 @@ class CheckedVirtualMemory(VirtualMemory):
             chunk = self._mappings.get(address)
             if chunk is None:
                 raise VirtualMemoryError("unmap", f"nothing is mapped at {address:#x}")
+            self._quiesce()
             self._unmap_chunk(address, chunk.size)
             del self._mappings[address]
             self._chunks[id(chunk)][1].discard(address)

@@ -7,6 +7,7 @@ without graphs on the same (optionally padded) batch, the reference the executor
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -72,9 +73,15 @@ class Workload:
     def attention(self, **kw: object) -> PagedAttention:
         return PagedAttention.for_cache(self.cache, self.max_seqs, self.max_blocks, **kw)
 
+    def inputs(self) -> list[Input]:
+        """TOKEN_INPUTS with the model's bounds: token ids in the vocabulary, positions below
+        the rotary table's length."""
+        limits = {"input_ids": self.vocab, "positions": self.model.config.max_position}
+        return [dataclasses.replace(i, bounds=(0, limits[i.name])) for i in TOKEN_INPUTS]
+
     def executor(self, forward=None, **kw: object) -> GraphExecutor:  # type: ignore[no-untyped-def]
         kw.setdefault("attention", self.attention())
-        return GraphExecutor(forward or self.model.forward_logits, inputs=TOKEN_INPUTS, **kw)
+        return GraphExecutor(forward or self.model.forward_logits, inputs=self.inputs(), **kw)
 
     def randomize_cache(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)

@@ -23,6 +23,12 @@ class CPUBackend(Backend):
     graph_class = CPUGraph
     virtual_memory_class = HostVirtualMemory if hasattr(os, "memfd_create") else None
 
+    def __init__(self) -> None:
+        # replays since the last synchronize: CPU work is done when it returns, but the
+        # backend keeps a GPU's queue discipline so CI catches teardown that would unmap
+        # memory under queued kernels on a device (the VMM refuses to unmap while > 0)
+        self.queued = 0
+
     @classmethod
     def availability(cls) -> Availability:
         vmm = "memfd VMM" if cls.virtual_memory_class else "no VMM (memfd_create missing)"
@@ -43,7 +49,8 @@ class CPUBackend(Backend):
         return HostCachingPool(vm, segments)  # type: ignore[arg-type]  # ours: a HostVirtualMemory
 
     def synchronize(self) -> None:
-        """CPU ops complete before they return: nothing is queued."""
+        """CPU ops complete before they return; only the queue discipline is reset."""
+        self.queued = 0
 
     def as_tensor(self, address: int, nbytes: int) -> torch.Tensor:
         return host_tensor(address, nbytes)

@@ -31,6 +31,7 @@ class CPUGraph(CheckedGraph):
 
     def _replay(self) -> None:
         self.tape.replay()
+        self.backend.queued += 1  # as if queued on a device: see CPUBackend.queued
 
     def _reset(self) -> None:
         self.tape.clear()

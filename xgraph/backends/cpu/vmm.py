@@ -99,7 +99,19 @@ class HostVirtualMemory(CheckedVirtualMemory):
             _libc.munmap(start + size, tail)
         return start
 
+    def _refuse_if_queued(self, call: str) -> None:
+        """The simulated device queue (CPUBackend.queued): memory a queued replay may still
+        use must not go away; on a GPU that is an illegal access, here a clear error."""
+        if getattr(self.backend, "queued", 0):
+            raise VirtualMemoryError(
+                call,
+                f"{self.backend.queued} replay(s) queued since the last synchronize may still "
+                "use this memory",
+                "Synchronize the backend first.",
+            )
+
     def _release_range(self, address: int, size: int) -> None:
+        self._refuse_if_queued("release")
         if _libc.munmap(address, size) != 0:
             raise VirtualMemoryError("release (munmap)", _errno_name())
 
@@ -113,6 +125,7 @@ class HostVirtualMemory(CheckedVirtualMemory):
         return offset
 
     def _free_chunk(self, handle: int, size: int) -> None:
+        self._refuse_if_queued("free")
         rc = _libc.fallocate(self._fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, handle, size)
         if rc != 0:
             raise VirtualMemoryError("free (fallocate PUNCH_HOLE)", _errno_name())
@@ -126,6 +139,7 @@ class HostVirtualMemory(CheckedVirtualMemory):
             raise VirtualMemoryError("map (mmap MAP_FIXED)", _errno_name())
 
     def _unmap_chunk(self, address: int, size: int) -> None:
+        self._refuse_if_queued("unmap")
         self._placeholder(address, size)
 
     def backed_bytes(self) -> int:

@@ -201,6 +201,7 @@ class Registry:
             if name is None and os.environ.get("XGRAPH_BACKEND"):
                 name, source = os.environ["XGRAPH_BACKEND"].strip(), "XGRAPH_BACKEND"
             if name is None:
+                source = "highest priority available"
                 # hidden backends (tests, simulators) are only ever chosen by name
                 avail = [b for b in self.list() if b.available and not _hidden(b)]
                 if not avail:  # cpu is always registered, so this means cpu itself is broken

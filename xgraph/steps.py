@@ -13,6 +13,7 @@ into the persistent buffers (one host-to-device copy) and returns views padded t
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 
 from .buckets import Buckets, Dim, Input
 from .buffers import BufferSpec, StagedBuffers
-from .errors import BucketOverflowError, InputError, XGraphError
+from .errors import BucketOverflowError, InputError, XGraphError, XGraphWarning
 from .metadata import AttentionInputs, AttentionMetadata, padded_lengths
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
@@ -213,12 +214,14 @@ class StepPlanner:
                 f"{self.name}: {dim}={n} is above the largest bucket {largest}. Raise the "
                 "largest bucket, split the batch, or use on_overflow='eager'."
             )
-        if not self._warned_overflow:
+        if not self._warned_overflow:  # a warning reaches users who set up no logging
             self._warned_overflow = True
-            logger.warning(
-                "%s: %s=%d is above the largest bucket %d; running such steps eagerly "
-                "(on_overflow='eager'). Shown once.", self.name, dim, n, largest,
-            )  # fmt: skip
+            msg = (
+                f"{self.name}: {dim}={n} is above the largest bucket {largest}; such steps run "
+                "eagerly (on_overflow='eager'). Shown once."
+            )
+            warnings.warn(msg, XGraphWarning, stacklevel=5)
+            logger.warning(msg)
         step.reason = "above largest bucket"
 
     # -- stage -----------------------------------------------------------------------------

@@ -16,17 +16,30 @@ BENCHMARKS = ("memory", "prefill", "decode")
 
 
 def _sizes(text: str | None) -> list[int] | None:
-    return [int(x) for x in text.split(",")] if text else None
+    if not text:
+        return None
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of sizes (for example 1,8,64)"
+        ) from None
+    if any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be positive")
+    return sizes
 
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks: memory | prefill | decode | all")
-    p.add_argument("which", choices=[*BENCHMARKS, "all"])
-    p.add_argument("--backend", default=None)
-    p.add_argument("--model", default="tiny", help="tiny | qwen3-0.6b")
+    p.add_argument("which", choices=[*BENCHMARKS, "all"], help="which benchmark to run")
+    p.add_argument("--backend", default=None,
+                   help="backend name (default: XGRAPH_BACKEND, else the best available one)")
+    p.add_argument("--model", default="tiny", choices=["tiny", "qwen3-0.6b"],
+                   help="reference model shape (random weights)")
     p.add_argument(
         "--sizes",
         default=None,
+        type=_sizes,
         help="comma-separated sizes (memory: capture sizes; prefill: step sizes; "
         "decode: batch sizes); defaults depend on the backend",
     )
@@ -41,10 +54,12 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--compile",
         default=None,
+        type=_sizes,
         help="decode: batch sizes to also run under torch.compile reduce-overhead "
         "(accelerators only)",
     )
-    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed repetitions per measurement (default 50 decode, 10 prefill)")
     p.add_argument("--json", default=None, help="write the results here (bench all: a folder)")
     p.add_argument("--plot", default=None, help="memory: write a PNG plot here")
     p.add_argument("--out", default=None, help="bench all: folder for JSON, PNG and tables")
@@ -80,7 +95,7 @@ def _decode(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
         args.model,
         sizes,
         iters=args.iters or 50,
-        compile_batches=_sizes(args.compile),
+        compile_batches=args.compile,
     )
     return data, decode.summarize(data)
 
@@ -98,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
         os.makedirs(out, exist_ok=True)
     report = []
     for name in which:
-        own = _sizes(args.sizes) if args.which == name else None
+        own = args.sizes if args.which == name else None
         data, text = RUNNERS[name](backend, args, own)
         print(f"\n## bench {name}\n\n{text}\n", flush=True)
         report.append(f"## bench {name}\n\n{text}\n")

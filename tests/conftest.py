@@ -1,6 +1,7 @@
 import os
 
 import pytest
+import torch
 
 # Tests pick backends by name; a stray XGRAPH_BACKEND from the shell must not redirect them.
 os.environ.pop("XGRAPH_BACKEND", None)
@@ -11,3 +12,7 @@ def cpu():
     import xgraph
 
     return xgraph.get_backend("cpu")
+
+# The reference model's ops are tiny: one intra-op thread is faster than two fighting over
+# two cores with everything else a CI machine runs, and its timings stay steady.
+torch.set_num_threads(1)

@@ -112,3 +112,11 @@ def test_decode_with_device_hooks() -> None:
         assert r["host_overhead_s"] == pytest.approx(r["xgraph_host_s"] - r["raw_replay_host_s"])
     text = decode.summarize(data)
     assert "raw graph ms" in text and "overhead us" in text
+
+
+def test_soak_runs_random_steps_without_a_mismatch(tmp_path):
+    out = tmp_path / "soak.json"
+    assert main(["bench", "soak", "--backend", "cpu", "--steps", "60", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["steps"] == 60 and data["mismatches"] == 0 and data["caches_equal"]
+    assert data["captures"] > 0 and data["replays"] > 0 and data["samples"]

@@ -7,12 +7,13 @@ measure them (`Backend.time_on_device`; CUDA events on CUDA) and host wall times
 `Backend.native_graph` and is left out where the runtime has no graph API of its own.
 
 Modules: `cli` (options and dispatch), `decode`, `prefill`, `memory` (one benchmark each),
+`soak` (random mixed steps checked against eager, memory sampled),
 `timing` (device or host time), `readings` (graph memory), `report` (workload, JSON, tables).
 """
 
 from __future__ import annotations
 
-from . import decode, memory, prefill
+from . import decode, memory, prefill, soak
 from .cli import add_parsers, main
 
-__all__ = ["add_parsers", "decode", "main", "memory", "prefill"]
+__all__ = ["add_parsers", "decode", "main", "memory", "prefill", "soak"]

@@ -9,10 +9,10 @@ from typing import Any
 
 from ..buckets import vllm_capture_sizes
 from ..interfaces import Backend
-from . import decode, memory, prefill
+from . import decode, memory, prefill, soak
 from .report import write_json
 
-BENCHMARKS = ("memory", "prefill", "decode")
+BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
 
 
 def _sizes(text: str | None) -> list[int] | None:
@@ -30,8 +30,9 @@ def _sizes(text: str | None) -> list[int] | None:
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("bench", help="benchmarks: memory | prefill | decode | all")
-    p.add_argument("which", choices=[*BENCHMARKS, "all"], help="which benchmark to run")
+    p = sub.add_parser("bench", help="benchmarks: memory | prefill | decode | all | soak")
+    p.add_argument("which", choices=[*BENCHMARKS, "all", "soak"],
+                   help="which benchmark to run (all: memory, prefill and decode)")
     p.add_argument("--backend", default=None,
                    help="backend name (default: XGRAPH_BACKEND, else the best available one)")
     p.add_argument("--model", default="tiny", choices=["tiny", "qwen3-0.6b"],
@@ -60,6 +61,10 @@ def add_parsers(sub: Any) -> None:
     )
     p.add_argument("--iters", type=int, default=None,
                    help="timed repetitions per measurement (default 50 decode, 10 prefill)")
+    p.add_argument("--steps", type=int, default=2000,
+                   help="soak: random steps to run, each checked against eager")
+    p.add_argument("--memory", default=None, choices=["shared-physical", "shared-pool", "private"],
+                   help="soak: the executor's memory mode (default: the backend's default)")
     p.add_argument("--json", default=None, help="write the results here (bench all: a folder)")
     p.add_argument("--plot", default=None, help="memory: write a PNG plot here")
     p.add_argument("--out", default=None, help="bench all: folder for JSON, PNG and tables")
@@ -100,7 +105,15 @@ def _decode(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
     return data, decode.summarize(data)
 
 
-RUNNERS: dict[str, Runner] = {"memory": _memory, "prefill": _prefill, "decode": _decode}
+def _soak(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    data = soak.run(backend, steps=args.steps, memory=args.memory,
+                    sample_every=max(1, args.steps // 20))
+    return data, soak.summarize(data)
+
+
+RUNNERS: dict[str, Runner] = {
+    "memory": _memory, "prefill": _prefill, "decode": _decode, "soak": _soak,
+}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -108,6 +121,7 @@ def main(args: argparse.Namespace) -> int:
 
     backend = xgraph.get_backend(args.backend)
     which = list(BENCHMARKS) if args.which == "all" else [args.which]
+    failed = False
     out = args.out
     if out:
         os.makedirs(out, exist_ok=True)
@@ -118,7 +132,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"\n## bench {name}\n\n{text}\n", flush=True)
         report.append(f"## bench {name}\n\n{text}\n")
         write_json(os.path.join(out, f"{name}.json") if out else args.json, data)
+        failed |= bool(data.get("mismatches"))
     if out:
         with open(os.path.join(out, "report.md"), "w") as f:
             f.write("\n".join(report))
-    return 0
+    return 1 if failed else 0

@@ -6,8 +6,6 @@ poison the context and fail there (and in every later test).
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 

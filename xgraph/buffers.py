@@ -3,19 +3,48 @@
 Every persistent input (token ids, positions, slot mapping, sequence lengths, block tables,
 user-declared extras) is a view of one device tensor sized for the largest bucket; graphs
 read slices of those views, so their addresses never change. A step writes its host values
-into the twin views in pinned host memory (cheap CPU work, no device launches) and then one
-asynchronous copy moves the touched prefix to the device. On the CPU backend the twin is
-the buffer itself. Values already on the device are written on the device after that copy.
+into the twin views in pinned host memory and then one asynchronous copy moves the touched
+prefix to the device. On the CPU backend the twin is the buffer itself. Values already on
+the device are written on the device after that copy.
+
+Host writes go through numpy views of the twin: on the per-step path a numpy slice
+assignment costs well under a microsecond where a torch op on a small CPU tensor costs
+several. Device views of a given extent are made once and reused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 ALIGN = 64  # bytes: every view starts on a cache line / vector boundary
+
+_NUMPY = {
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
+    torch.float64: np.float64,
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+}
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One buffer's extent: its host (numpy or torch) and device views, and where it ends."""
+
+    np: np.ndarray | None
+    host: torch.Tensor
+    device: torch.Tensor
+    end: int  # bytes of the packed twin up to the extent's last element (0: not staged)
+    fill: float | int
 
 
 @dataclass(frozen=True)
@@ -24,6 +53,10 @@ class BufferSpec:
     dtype: torch.dtype
     shape: tuple[int, ...]
     fill: float | int
+
+
+def _nbytes(s: BufferSpec) -> int:
+    return _numel(s.shape) * torch.empty((), dtype=s.dtype).element_size()
 
 
 class StagedBuffers:
@@ -36,8 +69,7 @@ class StagedBuffers:
         total = 0
         for s in specs:
             self.offsets[s.name] = total
-            nbytes = _numel(s.shape) * torch.empty((), dtype=s.dtype).element_size()
-            total += -(-nbytes // ALIGN) * ALIGN
+            total += -(-_nbytes(s) // ALIGN) * ALIGN
         self.nbytes = total
         self.packed = torch.empty(max(total, ALIGN), dtype=torch.uint8, device=device)
         self.staged = device.type != "cpu"
@@ -49,51 +81,95 @@ class StagedBuffers:
                 self.host_packed = torch.empty_like(self.packed, device="cpu")
         self.device_views = {s.name: self._view(self.packed, s) for s in specs}
         self.host_views = {s.name: self._view(self.host_packed, s) for s in specs}
+        self.np_views = {
+            s.name: self.host_views[s.name].numpy() for s in specs if s.dtype in _NUMPY
+        }
         for s in specs:
             self.host_views[s.name].fill_(s.fill)
         if self.staged:
             self.packed.copy_(self.host_packed)
-        self._event: torch.Event | None = None
+        self._event = torch.Event(device=device) if self.staged else None
+        self._pending = False  # a copy from the host twin may still be reading it
         self._dirty = 0  # bytes of the host twin written since the last flush
-        self._device_writes: list[tuple[str, torch.Tensor, tuple[int, ...]]] = []
+        self._device_writes: list[tuple[torch.Tensor, torch.Tensor, float | int]] = []
+        self._extents: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._targets: dict[tuple[str, tuple[int, ...]], _Target] = {}
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _view(self, packed: torch.Tensor, s: BufferSpec) -> torch.Tensor:
         off = self.offsets[s.name]
-        n = _numel(s.shape) * torch.empty((), dtype=s.dtype).element_size()
-        return packed[off : off + n].view(s.dtype).view(s.shape)
+        return packed[off : off + _nbytes(s)].view(s.dtype).view(s.shape)
+
+    def device_view(self, name: str, extent: tuple[int, ...]) -> torch.Tensor:
+        """buffer[:extent[0], :extent[1], ...] on the device (made once per extent)."""
+        view = self._extents.get((name, extent))
+        if view is None:
+            view = self.device_views[name][tuple(slice(0, e) for e in extent)]
+            self._extents[(name, extent)] = view
+        return view
 
     def begin(self) -> None:
         """Before writing a step: the previous step's copy must have read the host twin."""
-        if self._event is not None:
+        if self._pending:
+            assert self._event is not None
             self._event.synchronize()
-            self._event = None
+            self._pending = False
 
-    def write(self, name: str, value: torch.Tensor, extent: Sequence[int]) -> torch.Tensor:
-        """Stage `value` into the prefix of buffer[extent], `fill` elsewhere in the extent;
-        returns the device view buffer[extent] (valid once `flush` has run)."""
-        extent = tuple(int(e) for e in extent)
-        index = tuple(slice(0, e) for e in extent)
-        if self.staged and value.device.type != "cpu":
-            self._device_writes.append((name, value, extent))
-        else:
+    def _target(self, name: str, extent: tuple[int, ...]) -> _Target:
+        """Where a write of `extent` goes: made once per (buffer, extent), then looked up."""
+        key = (name, extent)
+        target = self._targets.get(key)
+        if target is None:
             host = self.host_views[name]
-            _write(host[index], value, self.specs[name].fill)
-            if self.staged and all(extent):
-                last = sum((e - 1) * st for e, st in zip(extent, host.stride()))
-                end = self.offsets[name] + (last + 1) * host.element_size()
-                self._dirty = max(self._dirty, end)
-        return self.device_views[name][index]
+            np_view = self.np_views.get(name)
+            index = tuple(slice(0, e) for e in extent)
+            last = sum((e - 1) * st for e, st in zip(extent, host.stride()))
+            end = self.offsets[name] + (last + 1) * host.element_size() if all(extent) else 0
+            target = _Target(
+                np_view[index] if np_view is not None else None,
+                host[index],
+                self.device_view(name, extent),
+                end if self.staged else 0,
+                self.specs[name].fill,
+            )
+            self._targets[key] = target
+        return target
+
+    def write(self, name: str, value: Any, extent: Sequence[int]) -> torch.Tensor:
+        """Stage `value` (a tensor, numpy array or list) into the prefix of buffer[extent],
+        `fill` elsewhere in the extent; returns the device view buffer[extent] (valid once
+        `flush` has run)."""
+        t = self._target(name, extent if type(extent) is tuple else tuple(extent))
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            if self.staged:
+                self._device_writes.append((t.device, value, t.fill))
+            else:
+                _write(t.device, value, t.fill)
+            return t.device
+        if t.np is not None:
+            _write_np(t.np, value, t.fill)
+        else:
+            _write(t.host, torch.as_tensor(value), t.fill)
+        if t.end > self._dirty:
+            self._dirty = t.end
+        return t.device
 
     def flush(self) -> None:
         """Send what was staged to the device (one asynchronous copy), then device writes."""
         if self._dirty:
-            self.packed[: self._dirty].copy_(self.host_packed[: self._dirty], non_blocking=True)
-            self._event = torch.Event(device=self.device)
+            pair = self._copies.get(self._dirty)
+            if pair is None:
+                pair = self._copies[self._dirty] = (
+                    self.packed[: self._dirty],
+                    self.host_packed[: self._dirty],
+                )
+            pair[0].copy_(pair[1], non_blocking=True)
+            assert self._event is not None
             self._event.record()
+            self._pending = True
             self._dirty = 0
-        for name, value, extent in self._device_writes:
-            view = self.device_views[name][tuple(slice(0, e) for e in extent)]
-            _write(view, value, self.specs[name].fill)
+        for view, value, fill in self._device_writes:
+            _write(view, value, fill)
         self._device_writes.clear()
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -109,6 +185,18 @@ def _write(view: torch.Tensor, value: torch.Tensor, fill: float | int) -> None:
         view.fill_(fill)
         view = view[tuple(slice(0, n) for n in value.shape)]
     view.copy_(value)
+
+
+def _write_np(view: np.ndarray, value: Any, fill: float | int) -> None:
+    """The numpy twin of `_write`."""
+    if isinstance(value, torch.Tensor):
+        value = value.numpy()
+    elif not isinstance(value, np.ndarray):
+        value = np.asarray(value, dtype=view.dtype)
+    if value.shape != view.shape:
+        view.fill(fill)
+        view = view[tuple(slice(0, n) for n in value.shape)]
+    view[...] = value
 
 
 def _numel(shape: Sequence[int]) -> int:

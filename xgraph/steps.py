@@ -18,15 +18,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .buckets import Buckets, Dim, Input
 from .buffers import BufferSpec, StagedBuffers
 from .errors import BucketOverflowError, InputError, XGraphError, XGraphWarning
-from .metadata import AttentionInputs, AttentionMetadata, padded_lengths
+from .metadata import AttentionInputs, AttentionMetadata
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
-from .validation import NUM_TOKENS, validate_attention, validate_inputs
+from .validation import NUM_TOKENS, StepAttention, validate_attention, validate_inputs
 
 logger = logging.getLogger("xgraph")
 
@@ -38,7 +39,7 @@ class Step:
     kind: Kind
     tensors: dict[str, torch.Tensor]
     sizes: dict[str, int]
-    attn: AttentionInputs | None = None
+    attn: StepAttention | None = None
     key: tuple | None = None
     padded: dict[str, int] = field(default_factory=dict)
     views: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -111,6 +112,7 @@ class StepPlanner:
         self.key_buckets = {n: Buckets(d.buckets) for n, d in self.dims.items() if d.buckets}
         self.max_seqs = max(attention.max_seqs, buckets.max) if attention is not None else 0
         self.staged = StagedBuffers(self._buffer_specs(), device)
+        self._qsl = np.zeros(self.max_seqs + 1, dtype=np.int32)  # query start locations
         self._warned_overflow = False
 
     def _buffer_specs(self) -> list[BufferSpec]:
@@ -149,14 +151,14 @@ class StepPlanner:
         self._classify(step, kind)
         if step.kind is Kind.EAGER:
             if step.attn is not None:
-                step.metadata = step.attn.metadata(self.device)
+                step.metadata = step.attn.inputs().metadata(self.device)
             return step
         self._stage(step)
         return step
 
     def _attention(
         self, attn: AttentionInputs | None, num_tokens: int, synthetic: bool
-    ) -> AttentionInputs | None:
+    ) -> StepAttention | None:
         if self.attention is None:
             if attn is not None:
                 raise InputError(
@@ -245,20 +247,21 @@ class StepPlanner:
         assert a is not None and h is not None
         tb = step.padded[NUM_TOKENS]
         full = step.kind is Kind.FULL
-        b = tb if full else len(h.query_lens)  # a full graph sees the padded sequence count
-        ql, sl, qsl = padded_lengths(h.query_lens, h.seq_lens, b)
+        n = len(h.query_lens)
+        b = tb if full else n  # a full graph sees the padded sequence count
+        seq_lens = st.write("seq_lens", h.seq_lens, (b,))  # padded sequences: seq_len 1
+        qsl = self._qsl
+        qsl[1 : n + 1] = np.cumsum(h.query_lens)
+        qsl[n + 1 : b + 1] = qsl[n] + np.arange(1, b - n + 1)  # padded: one token each
+        sl = h.seq_lens.tolist() + [1] * (b - n)
         return AttentionMetadata(
-            slot_mapping=st.write("slot_mapping", h.slots(), (tb,)),
-            seq_lens=st.write("seq_lens", torch.tensor(sl, dtype=torch.int32), (b,)),
-            query_start_loc=st.write(
-                "query_start_loc", torch.tensor(qsl, dtype=torch.int32), (b + 1,)
-            ),
-            block_tables=st.write(
-                "block_tables", h.table(a.dummy_block), (b, a.max_blocks_per_seq)
-            ),
+            slot_mapping=st.write("slot_mapping", h.slots, (tb,)),
+            seq_lens=seq_lens,
+            query_start_loc=st.write("query_start_loc", qsl[: b + 1], (b + 1,)),
+            block_tables=st.write("block_tables", h.table, (b, a.max_blocks_per_seq)),
             num_tokens=tb if full else step.num_tokens,
             num_seqs=b,
-            query_lens_host=ql,
+            query_lens_host=h.query_lens.tolist() + [1] * (b - n),
             seq_lens_host=sl,
         )
 

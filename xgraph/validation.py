@@ -8,9 +8,12 @@ one int32 table) and checked against the paging layout.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .buckets import Dim, Input
@@ -42,15 +45,20 @@ def _check_tensor(name: str, spec: Input, v: Any, device: torch.device) -> torch
             f"({len(spec.shape)} dims)."
         )
     if spec.bounds is not None and v.numel():
-        low, high = spec.bounds
-        outside = ((v < low) | (v >= high)).nonzero()
-        if len(outside):
-            at = tuple(int(i) for i in outside[0])
-            raise InputError(
-                f"{name}: input {spec.name!r}{list(at)} is {v[at].item()}, outside its bounds "
-                f"[{low}, {high})."
-            )
+        _check_bounds(name, spec, v)
     return v
+
+
+def _check_bounds(name: str, spec: Input, v: torch.Tensor) -> None:
+    low, high = spec.bounds  # type: ignore[misc]
+    a = v.numpy() if v.device.type == "cpu" else v  # numpy: far cheaper on small arrays
+    if a.min() >= low and a.max() < high:  # a device tensor pays one sync here
+        return
+    at = tuple(int(i) for i in ((v < low) | (v >= high)).nonzero()[0])
+    raise InputError(
+        f"{name}: input {spec.name!r}{list(at)} is {v[at].item()}, outside its bounds "
+        f"[{low}, {high})."
+    )
 
 
 def _record_sizes(
@@ -96,6 +104,58 @@ def validate_inputs(
     return tensors, sizes
 
 
+@dataclass
+class StepAttention:
+    """A validated step's attention inputs on the host, as numpy arrays ready to stage."""
+
+    query_lens: np.ndarray  # int64 [seqs]
+    seq_lens: np.ndarray  # int64 [seqs]
+    table: np.ndarray  # int32 [seqs, width], ragged rows padded with the dummy block
+    slots: np.ndarray  # int64 [tokens]
+    is_decode: bool  # one query token per sequence
+
+    def inputs(self) -> AttentionInputs:
+        """The same values as AttentionInputs (the eager path builds fresh metadata)."""
+        return AttentionInputs(
+            self.query_lens.tolist(), self.seq_lens.tolist(),
+            torch.from_numpy(self.table), torch.from_numpy(self.slots),
+        )  # fmt: skip
+
+
+def _host(value: Any, dtype: Any, field: str, name: str, device: torch.device) -> np.ndarray:
+    """A tensor (host or this device), array or list as a numpy array of `dtype`."""
+    if isinstance(value, torch.Tensor):
+        want = torch.int32 if dtype is np.int32 else torch.int64
+        if value.dtype != want:
+            raise InputError(f"{name}: {field} must be {want}; got {value.dtype}.")
+        if value.device.type != "cpu" and value.device != device:
+            raise InputError(
+                f"{name}: attention inputs must be on the host or on {device}; got {value.device}."
+            )
+        return value.cpu().numpy()  # on the device: copied once to be checked (a sync)
+    return np.asarray(value, dtype=dtype)
+
+
+def _table(name: str, given: Any, n: int, dummy: int, device: torch.device) -> tuple:
+    """(int32 table [n, width], real length of each row)."""
+    if isinstance(given, (torch.Tensor, np.ndarray)):
+        table = _host(given, np.int32, "block_tables", name, device)
+        if table.ndim != 2 or table.shape[0] != n:
+            raise InputError(
+                f"{name}: block_tables must be int32 [num_seqs={n}, width]; got "
+                f"{tuple(table.shape)}."
+            )
+        return table, np.full(n, table.shape[1], dtype=np.int64)
+    if len(given) != n:
+        raise InputError(f"{name}: block_tables has {len(given)} rows for {n} sequences.")
+    lens = np.fromiter((len(r) for r in given), dtype=np.int64, count=n)
+    width = int(lens.max()) if n else 0
+    table = np.full((n, width), dummy, dtype=np.int32)
+    flat = np.fromiter(itertools.chain.from_iterable(given), dtype=np.int32, count=int(lens.sum()))
+    table[np.arange(width)[None, :] < lens[:, None]] = flat
+    return table, lens
+
+
 def validate_attention(
     name: str,
     layout: PagedAttention,
@@ -104,53 +164,44 @@ def validate_attention(
     max_seqs: int,
     device: torch.device,
     synthetic: bool = False,
-) -> AttentionInputs:
-    """The attention inputs normalized (int lists, an int32 table, int64 slots) and checked
-    against the cache: a step that passes cannot read or write outside its own blocks.
-    `synthetic` steps (pre-capture) use only the dummy block, so its layout is not checked."""
-    ql, sl = [int(x) for x in attn.query_lens], [int(x) for x in attn.seq_lens]
+) -> StepAttention:
+    """The attention inputs normalized (numpy: int64 lengths and slots, an int32 table) and
+    checked against the cache: a step that passes cannot read or write outside its own
+    blocks. `synthetic` steps (pre-capture) use only the dummy block: their layout is
+    trusted. Vectorized: no Python loop over tokens or blocks."""
+    ql = np.asarray(attn.query_lens, dtype=np.int64).reshape(-1)
+    sl = np.asarray(attn.seq_lens, dtype=np.int64).reshape(-1)
     _check_lengths(name, ql, sl, num_tokens, max_seqs)
-    for field, want in (("block_tables", torch.int32), ("slot_mapping", torch.int64)):
-        value = getattr(attn, field)
-        if isinstance(value, torch.Tensor) and value.dtype != want:
-            raise InputError(f"{name}: {field} must be {want}; got {value.dtype}.")
-    bt, sm = attn.table(layout.dummy_block), attn.slots()
-    for t in (bt, sm):
-        if t.device.type != "cpu" and t.device != device:
-            raise InputError(
-                f"{name}: attention inputs must be on the host or on {device}; got {t.device}."
-            )
-    n = len(ql)
-    if bt.dim() != 2 or bt.shape[0] != n:
+    table, rows = _table(name, attn.block_tables, len(ql), layout.dummy_block, device)
+    if table.shape[1] > layout.max_blocks_per_seq:
         raise InputError(
-            f"{name}: block_tables must be int32 [num_seqs={n}, width]; got {tuple(bt.shape)}."
-        )
-    if bt.shape[1] > layout.max_blocks_per_seq:
-        raise InputError(
-            f"{name}: block_tables width {bt.shape[1]} is above "
+            f"{name}: block_tables width {table.shape[1]} is above "
             f"max_blocks_per_seq={layout.max_blocks_per_seq}."
         )
-    if tuple(sm.shape) != (num_tokens,):
-        raise InputError(f"{name}: slot_mapping must be [{num_tokens}]; got {tuple(sm.shape)}.")
+    slots = _host(attn.slot_mapping, np.int64, "slot_mapping", name, device).reshape(-1)
+    if slots.shape != (num_tokens,):
+        raise InputError(f"{name}: slot_mapping must be [{num_tokens}]; got {slots.shape}.")
+    decode = bool((ql == 1).all())
     if not synthetic:
-        rows = _row_lengths(attn.block_tables, bt)
-        check_cache_layout(name, layout, ql, sl, bt.cpu(), rows, sm.cpu())
-    return AttentionInputs(ql, sl, bt, sm)
+        check_cache_layout(name, layout, ql, sl, table, rows, slots, decode)
+    return StepAttention(ql, sl, table, slots, decode)
 
 
-def _check_lengths(name: str, ql: list[int], sl: list[int], num_tokens: int, max_seqs: int) -> None:
+def _check_lengths(
+    name: str, ql: np.ndarray, sl: np.ndarray, num_tokens: int, max_seqs: int
+) -> None:
     n = len(ql)
     if n == 0 or num_tokens == 0:
         raise InputError(f"{name}: a step needs at least one sequence and one token; got none.")
     if len(sl) != n:
         raise InputError(f"{name}: {n} query_lens but {len(sl)} seq_lens.")
-    if sum(ql) != num_tokens:
+    if int(ql.sum()) != num_tokens:
         raise InputError(
-            f"{name}: query_lens sum to {sum(ql)}, but the inputs have {num_tokens} tokens."
+            f"{name}: query_lens sum to {int(ql.sum())}, but the inputs have {num_tokens} tokens."
         )
-    bad = [i for i, (q, s) in enumerate(zip(ql, sl)) if q < 1 or q > s]
-    if bad:
-        i = bad[0]
+    bad = np.flatnonzero((ql < 1) | (ql > sl))
+    if len(bad):
+        i = int(bad[0])
         raise InputError(
             f"{name}: sequence {i} has query_len {ql[i]} and seq_len {sl[i]}; every sequence "
             "needs 1 <= query_len <= seq_len."
@@ -159,56 +210,49 @@ def _check_lengths(name: str, ql: list[int], sl: list[int], num_tokens: int, max
         raise InputError(f"{name}: {n} sequences, above max_seqs={max_seqs}.")
 
 
-def _row_lengths(given: Any, table: torch.Tensor) -> torch.Tensor:
-    """How many block ids each row really has (ragged lists), or the table width (a tensor)."""
-    if isinstance(given, torch.Tensor):
-        return torch.full((table.shape[0],), table.shape[1], dtype=torch.int64)
-    return torch.tensor([len(r) for r in given], dtype=torch.int64)
-
-
 def check_cache_layout(
     name: str,
     layout: PagedAttention,
-    ql: list[int],
-    sl: list[int],
-    bt: torch.Tensor,
-    rows: torch.Tensor,
-    sm: torch.Tensor,
+    ql: np.ndarray,
+    sl: np.ndarray,
+    table: np.ndarray,
+    rows: np.ndarray,
+    slots: np.ndarray,
+    decode: bool,
 ) -> None:
     """Each sequence's blocks exist, are its own to use, and hold every position up to its
-    seq_len; each token's slot is the one its sequence's table gives its position. Vectorized:
-    no Python loop over tokens or blocks."""
-    bs, dummy = layout.block_size, layout.dummy_block
-    seq_lens = torch.tensor(sl, dtype=torch.int64)
-    need = (seq_lens + bs - 1) // bs
-    short = (need > rows).nonzero()
+    seq_len; each token's slot is the one its sequence's table gives its position."""
+    bs, dummy, nb = layout.block_size, layout.dummy_block, layout.num_blocks
+    need = (sl + bs - 1) // bs
+    short = np.flatnonzero(need > rows)
     if len(short):
         i = int(short[0])
         raise InputError(
-            f"{name}: block_tables: sequence {i} needs {int(need[i])} blocks for seq_len {sl[i]} "
-            f"(block_size {bs}) but its row holds {int(rows[i])}. Give it enough blocks."
+            f"{name}: block_tables: sequence {i} needs {need[i]} blocks for seq_len {sl[i]} "
+            f"(block_size {bs}) but its row holds {rows[i]}. Give it enough blocks."
         )
-    used = torch.arange(bt.shape[1])[None, :] < need[:, None]
-    ids = bt.long()
-    wrong = used & ((ids < 0) | (ids >= layout.num_blocks) | (ids == dummy))
-    if wrong.any():
-        i, j = (int(x) for x in wrong.nonzero()[0])
+    used = table[:, : int(need.max())]  # only the columns some sequence reads
+    ids = used.view(np.uint32)  # a negative id becomes huge: one compare finds both ends
+    bad = (ids >= nb) | (ids == dummy)
+    bad &= np.arange(used.shape[1])[None, :] < need[:, None]
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
         raise InputError(
-            f"{name}: block_tables: sequence {i} uses block id {int(ids[i, j])} at column {j}; "
-            f"block ids run from 0 to {layout.num_blocks - 1}, and {dummy} is the reserved "
-            "dummy block."
+            f"{name}: block_tables: sequence {i} uses block id {int(used[i, j])} at column "
+            f"{j}; block ids run from 0 to {nb - 1}, and {dummy} is the reserved dummy block."
         )
-    q = torch.tensor(ql, dtype=torch.int64)
-    seq_of = torch.repeat_interleave(torch.arange(len(ql)), q, output_size=int(q.sum()))
-    starts = torch.cumsum(q, 0) - q
-    pos = (seq_lens - q)[seq_of] + torch.arange(len(seq_of)) - starts[seq_of]
-    expected = ids[seq_of, pos // bs] * bs + pos % bs
-    off = (sm != expected).nonzero()
+    if decode:  # one token per sequence, at position seq_len - 1
+        seq, pos = np.arange(len(sl)), sl - 1
+    else:
+        seq = np.repeat(np.arange(len(ql)), ql)
+        starts = np.cumsum(ql) - ql
+        pos = (sl - ql)[seq] + np.arange(len(seq)) - starts[seq]
+    expected = used[seq, pos // bs].astype(np.int64) * bs + pos % bs
+    off = np.flatnonzero(slots != expected)
     if len(off):
         t = int(off[0])
-        i = int(seq_of[t])
         raise InputError(
-            f"{name}: slot_mapping[{t}] is {int(sm[t])}, but sequence {i} keeps position "
-            f"{int(pos[t])} at slot {int(expected[t])} (its block table row, block_size {bs}). "
+            f"{name}: slot_mapping[{t}] is {slots[t]}, but sequence {int(seq[t])} keeps "
+            f"position {pos[t]} at slot {expected[t]} (its block table row, block_size {bs}). "
             "Slots must follow the block tables."
         )

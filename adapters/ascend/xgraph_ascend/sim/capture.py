@@ -120,9 +120,14 @@ class SimCapture(TorchDispatchMode):
         if self.invalid is None:
             self.invalid = (code, why)
 
+    def _seal(self) -> None:
+        # sealing builds tensors with aten ops: they must not be recorded (or guarded)
+        with _disable_current_modes():
+            self.tape.seal()
+
     def add_task(self, task: Task) -> None:
         """Append a device task between two tape segments (and to the open group)."""
-        self.tape.seal()
+        self._seal()
         self.program += [self.tape, task]
         self.tape = self._new_tape()
         if self.group is not None:
@@ -143,7 +148,7 @@ class SimCapture(TorchDispatchMode):
             )
         self.__exit__(None, None, None)
         self.stream.capture = None
-        self.tape.seal()
+        self._seal()
         self.program.append(self.tape)
         if self.group is not None:
             self.invalidate(TASK_GROUP_STATUS, "a task group was left open")

@@ -13,12 +13,14 @@ copies).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +145,7 @@ class GraphExecutor:
         self._stats = ExecutorStats()
         self._closed = False
         self._busy = threading.Lock()  # one step at a time: outputs are shared buffers
+        _open_executors.add(self)
 
     def _runners(
         self, attention: PagedAttention | None
@@ -420,6 +423,20 @@ class GraphExecutor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_open_executors: weakref.WeakSet[GraphExecutor] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_executors() -> None:
+    """At exit, close executors nobody closed, in order (wait, reset graphs, free memory),
+    before interpreter teardown destroys pools and tensors in whatever order it likes."""
+    for ex in list(_open_executors):
+        try:
+            ex.close()
+        except Exception:  # exiting anyway: report, never raise from an exit hook
+            logger.exception("closing %s at exit failed", ex.name)
 
 
 def _buckets(spec: Buckets | Sequence[int] | None) -> Buckets:

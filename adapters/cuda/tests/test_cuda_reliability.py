@@ -94,13 +94,14 @@ def test_close_after_a_failed_capture_and_an_interrupt(backend):
 @pytest.mark.parametrize("call,nth", [("cuMemCreate", 1), ("cuMemCreate", 3), ("cuMemMap", 2),
                                       ("cuMemSetAccess", 2), ("cuMemAddressReserve", 1)])
 def test_injected_driver_failure_rolls_back_with_balanced_books(backend, monkeypatch, call, nth):
-    """The first capture (20 MiB segments, ten 2 MiB chunks) fails at the n-th driver call."""
+    """The first capture (2 MiB activations: 20 MiB segments of ten 2 MiB chunks) fails at
+    the n-th driver call."""
     from cuda.bindings import driver as cu
 
     dev = backend.device
     vm = backend.virtual_memory()
     start = books(vm)
-    fwd = heavy(dev, depth=4, width=8192)
+    fwd = heavy(dev, depth=4, width=16384)
     mem = GraphMemory(backend, "shared-physical")
     ex = xgraph.GraphExecutor(fwd, backend=backend, buckets=BUCKETS, memory=mem,
                               on_capture_error="raise",

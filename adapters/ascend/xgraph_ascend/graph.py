@@ -24,7 +24,7 @@ from xgraph.errors import XGraphError
 from xgraph.graphs import CheckedGraph
 from xgraph.interfaces import CapturePool
 
-from .errors import capture_error, runtime_error, translate_op_error
+from .errors import capture_error, runtime_error, take_vmm_failure, translate_op_error
 from .pool import AscendCapturePool
 from .runtime import NpuRuntime
 from .taskupdate import TaskUpdates
@@ -87,6 +87,7 @@ class AscendGraph(CheckedGraph):
         streams.callback(origin.wait_stream, side)
         streams.enter_context(rt.use_stream(side))
         self._pool, self._base_use = pool, pool.use_count()
+        take_vmm_failure()  # a VMM failure noted before this capture is not its cause
         try:
             self._g.capture_begin(pool=pool.id, capture_error_mode="thread_local")
         except Exception as exc:

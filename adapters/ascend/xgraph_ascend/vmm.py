@@ -6,8 +6,8 @@
 - create:  aclrtMallocPhysical(&h, size, {NONE, PINNED, HBM_HUGE, {device, DEVICE}}, 0);
 - map:     aclrtMapMem(va, size, 0, h, 0), always a whole handle (no aclrtMemSetAccess:
   torch_npu, xLLM and vllm-ascend map without it);
-- unmap:   aclrtUnmapMem(va), after synchronizing the device: unlike aclrtFree it does not
-  wait for queued work that may still touch the range;
+- unmap:   aclrtUnmapMem(va); unlike aclrtFree it does not wait for queued work that may
+  still touch the range, and CheckedVirtualMemory synchronizes the backend before it;
 - free / release: aclrtFreePhysical(h) / aclrtReleaseMemAddress(va).
 CheckedVirtualMemory has checked every argument before a call; a failed call raises
 VirtualMemoryError with the ACL error name, aclGetRecentErrMsg() and advice.
@@ -92,5 +92,4 @@ class AscendVirtualMemory(CheckedVirtualMemory):
 
     def _unmap_chunk(self, address: int, size: int) -> None:
         self.runtime.ensure_device()
-        self.runtime.synchronize()  # queued replays may still read or write the range
         self._check("aclrtUnmapMem", self.acl.aclrtUnmapMem(address))

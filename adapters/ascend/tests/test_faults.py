@@ -1,0 +1,232 @@
+"""Injected ACL failures: each raises the named xgraph error, leaves the simulator's books as
+they were (no handle, mapping, range, model RI or pool routing leaked), and the executor
+keeps serving its other keys."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import xgraph
+from xgraph import CaptureError, GraphExecutor, Input, VirtualMemoryError, XGraphWarning
+
+SIZES = [64, 256, 1024]
+
+
+def _executor(backend, on_error: str = "raise"):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(
+        torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128)
+    ).eval()
+    ex = GraphExecutor(
+        lambda x: mlp(x), backend=backend, buckets=SIZES, on_capture_error=on_error,
+        inputs=[Input("x", torch.float32, ("num_tokens", 128))],
+    )  # fmt: skip
+    ex(x=torch.randn(64, 128))  # key 64 captured before any fault
+    return ex, mlp
+
+
+def _serves(ex, mlp, sizes) -> None:  # type: ignore[no-untyped-def]
+    for n in sizes:
+        x = torch.randn(n, 128)
+        with torch.no_grad():
+            assert torch.equal(ex(x=x), mlp(x)), n
+
+
+def _closed_clean(ex, rt) -> None:  # type: ignore[no-untyped-def]
+    ex.close()
+    books = rt.books()
+    assert books == dict.fromkeys(books, 0), books
+    assert rt.faults.pending() == {}
+
+
+@pytest.mark.parametrize("call", ["aclrtMallocPhysical", "aclrtMapMem"])
+def test_out_of_memory_mid_capture_names_the_vmm_call(sim, call) -> None:  # type: ignore[no-untyped-def]
+    ex, mlp = _executor(sim)
+    rt = sim.runtime
+    before = rt.books()
+    rt.faults.inject(call, 207001)
+    with pytest.raises((CaptureError, VirtualMemoryError)) as info:
+        ex(x=torch.randn(1024, 128))  # a new key: its capture grows the shared pool
+    err = info.value if isinstance(info.value, VirtualMemoryError) else info.value.__cause__
+    assert isinstance(err, VirtualMemoryError), repr(info.value)
+    assert err.call == call and err.error == "ACL_ERROR_RT_MEMORY_ALLOCATION (207001)"
+    assert "out of memory" in str(err)
+    assert rt.books() == before  # the failed capture's range, chunks and maps are gone
+    assert ex.stats()["keys"] == [("full", 64)]
+    _serves(ex, mlp, [64, 1024, 256, 64])  # the key captures on retry; the others replay
+    assert ex.stats()["captures"] == 3
+    _closed_clean(ex, rt)
+
+
+def test_failed_key_falls_back_to_eager_and_others_replay(sim) -> None:  # type: ignore[no-untyped-def]
+    ex, mlp = _executor(sim, on_error="eager")
+    rt = sim.runtime
+    rt.faults.inject("aclrtMapMem", 207001)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _serves(ex, mlp, [256, 64, 1024, 256, 64])
+    assert sum(issubclass(c.category, XGraphWarning) for c in caught) == 1
+    s = ex.stats()
+    assert "aclrtMapMem" in s["failed_keys"][("full", 256)]
+    assert set(s["hits"]) == {("full", 64), ("full", 1024)} and s["hits"][("full", 64)] == 2
+    assert s["eager"] == {"capture failed": 1, "capture failed earlier": 1}
+    _closed_clean(ex, rt)
+
+
+def test_unaligned_reservation_is_given_back(sim) -> None:  # type: ignore[no-untyped-def]
+    ex, mlp = _executor(sim)
+    rt = sim.runtime
+    before = rt.books()
+    rt.lib.misaligned_reserves = 1  # the driver hands out a range off the 2 MiB boundary
+    with pytest.raises(VirtualMemoryError, match="not aligned to 2097152") as info:
+        ex(x=torch.randn(256, 128))
+    assert info.value.call == "aclrtReserveMemAddress"
+    assert rt.books() == before
+    _serves(ex, mlp, [64, 256])
+    _closed_clean(ex, rt)
+
+
+def test_partial_map_and_double_unmap_fail_with_the_acl_name(sim) -> None:  # type: ignore[no-untyped-def]
+    vm, rt = sim.virtual_memory(), sim.runtime
+    g = vm.granularity
+    a, chunk = vm.reserve(2 * g), vm.create(2 * g)
+    with pytest.raises(VirtualMemoryError) as info:
+        vm._map_chunk(a, chunk.handle, g)  # the driver call with half the handle
+    assert info.value.call == "aclrtMapMem"
+    assert info.value.error == "ACL_ERROR_INVALID_PARAM (100000)" and "whole handle" in str(
+        info.value
+    )
+    assert rt.books()["mappings"] == 0
+    vm.map(a, chunk)
+    vm.unmap(a)
+    with pytest.raises(VirtualMemoryError, match="nothing is mapped"):
+        vm.unmap(a)  # refused by the core's books before the driver
+    with pytest.raises(VirtualMemoryError) as info:
+        vm._unmap_chunk(a, 2 * g)  # and by the driver itself
+    assert info.value.call == "aclrtUnmapMem" and "ACL_ERROR_RT_PARAM_INVALID" in info.value.error
+    vm.free(chunk)
+    vm.release(a)
+    assert vm.live() == {"reservations": 0, "mappings": 0, "chunks": 0}
+    assert rt.books() == dict.fromkeys(rt.books(), 0)
+
+
+@pytest.mark.parametrize(
+    "code, name, advice",
+    [
+        (107025, "ACL_ERROR_RT_STREAM_UNJOINED", "joined back"),
+        (207008, "ACL_ERROR_RT_NO_STREAM_RESOURCE", "capture fewer sizes"),
+    ],
+)
+def test_capture_end_error_is_a_named_capture_error(sim, code, name, advice) -> None:  # type: ignore[no-untyped-def]
+    ex, mlp = _executor(sim)
+    rt = sim.runtime
+    before = rt.books()
+    rt.faults.inject("aclmdlRICaptureEnd", code)
+    with pytest.raises(CaptureError) as info:
+        ex(x=torch.randn(256, 128))
+    msg = str(info.value)
+    assert f"{name} ({code})" in msg and advice in msg, msg
+    assert rt.books() == before
+    _serves(ex, mlp, [64, 256, 1024])
+    _closed_clean(ex, rt)
+
+
+def test_capture_torch_npu_cannot_end_is_ended_through_acl(sim) -> None:  # type: ignore[no-untyped-def]
+    ex, mlp = _executor(sim)
+    rt = sim.runtime
+    before = rt.books()
+    rt.faults.inject("aclmdlRICaptureEnd", 107025, times=2)  # capture_end fails, and again
+    calls = rt.faults.calls["aclmdlRICaptureEnd"]
+    with pytest.raises(CaptureError, match="ACL_ERROR_RT_STREAM_UNJOINED"):
+        ex(x=torch.randn(256, 128))
+    # two failed NPUGraph.capture_end, then the adapter's own aclmdlRICaptureEnd + RIDestroy
+    assert rt.faults.calls["aclmdlRICaptureEnd"] - calls == 3
+    assert not rt.is_capturing(sim.capture_stream())
+    assert rt.books() == before
+    _serves(ex, mlp, [256, 64])
+    _closed_clean(ex, rt)
+
+
+def test_failed_capture_begin_undoes_torch_npus_early_routing(sim) -> None:  # type: ignore[no-untyped-def]
+    ex, mlp = _executor(sim)
+    rt = sim.runtime
+    rt.faults.inject("aclmdlRICaptureBegin", 207008)
+    with pytest.raises(CaptureError, match="capture fewer sizes"):
+        ex(x=torch.randn(256, 128))
+    assert rt.books()["routes"] == 0
+    _serves(ex, mlp, [256, 64])
+    _closed_clean(ex, rt)
+
+
+def test_synchronize_inside_capture_is_refused_and_rolled_back(sim) -> None:  # type: ignore[no-untyped-def]
+    rt = sim.runtime
+    x = torch.ones(8)
+    graph, pool = sim.new_graph(), sim.new_pool()
+    with pytest.raises(CaptureError, match="ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT"):
+        with xgraph.graph(graph, pool):
+            x + 1
+            sim.synchronize()
+    assert rt.books()["routes"] == 0 and pool.use_count() == 1
+    with xgraph.graph(graph, pool):
+        y = x * 3
+    x.fill_(2)
+    graph.replay()
+    assert torch.equal(y, torch.full((8,), 6.0))
+    graph.reset()
+    pool.close()
+    assert rt.books() == dict.fromkeys(rt.books(), 0)
+
+
+def test_a_route_left_behind_is_caught_by_the_simulator(make_sim) -> None:  # type: ignore[no-untyped-def]
+    """The books' 'routes' check can fail: without the adapter's undo the next capture breaks."""
+    rt = make_sim().runtime
+    mempool, side = rt.new_mempool(None), rt.new_stream()
+    rt.faults.inject("aclmdlRICaptureBegin", 107000)
+    with rt.use_stream(side):
+        with pytest.raises(RuntimeError):
+            rt.new_graph().capture_begin(pool=mempool.id, capture_error_mode="thread_local")
+        assert rt.books()["routes"] == 1
+        with pytest.raises(RuntimeError, match="still go to pool"):
+            rt.new_graph().capture_begin(pool=mempool.id, capture_error_mode="thread_local")
+
+
+def test_unmap_comes_after_the_device_synchronized(make_sim) -> None:  # type: ignore[no-untyped-def]
+    backend = make_sim()
+    rt = backend.runtime
+    ex, mlp = _executor(backend)
+    _serves(ex, mlp, [256, 64])  # the last replay leaves the device busy
+    ex.close()  # unmaps every space
+    assert rt.lib.violations == []
+    vm = backend.virtual_memory()
+    a, c = vm.reserve(vm.granularity), vm.create(vm.granularity)
+    vm.map(a, c)
+    rt.mark_busy()  # a replay still queued
+    vm.unmap(a)  # the device is synchronized before aclrtUnmapMem (CheckedVirtualMemory)
+    assert rt.lib.violations == []
+    vm.map(a, c)
+    rt.mark_busy()  # the check can fail: an unmap with work still queued
+    assert rt.acl.aclrtUnmapMem(a) == 0
+    assert len(rt.lib.violations) == 1 and "synchronize" in rt.lib.violations[0]
+
+
+def test_graph_level_capture_names_the_vmm_call(sim) -> None:  # type: ignore[no-untyped-def]
+    """Outside an executor too: the op's out-of-memory error becomes the VMM call's error."""
+    rt = sim.runtime
+    physical = xgraph.SharedPhysicalPool(sim.virtual_memory())
+    space = physical.new_space()
+    graph, pool = sim.new_graph(), sim.new_pool(segments=space)
+    x = torch.randn(256, 256)
+    rt.faults.inject("aclrtMallocPhysical", 207001)
+    with pytest.raises(VirtualMemoryError, match="during capture") as info:
+        with xgraph.graph(graph, pool):
+            x @ x
+    assert info.value.call == "aclrtMallocPhysical" and "ACL_ERROR_RT_MEMORY_ALLOCATION" in str(
+        info.value
+    )
+    assert rt.books()["routes"] == 0 and rt.books()["model_ris"] == 0
+    pool.close()
+    physical.close()
+    assert rt.books() == dict.fromkeys(rt.books(), 0)

@@ -6,7 +6,6 @@ import os
 from collections.abc import Callable
 
 import pytest
-
 from xgraph_ascend.backend import AscendSimBackend
 from xgraph_ascend.sim import SimRuntime
 

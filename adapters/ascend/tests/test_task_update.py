@@ -11,13 +11,13 @@ import random
 
 import pytest
 import torch
+from xgraph_ascend.attention import FusedDecodeRunner
+from xgraph_ascend.errors import AclRuntimeError
 
 import xgraph
 from xgraph import Buckets, XGraphError
 from xgraph.models import Workload
 from xgraph.runners import PagedDecodeRunner
-from xgraph_ascend.attention import FusedDecodeRunner
-from xgraph_ascend.errors import AclRuntimeError
 
 BUCKETS = [1, 2, 4, 8]
 
@@ -73,11 +73,11 @@ def _captured_decode(backend, batch: int = 4):  # type: ignore[no-untyped-def]
     with xgraph.graph(graph, pool):
         out = torch.empty_like(q)
         runner.run(q, k, k, out, cache, 0.5)
-    return graph, pool, runner, (w, rng, md, q, k, out)
+    return graph, pool, (w, md, q, k, out)
 
 
 def test_a_replay_whose_update_was_skipped_is_detected(sim) -> None:  # type: ignore[no-untyped-def]
-    graph, pool, runner, _ = _captured_decode(sim)
+    graph, pool, _ = _captured_decode(sim)
     graph.replay()  # the update runs first: fine
     graph.replay()
     with pytest.raises(XGraphError, match="ACL_ERROR_RT_WAIT_TIMEOUT") as info:
@@ -89,7 +89,7 @@ def test_a_replay_whose_update_was_skipped_is_detected(sim) -> None:  # type: ig
 
 
 def test_the_update_uses_this_steps_lengths(sim) -> None:  # type: ignore[no-untyped-def]
-    graph, pool, runner, (w, rng, md, q, k, out) = _captured_decode(sim)
+    graph, pool, (w, md, q, k, out) = _captured_decode(sim)
     lens = [1, 9, 17, 23]
     md.seq_lens_host = lens  # a later step of the same bucket
     graph.replay()

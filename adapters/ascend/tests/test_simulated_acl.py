@@ -1,0 +1,200 @@
+"""The simulated libascendcl and torch_npu: the documented rules are enforced through the same
+ctypes prototypes as the real library, and the adapter's binding passes them."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from xgraph_ascend import acl
+from xgraph_ascend.errors import AclRuntimeError
+from xgraph_ascend.sim import SimRuntime
+
+from xgraph import VirtualMemoryError
+
+MB2 = 2 << 20
+
+
+def test_struct_layout_and_prototypes() -> None:
+    p = acl.aclrtPhysicalMemProp
+    assert ctypes.sizeof(p) == 32
+    offsets = {n: getattr(p, n).offset for n in ("handleType", "allocationType", "memAttr",
+                                                  "location", "reserve")}  # fmt: skip
+    assert offsets == {"handleType": 0, "allocationType": 4, "memAttr": 8, "location": 12,
+                       "reserve": 24}  # fmt: skip
+    assert acl.aclrtMemLocation.type.offset == 4  # location.type at byte 16 of the prop
+    prop = acl.device_memory_prop(3)
+    raw = bytes(prop)
+    assert raw[8:12] == (4).to_bytes(4, "little")  # ACL_HBM_MEM_HUGE
+    assert raw[12:20] == (3).to_bytes(4, "little") + (1).to_bytes(4, "little")
+    reserve = acl.PROTOTYPES["aclrtReserveMemAddress"]
+    assert reserve._argtypes_ == (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                  ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64)  # fmt: skip
+    assert reserve._restype_ is ctypes.c_int
+
+
+@pytest.fixture
+def rt() -> SimRuntime:
+    return SimRuntime()
+
+
+def _reserve(rt: SimRuntime, size: int = 2 * MB2, align: int = 0, expect=None, flags: int = 0):  # type: ignore[no-untyped-def]
+    va = ctypes.c_void_p()
+    return rt.acl.aclrtReserveMemAddress(ctypes.byref(va), size, align, expect, flags), va.value
+
+
+def _malloc(rt: SimRuntime, size: int = MB2, prop=None, flags: int = 0):  # type: ignore[no-untyped-def]
+    h = ctypes.c_void_p()
+    p = prop if prop is not None else acl.device_memory_prop(0)
+    return rt.acl.aclrtMallocPhysical(ctypes.byref(h), size, ctypes.byref(p), flags), h.value
+
+
+def _prop(**fields: int) -> acl.aclrtPhysicalMemProp:
+    p = acl.device_memory_prop(0)
+    for k, v in fields.items():
+        if k.startswith("location_"):
+            setattr(p.location, k[len("location_"):], v)
+        else:
+            setattr(p, k, v)
+    return p
+
+
+@pytest.mark.parametrize(
+    "kw, code",
+    [({"align": MB2}, 100000), ({"expect": 1 << 44}, 100000), ({"flags": 2}, 100000),
+     ({"size": MB2 + 4096}, 100000), ({"size": 0}, 100000)],
+)  # fmt: skip
+def test_reserve_rules(rt: SimRuntime, kw, code) -> None:  # type: ignore[no-untyped-def]
+    rc, _ = _reserve(rt, **kw)
+    assert rc == code and "aclrtReserveMemAddress" in rt.acl.recent_error()
+    assert rt.books()["reservations"] == 0
+
+
+@pytest.mark.parametrize(
+    "prop, size, flags",
+    [(_prop(memAttr=0), MB2, 0), (_prop(memAttr=2), MB2, 0), (_prop(location_type=0), MB2, 0),
+     (_prop(location_id=1), MB2, 0), (_prop(allocationType=1), MB2, 0),
+     (_prop(handleType=2), MB2, 0), (None, MB2 + 4096, 0), (None, MB2, 1)],
+)  # fmt: skip
+def test_malloc_physical_rules(rt: SimRuntime, prop, size, flags) -> None:  # type: ignore[no-untyped-def]
+    rc, _ = _malloc(rt, size, prop, flags)
+    assert rc == 100000 and rt.books()["handles"] == 0
+
+
+def test_map_unmap_free_release_rules(rt: SimRuntime) -> None:
+    f = rt.acl
+    _, va = _reserve(rt, 4 * MB2)
+    _, h = _malloc(rt, 2 * MB2)
+    assert f.aclrtMapMem(va, MB2, 0, h, 0) == 100000  # part of a handle
+    assert f.aclrtMapMem(va, 2 * MB2, MB2, h, 0) == 100000  # offset
+    assert f.aclrtMapMem(va, 2 * MB2, 0, h, 1) == 100000  # flags
+    assert f.aclrtMapMem(va + 4096, 2 * MB2, 0, h, 0) == 107008  # unaligned address
+    assert f.aclrtMapMem(va + 3 * MB2, 2 * MB2, 0, h, 0) == 107000  # past the reservation
+    assert f.aclrtMapMem(va, 2 * MB2, 0, h + 16, 0) == 107017  # unknown handle
+    assert f.aclrtMapMem(va, 2 * MB2, 0, h, 0) == 0
+    assert f.aclrtMapMem(va + MB2, 2 * MB2, 0, h, 0) == 107000  # overlaps the first map
+    assert f.aclrtFreePhysical(h) == 107000  # still mapped
+    assert f.aclrtReleaseMemAddress(va) == 107000  # still mapped in it
+    assert f.aclrtUnmapMem(va + MB2) == 107000  # not a mapping's start
+    assert f.aclrtUnmapMem(va) == 0
+    assert f.aclrtUnmapMem(va) == 107000  # twice
+    assert f.aclrtFreePhysical(h) == 0 and f.aclrtFreePhysical(h) == 107017
+    assert f.aclrtReleaseMemAddress(va) == 0
+    assert rt.books() == dict.fromkeys(rt.books(), 0)
+
+
+def test_one_handle_at_two_addresses_aliases(rt: SimRuntime) -> None:
+    f = rt.acl
+    (_, a), (_, b), (_, h) = _reserve(rt, MB2), _reserve(rt, MB2), _malloc(rt)
+    assert f.aclrtMapMem(a, MB2, 0, h, 0) == 0 and f.aclrtMapMem(b, MB2, 0, h, 0) == 0
+    rt.as_tensor(a, MB2)[:64].fill_(7)
+    assert torch.equal(rt.as_tensor(b, MB2)[:64], torch.full((64,), 7, dtype=torch.uint8))
+    for v in (a, b):
+        assert f.aclrtUnmapMem(v) == 0 and f.aclrtReleaseMemAddress(v) == 0
+    assert f.aclrtFreePhysical(h) == 0
+
+
+def test_capacity_and_device_memory(rt: SimRuntime) -> None:
+    small = SimRuntime(capacity=4 * MB2)
+    rc, h = _malloc(small, 4 * MB2)
+    assert rc == 0 and _malloc(small, MB2)[0] == 207001
+    assert small.mem_get_info() == (0, 4 * MB2)
+    ptr = ctypes.c_void_p()
+    assert small.acl.aclrtMalloc(ctypes.byref(ptr), 100, 0) == 207001
+    assert small.acl.aclrtFreePhysical(h) == 0
+    assert small.acl.aclrtMalloc(ctypes.byref(ptr), 100, 0) == 0
+    assert small.books()["mallocs"] == 1 and small.acl.aclrtFree(ptr.value) == 0
+    assert small.acl.aclrtFree(ptr.value) == 107000
+
+
+def test_any_call_fails_on_demand(rt: SimRuntime, make_sim) -> None:  # type: ignore[no-untyped-def]
+    rt.faults.inject("aclrtReserveMemAddress", 207000, after=1)
+    assert _reserve(rt)[0] == 0
+    assert _reserve(rt)[0] == 207000 and "injected" in rt.acl.recent_error()
+    assert _reserve(rt)[0] == 0 and rt.faults.fired == [("aclrtReserveMemAddress", 207000)]
+    vm = make_sim().virtual_memory()
+    vm.runtime.faults.inject("aclrtReleaseMemAddress", 507899)
+    a = vm.reserve(vm.granularity)
+    with pytest.raises(VirtualMemoryError) as info:
+        vm.release(a)
+    assert info.value.error == "ACL_ERROR_RT_DRV_INTERNAL_ERROR (507899)"
+    assert vm.live()["reservations"] == 1  # the books keep what the driver kept
+    vm.release(a)
+    assert vm.runtime.books()["reservations"] == 0
+
+
+def test_adapter_retries_reserve_with_flags_one(make_sim) -> None:  # type: ignore[no-untyped-def]
+    backend = make_sim()
+    rt = backend.runtime
+    rt.lib.reserve_flags = {1}  # a CANN build that wants the early API's flags=1
+    vm = backend.virtual_memory()
+    assert vm.granularity == MB2
+    a = vm.reserve(MB2)
+    assert rt.faults.calls["aclrtReserveMemAddress"] == 2
+    vm.release(a)
+
+
+def test_npugraph_state_rules(rt: SimRuntime) -> None:
+    pool = rt.new_mempool(None)
+    g = rt.new_graph()
+    x = torch.ones(4)
+    with pytest.raises(RuntimeError, match="non-default stream"):
+        g.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+    side = rt.new_stream()
+    with rt.use_stream(side):
+        with pytest.raises(RuntimeError, match="capture_error_mode"):
+            g.capture_begin(pool=pool.id, capture_error_mode="sloppy")
+        with pytest.raises(RuntimeError, match="no completed capture"):
+            g.replay()
+        g.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+        with pytest.raises(AclRuntimeError) as info:
+            rt.new_graph().capture_begin(pool=pool.id)  # the stream is already capturing
+        assert info.value.code == 107027
+        y = x + 1
+        g.capture_end()
+        with pytest.raises(RuntimeError, match="create a new instance"):
+            g.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+    x.fill_(5)
+    g.replay()
+    assert torch.equal(y, torch.full((4,), 6.0))
+    assert pool.use_count() == 2  # the MemPool and the graph
+    g.reset()
+    assert pool.use_count() == 1 and rt.books()["model_ris"] == 0
+
+
+def test_default_stream_work_invalidates_a_capture(rt: SimRuntime) -> None:
+    pool, side = rt.new_mempool(None), rt.new_stream()
+    g = rt.new_graph()
+    x = torch.ones(4)
+    with rt.use_stream(side):
+        g.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+        with rt.use_stream(rt.streams.default):
+            x + 1
+        with pytest.raises(AclRuntimeError) as info:
+            g.capture_end()
+    assert info.value.code == 107031
+    assert rt.end_allocate_to_pool(pool.id)  # torch_npu left the routing: the caller undoes it
+    rt.release_pool(pool.id)
+    g.reset()
+    assert pool.use_count() == 1 and rt.books()["routes"] == 0

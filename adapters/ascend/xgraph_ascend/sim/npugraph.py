@@ -14,13 +14,10 @@
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import AclRuntimeError
 from .capture import SimCapture
-
-if TYPE_CHECKING:
-    from .runtime import SimRuntime
 
 MODES = ("global", "thread_local", "relaxed")
 STREAM_CAPTURED = 107027
@@ -29,7 +26,7 @@ STREAM_CAPTURED = 107027
 class SimNPUGraph:
     """One NPUGraph instance (see the module docstring for its rules)."""
 
-    def __init__(self, runtime: SimRuntime) -> None:
+    def __init__(self, runtime: Any) -> None:  # a SimRuntime (which imports this module)
         self._rt = runtime
         self._capture: SimCapture | None = None
         self._pool_id: tuple[int, int] | None = None

@@ -11,10 +11,7 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .capture import SimCapture, UpdateSession
+from typing import Any
 
 _handles = itertools.count(0x7E00_0000_1000, 0x100)
 
@@ -26,8 +23,8 @@ class SimStream:
         self._owner = owner
         self.handle = next(_handles)
         self.is_default = default
-        self.capture: SimCapture | None = None
-        self.update: UpdateSession | None = None
+        self.capture: Any = None  # the SimCapture recording this stream, if any
+        self.update: Any = None  # the UpdateSession this stream issues, if any
 
     @property
     def npu_stream(self) -> int:

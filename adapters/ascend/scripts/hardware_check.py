@@ -1,0 +1,256 @@
+"""What only an Ascend NPU can prove about xgraph-ascend, checked in one run.
+
+    python adapters/ascend/scripts/hardware_check.py                 # the NPU (backend ascend)
+    python adapters/ascend/scripts/hardware_check.py --backend ascend-sim   # the simulator
+    python adapters/ascend/scripts/hardware_check.py --json out.json
+
+Each check prints PASS or FAIL with its numbers; the exit status is the number of failures.
+The checks, in the order of docs/ascend.md ("only hardware can prove"):
+  versions            torch_npu, CANN, memory-pool era, device
+  vmm_aliasing        one aclrtMallocPhysical handle mapped at two aclrtReserveMemAddress
+                      ranges: data written through one is read through the other (HBM), and
+                      the DLPack as_tensor over VMM addresses
+  capture_replay      an MLP captured as an ACL graph on a side stream replays like eager
+  vmm_inside_capture  shared-physical memory: the routed MemPool's ctypes callbacks run
+                      aclrtMallocPhysical / aclrtMapMem while the stream captures; graph
+                      memory is max(shape), not sum, in ascending order
+  recapture_pool      reset every graph of a pool, capture on it again (is a keeper graph
+                      needed, as on CUDA?)
+  fused_decode        decode through npu_fused_infer_attention_score with graph task update
+                      against the reference decode runner (numerics of the fused op)
+  stream_ceiling      how many small graphs capture before ACL_ERROR_RT_NO_STREAM_RESOURCE
+  teardown            closing a shared-physical pool returns device memory to the baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import xgraph
+from xgraph import Buckets, CaptureError, GraphExecutor, GraphMemory, Input
+from xgraph.models import Workload
+from xgraph.runners import PagedDecodeRunner
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 6e-2, torch.float32: 1e-4}
+
+
+def check_versions(backend: Any, args: argparse.Namespace) -> str:
+    avail = type(backend).availability()
+    versions = {**avail.versions, **backend.runtime.versions()}
+    return f"{backend.device_name()}; " + ", ".join(f"{k} {v}" for k, v in versions.items())
+
+
+def check_vmm_aliasing(backend: Any, args: argparse.Namespace) -> str:
+    vm = backend.virtual_memory()
+    assert vm is not None, "the backend reports no virtual memory"
+    g = vm.granularity
+    a, b = vm.reserve(2 * g), vm.reserve(2 * g)
+    chunk, mapped = vm.create(g), []
+    try:
+        for addr in (a, b + g):
+            vm.map(addr, chunk)
+            mapped.append(addr)
+        ta, tb = backend.as_tensor(a, g), backend.as_tensor(b + g, g)
+        pattern = torch.randint(0, 256, (g,), dtype=torch.uint8)
+        ta.copy_(pattern.to(ta.device))
+        backend.synchronize()
+        assert torch.equal(tb.cpu(), pattern), "the second mapping does not see the data"
+        tb[:4096].fill_(7)
+        backend.synchronize()
+        assert int(ta[:4096].cpu().min()) == 7, "the first mapping does not see the write"
+        del ta, tb
+    finally:
+        for addr in mapped:
+            vm.unmap(addr)
+        vm.free(chunk)
+        vm.release(a)
+        vm.release(b)
+    return f"granularity {g >> 20} MiB; {g >> 20} MiB written through one VA, read through another"
+
+
+def _mlp(backend: Any, dtype: torch.dtype, width: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+    )
+    return m.to(device=backend.device, dtype=dtype).eval()
+
+
+def check_capture_replay(backend: Any, args: argparse.Namespace) -> str:
+    mlp = _mlp(backend, args.dtype, 256)
+    x = torch.randn(64, 256, device=backend.device, dtype=args.dtype)
+    graph, pool = backend.new_graph(), backend.new_pool()
+    with torch.no_grad():
+        with backend.warmup_context():
+            mlp(x)
+        with xgraph.graph(graph, pool):
+            y = mlp(x)
+        worst = 0.0
+        for _ in range(5):
+            x.copy_(torch.randn(64, 256, dtype=args.dtype))
+            graph.replay()
+            backend.synchronize()
+            worst = max(worst, float((y - mlp(x)).abs().max()))
+    graph.reset()
+    pool.close()
+    assert worst <= TOLERANCE[args.dtype], f"max |replay - eager| = {worst}"
+    return f"max |replay - eager| = {worst:.2e} over 5 replays"
+
+
+def _sizes_executor(backend: Any, memory: Any, sizes: list[int], mlp: Any, dtype: Any) -> Any:
+    ex = GraphExecutor(
+        lambda x: mlp(x), backend=backend, buckets=sorted(set(sizes)), memory=memory,
+        inputs=[Input("x", dtype, ("num_tokens", 512))],
+    )  # fmt: skip
+    for n in sizes:
+        ex(x=torch.randn(n, 512, dtype=dtype))
+    return ex
+
+
+def check_vmm_inside_capture(backend: Any, args: argparse.Namespace) -> str:
+    sizes = [64, 128, 256, 512, 1024, 2048]
+    mlp = _mlp(backend, args.dtype, 512)
+    results = {}
+    for mode, order in (("alone", [max(sizes)]), ("shared-physical", sizes), ("private", sizes)):
+        mem = GraphMemory(backend, "private" if mode == "private" else "shared-physical")
+        ex = _sizes_executor(backend, mem, order, mlp, args.dtype)
+        results[mode] = mem.graph_bytes()
+        chunk = mem.physical.chunk_size if mem.physical is not None else 0
+        ex.close()
+        mem.close()
+    assert results["shared-physical"] <= results["alone"] + chunk, results
+    assert results["private"] > results["alone"], results
+    mib = {k: round(v / 2**20, 1) for k, v in results.items()}
+    return f"graph MiB: largest alone {mib['alone']}, shared-physical (ascending) " \
+           f"{mib['shared-physical']}, private {mib['private']}"  # fmt: skip
+
+
+def check_recapture_pool(backend: Any, args: argparse.Namespace) -> str:
+    x = torch.arange(8, dtype=torch.float32, device=backend.device)
+    pool = backend.new_pool()
+    for round_, factor in enumerate((2.0, 3.0, 5.0)):
+        graph = backend.new_graph()
+        with xgraph.graph(graph, pool):
+            y = x * factor
+        graph.replay()
+        backend.synchronize()
+        assert torch.equal(y.cpu(), torch.arange(8.0) * factor), f"round {round_}"
+        graph.reset()  # the pool's only graph goes: the next capture must still work
+    pool.close()
+    return "3 capture/replay/reset rounds on one pool, no keeper graph"
+
+
+def check_fused_decode(backend: Any, args: argparse.Namespace) -> str:
+    from xgraph_ascend.attention import FusedDecodeRunner
+
+    ex_w, ref_w = (Workload.tiny(device=backend.device, dtype=args.dtype, num_blocks=160,
+                                 max_blocks=8, max_seqs=32) for _ in range(2))  # fmt: skip
+    for w in (ex_w, ref_w):
+        w.randomize_cache(7)
+    buckets = Buckets([1, 2, 4, 8, 16])
+    runner = FusedDecodeRunner(backend)
+    ex = ex_w.executor(backend=backend, buckets=buckets,
+                       attention=ex_w.attention(decode_runner=runner))  # fmt: skip
+    rng, worst = random.Random(7), 0.0
+    for batch in [3, 1, 16, 5, 8, 3, 12, 2, 7, 16]:
+        step = ex_w.decode_step(rng, batch)
+        out = ex(**step.kwargs()).float()
+        ref = ref_w.eager(ref_w.padded(step, buckets, full=True), runner=PagedDecodeRunner())
+        worst = max(worst, float((out - ref[:batch].float()).abs().max()))
+    s = ex.stats()
+    ex.close()
+    tol = 10 * TOLERANCE[args.dtype]  # logits after the whole model
+    assert worst <= tol, f"max |fused graph - reference eager| = {worst} > {tol}"
+    return f"{s['replays']} replays, {s['captures']} graphs; max |logit diff| = {worst:.2e}"
+
+
+def check_stream_ceiling(backend: Any, args: argparse.Namespace) -> str:
+    x = torch.ones(16, device=backend.device)
+    pool, graphs = backend.new_pool(), []
+    stop = f"no limit up to {args.max_graphs}"
+    try:
+        for _ in range(args.max_graphs):
+            g = backend.new_graph()
+            try:
+                with xgraph.graph(g, pool):
+                    x.add_(1)
+            except CaptureError as exc:
+                if "207008" not in str(exc):
+                    raise
+                stop = "ACL_ERROR_RT_NO_STREAM_RESOURCE"
+                break
+            graphs.append(g)
+    finally:
+        for g in graphs:
+            g.reset()
+        pool.close()
+    return f"{len(graphs)} graphs captured ({stop})"
+
+
+def check_teardown(backend: Any, args: argparse.Namespace) -> str:
+    before = backend.memory_in_use()
+    assert before is not None, "the backend reports no memory in use"
+    pool = xgraph.SharedPhysicalPool(backend.virtual_memory())
+    n = 64 << 20
+    for _ in range(4):
+        backend.as_tensor(pool.new_space().alloc(n), n).fill_(1)
+    backend.synchronize()
+    during = backend.memory_in_use()
+    pool.close()
+    backend.synchronize()
+    after = backend.memory_in_use()
+    assert during - before >= n and after - before < n // 8, (before, during, after)
+    return f"+{(during - before) >> 20} MiB for 4 spaces of 64 MiB, then +{(after - before) >> 20}"
+
+
+CHECKS: list[Callable[[Any, argparse.Namespace], str]] = [
+    check_versions, check_vmm_aliasing, check_capture_replay, check_vmm_inside_capture,
+    check_recapture_pool, check_fused_decode, check_stream_ceiling, check_teardown,
+]  # fmt: skip
+
+
+def run(backend: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    results = []
+    for check in CHECKS:
+        name = check.__name__.removeprefix("check_")
+        t0 = time.perf_counter()
+        try:
+            ok, detail = True, check(backend, args)
+        except Exception as exc:  # a failed check is a result, the next one still runs
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        seconds = time.perf_counter() - t0
+        print(f"{'PASS' if ok else 'FAIL'}  {name:<19} {detail}  ({seconds:.1f} s)", flush=True)
+        results.append({"check": name, "ok": ok, "detail": detail, "seconds": seconds})
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backend", default="ascend", help="ascend (an NPU) or ascend-sim")
+    p.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
+    p.add_argument("--max-graphs", type=int, default=2048)
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    args.dtype = DTYPES[args.dtype]
+    backend = xgraph.get_backend(args.backend)
+    print(f"xgraph-ascend hardware check on {backend!r}", flush=True)
+    results = run(backend, args)
+    failed = sum(not r["ok"] for r in results)
+    print(f"{len(results) - failed} passed, {failed} failed")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": backend.name, "results": results}, f, indent=2)
+    return failed
+
+
+if __name__ == "__main__":
+    sys.exit(main())

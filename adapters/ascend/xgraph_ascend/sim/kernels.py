@@ -17,7 +17,7 @@ import torch
 from ..errors import AclRuntimeError
 
 INVALID_PARAM = 100000
-WORKSPACE_BYTES = 256
+WORKSPACE_BYTES = 256  # the simulated op's workspace: fixed, like the max-workspace answer
 
 
 def _check(ok: bool, why: str) -> None:
@@ -55,8 +55,3 @@ def fused_infer_attention(
         out[i].copy_(o.reshape(hq, d))
     if lse.numel():
         lse.zero_()  # softmax_lse_flag is off: the op leaves a placeholder
-
-
-def workspace_bytes(seq_lens: Sequence[int]) -> int:
-    """The simulated op's workspace: fixed, like the max-workspace query's answer."""
-    return WORKSPACE_BYTES

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -203,7 +203,7 @@ class SimRuntime(NpuRuntime):
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         block_table: torch.Tensor, seq_lens: Sequence[int], *, scale: float,
     ) -> torch.Tensor | None:  # fmt: skip
-        return torch.empty(kernels.workspace_bytes(seq_lens), dtype=torch.uint8)
+        return torch.empty(kernels.WORKSPACE_BYTES, dtype=torch.uint8)
 
     # -- memory and reporting --------------------------------------------------------------
 
@@ -228,12 +228,3 @@ class SimRuntime(NpuRuntime):
         out = self.lib.books()
         out["routes"] = self.caching.routes()
         return out
-
-    @contextlib.contextmanager
-    def strict(self) -> Iterator[SimRuntime]:
-        """Fail the block if it leaves a rule violation behind (tests)."""
-        before = len(self.lib.violations)
-        yield self
-        new = self.lib.violations[before:]
-        if new:
-            raise AssertionError(f"simulated runtime violations: {new}")

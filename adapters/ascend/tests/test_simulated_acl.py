@@ -198,3 +198,20 @@ def test_default_stream_work_invalidates_a_capture(rt: SimRuntime) -> None:
     rt.release_pool(pool.id)
     g.reset()
     assert pool.use_count() == 1 and rt.books()["routes"] == 0
+
+
+def test_a_libascendcl_without_vmm_means_shared_pool_memory() -> None:
+    """Binding to a library that lacks the VMM symbols switches virtual memory off."""
+    from xgraph_ascend.backend import AscendSimBackend
+
+    import xgraph
+
+    lib = acl.AclFunctions.from_library(ctypes.CDLL(None))  # the C library: no ACL symbols
+    assert not lib.has(*acl.VMM_CALLS) and lib.recent_error() == ""
+    rt = SimRuntime()
+    rt.acl = lib
+    backend = AscendSimBackend(rt)
+    assert backend.virtual_memory() is None
+    mem = xgraph.GraphMemory(backend)
+    assert mem.mode.value == "shared-pool"
+    mem.close()

@@ -106,6 +106,11 @@ PROTOTYPES: dict[str, Any] = {
 
 # absent from older libascendcl builds (the 7.0.0-era header has no granularity query)
 OPTIONAL = {"aclrtMemGetAllocationGranularity", "aclGetRecentErrMsg"}
+# without these the backend has no virtual memory (graph memory falls back to shared-pool)
+VMM_CALLS = (
+    "aclrtReserveMemAddress", "aclrtReleaseMemAddress", "aclrtMallocPhysical",
+    "aclrtFreePhysical", "aclrtMapMem", "aclrtUnmapMem",
+)  # fmt: skip
 
 # torch_npu's pluggable allocator, C side (NPUPluggableAllocator.h):
 # void* alloc(size_t size, int device, aclrtStream stream);
@@ -125,14 +130,13 @@ class AclFunctions:
 
     @classmethod
     def from_library(cls, lib: ctypes.CDLL) -> AclFunctions:
-        """Bind every prototype to the library's symbol; optional ones may be missing."""
+        """Bind every prototype the library exports; callers check `has()` for the rest."""
         table = {}
         for name, proto in PROTOTYPES.items():
             try:
                 table[name] = proto((name, lib))
-            except AttributeError:
-                if name not in OPTIONAL:
-                    raise
+            except AttributeError:  # an older CANN: the feature using it is switched off
+                pass
         return cls(table, getattr(lib, "_name", "libascendcl.so"))
 
     @classmethod
@@ -143,8 +147,8 @@ class AclFunctions:
             raise TypeError(f"simulated libascendcl lacks {sorted(missing)}")
         return cls({n: PROTOTYPES[n](f) for n, f in impls.items() if n in PROTOTYPES}, origin)
 
-    def has(self, name: str) -> bool:
-        return name in self._table
+    def has(self, *names: str) -> bool:
+        return all(n in self._table for n in names)
 
     def __getattr__(self, name: str) -> Any:
         try:

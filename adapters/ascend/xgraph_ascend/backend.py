@@ -29,6 +29,7 @@ from xgraph.interfaces import (
 from xgraph.runners import reference_runners
 
 from . import probe
+from .acl import VMM_CALLS
 from .errors import CAPTURE_CODES, acl_code, capture_error
 from .graph import AscendGraph
 from .pool import AscendCapturePool
@@ -114,7 +115,7 @@ class AscendBackend(Backend):
         return AscendCapturePool(self.runtime, segments)
 
     def virtual_memory(self) -> VirtualMemory | None:
-        if not self.runtime.acl.has("aclrtReserveMemAddress"):
+        if not self.runtime.acl.has(*VMM_CALLS):
             return None  # a libascendcl without VMM: shared-pool memory only
         return super().virtual_memory()
 

@@ -164,6 +164,10 @@ class AscendGraph(CheckedGraph):
         self._begun = False
         if side is None or not rt.is_capturing(side):
             return
+        if not rt.acl.has("aclmdlRICaptureEnd", "aclmdlRIDestroy"):
+            logger.warning("AscendGraph: a failed capture is still on; libascendcl lacks "
+                           "aclmdlRICaptureEnd to end it. Use a new capture stream.")
+            return
         ri = ctypes.c_void_p()
         rc = rt.acl.aclmdlRICaptureEnd(rt.stream_handle(side), ctypes.byref(ri))
         if ri.value:

@@ -142,6 +142,7 @@ class GraphExecutor:
         self._eager_keys: dict[tuple, str] = {}
         self._out_bufs: list[torch.Tensor] | None = None
         self._out_spec: Any = None
+        self._out_views: dict[int, Any] = {}
         self._stats = ExecutorStats()
         self._closed = False
         self._busy = threading.Lock()  # one step at a time: outputs are shared buffers
@@ -179,22 +180,31 @@ class GraphExecutor:
         raises ConcurrentStepError (outputs are views of one set of persistent buffers, so
         two overlapping steps could not both be right). Serialize steps in the engine.
         """
-        with self._exclusive("step"):
+        if not self._busy.acquire(blocking=False):  # not a context manager: the hot path
+            self._refuse("step")
+        try:
+            if self._closed:
+                raise XGraphError(f"{self.name} is closed; create a new executor.")
             out = self._run(self.planner.plan(inputs, attn))
             if clone:  # inside the lock: the next step may overwrite the buffers right after
                 flat, spec = tree_flatten(out)
                 out = tree_unflatten([t.clone() for t in flat], spec)
+        finally:
+            self._busy.release()
         return out
+
+    def _refuse(self, what: str) -> None:
+        raise ConcurrentStepError(
+            f"{self.name}: a {what} was started while another step of this executor is "
+            "running (another thread, or the forward calling its own executor). A "
+            "GraphExecutor runs one step at a time: serialize the calls, or give each "
+            "thread its own executor."
+        )
 
     @contextlib.contextmanager
     def _exclusive(self, what: str) -> Iterator[None]:
         if not self._busy.acquire(blocking=False):
-            raise ConcurrentStepError(
-                f"{self.name}: a {what} was started while another step of this executor is "
-                "running (another thread, or the forward calling its own executor). A "
-                "GraphExecutor runs one step at a time: serialize the calls, or give each "
-                "thread its own executor."
-            )
+            self._refuse(what)
         try:
             if self._closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
@@ -229,8 +239,12 @@ class GraphExecutor:
         entry.graph.replay()
 
     def _outputs(self, n: int) -> Any:
-        assert self._out_bufs is not None
-        return tree_unflatten([b[:n] for b in self._out_bufs], self._out_spec)
+        out = self._out_views.get(n)  # views of the output buffers, made once per size
+        if out is None:
+            assert self._out_bufs is not None
+            out = tree_unflatten([b[:n] for b in self._out_bufs], self._out_spec)
+            self._out_views[n] = out
+        return out
 
     # -- eager paths -----------------------------------------------------------------------
 

@@ -51,9 +51,14 @@ def _check_tensor(name: str, spec: Input, v: Any, device: torch.device) -> torch
 
 def _check_bounds(name: str, spec: Input, v: torch.Tensor) -> None:
     low, high = spec.bounds  # type: ignore[misc]
-    a = v.numpy() if v.device.type == "cpu" else v  # numpy: far cheaper on small arrays
-    if a.min() >= low and a.max() < high:  # a device tensor pays one sync here
-        return
+    if v.device.type == "cpu" and low == 0 and v.dtype == torch.int64:
+        # one reduction: as unsigned, a negative value is huge and fails the same compare
+        if int(v.numpy().view(np.uint64).max()) < high:
+            return
+    else:
+        a = v.numpy() if v.device.type == "cpu" else v
+        if a.min() >= low and a.max() < high:  # a device tensor pays one sync here
+            return
     at = tuple(int(i) for i in ((v < low) | (v >= high)).nonzero()[0])
     raise InputError(
         f"{name}: input {spec.name!r}{list(at)} is {v[at].item()}, outside its bounds "
@@ -87,12 +92,12 @@ def validate_inputs(
 ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """The step's tensors by name and the size of every symbolic dim they use."""
     names = {i.name for i in declared}
-    missing, unknown = names - set(inputs), set(inputs) - names
-    if missing or unknown:
+    if inputs.keys() != names:
+        missing, unknown = names - set(inputs), set(inputs) - names
         raise InputError(
             f"{name}: inputs {sorted(inputs)} do not match the declared inputs {sorted(names)} "
             f"(missing {sorted(missing)}, unknown {sorted(unknown)})."
-        )
+        )  # fmt: skip
     sizes: dict[str, int] = {}
     tensors: dict[str, torch.Tensor] = {}
     for spec in declared:
@@ -195,13 +200,13 @@ def _check_lengths(
         raise InputError(f"{name}: a step needs at least one sequence and one token; got none.")
     if len(sl) != n:
         raise InputError(f"{name}: {n} query_lens but {len(sl)} seq_lens.")
-    if int(ql.sum()) != num_tokens:
+    total = int(ql.sum())
+    if total != num_tokens:
         raise InputError(
-            f"{name}: query_lens sum to {int(ql.sum())}, but the inputs have {num_tokens} tokens."
+            f"{name}: query_lens sum to {total}, but the inputs have {num_tokens} tokens."
         )
-    bad = np.flatnonzero((ql < 1) | (ql > sl))
-    if len(bad):
-        i = int(bad[0])
+    if (ql < 1).any() or (ql > sl).any():
+        i = int(np.flatnonzero((ql < 1) | (ql > sl))[0])
         raise InputError(
             f"{name}: sequence {i} has query_len {ql[i]} and seq_len {sl[i]}; every sequence "
             "needs 1 <= query_len <= seq_len."
@@ -223,34 +228,35 @@ def check_cache_layout(
     """Each sequence's blocks exist, are its own to use, and hold every position up to its
     seq_len; each token's slot is the one its sequence's table gives its position."""
     bs, dummy, nb = layout.block_size, layout.dummy_block, layout.num_blocks
-    need = (sl + bs - 1) // bs
-    short = np.flatnonzero(need > rows)
-    if len(short):
-        i = int(short[0])
+    need = (sl + (bs - 1)) // bs
+    if (need > rows).any():
+        i = int(np.flatnonzero(need > rows)[0])
         raise InputError(
             f"{name}: block_tables: sequence {i} needs {need[i]} blocks for seq_len {sl[i]} "
             f"(block_size {bs}) but its row holds {rows[i]}. Give it enough blocks."
         )
     used = table[:, : int(need.max())]  # only the columns some sequence reads
     ids = used.view(np.uint32)  # a negative id becomes huge: one compare finds both ends
-    bad = (ids >= nb) | (ids == dummy)
-    bad &= np.arange(used.shape[1])[None, :] < need[:, None]
+    # the usual layout puts the dummy last: then one compare refuses it too
+    bad = ids >= dummy if dummy == nb - 1 else (ids >= nb) | (ids == dummy)
     if bad.any():
-        i, j = (int(x) for x in np.argwhere(bad)[0])
-        raise InputError(
-            f"{name}: block_tables: sequence {i} uses block id {int(used[i, j])} at column "
-            f"{j}; block ids run from 0 to {nb - 1}, and {dummy} is the reserved dummy block."
-        )
+        bad &= np.arange(used.shape[1])[None, :] < need[:, None]  # columns past a row's need
+        if bad.any():
+            i, j = (int(x) for x in np.argwhere(bad)[0])
+            raise InputError(
+                f"{name}: block_tables: sequence {i} uses block id {int(used[i, j])} at column "
+                f"{j}; block ids run from 0 to {nb - 1}, and {dummy} is the reserved dummy "
+                "block."
+            )
     if decode:  # one token per sequence, at position seq_len - 1
         seq, pos = np.arange(len(sl)), sl - 1
     else:
         seq = np.repeat(np.arange(len(ql)), ql)
         starts = np.cumsum(ql) - ql
         pos = (sl - ql)[seq] + np.arange(len(seq)) - starts[seq]
-    expected = used[seq, pos // bs].astype(np.int64) * bs + pos % bs
-    off = np.flatnonzero(slots != expected)
-    if len(off):
-        t = int(off[0])
+    expected = used[seq, pos // bs] * bs + pos % bs  # int64: pos is int64
+    if (slots != expected).any():
+        t = int(np.flatnonzero(slots != expected)[0])
         raise InputError(
             f"{name}: slot_mapping[{t}] is {slots[t]}, but sequence {int(seq[t])} keeps "
             f"position {pos[t]} at slot {expected[t]} (its block table row, block_size {bs}). "

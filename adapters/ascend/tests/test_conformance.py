@@ -13,12 +13,12 @@ class TestAscendSimConformance(ConformanceSuite):
     backend_name = "ascend-sim"
 
 
-def test_cli_conformance_passes_for_ascend_sim() -> None:
-    """`xgraph conformance --backend ascend-sim` as a user runs it (a fresh process)."""
+def _cli_conformance(era: str, *pytest_args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "XGRAPH_BACKEND"}
+    env["XGRAPH_ASCEND_SIM_ERA"] = era
     proc = subprocess.run(
         [sys.executable, "-m", "xgraph.cli", "conformance", "--backend", "ascend-sim", "--",
-         "-q", "-p", "no:randomly"],
+         "-q", *pytest_args],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -26,3 +26,17 @@ def test_cli_conformance_passes_for_ascend_sim() -> None:
     assert "backend 'ascend-sim' (cpu)" in proc.stdout
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, tail
+    return summary
+
+
+def test_cli_conformance_passes_for_ascend_sim() -> None:
+    """`xgraph conformance --backend ascend-sim` as a user runs it (a fresh process)."""
+    assert "deselected" not in _cli_conformance("owner")
+
+
+def test_cli_conformance_in_the_memory_pool_context_era() -> None:
+    """The older torch_npu era: every test but the shared-physical pool one passes (that one
+    asserts shared-physical memory, which this era does not offer; the suite does not yet
+    consult Backend.segments_support, see docs/ascend.md)."""
+    summary = _cli_conformance("context", "-k", "not test_shared_physical_is_max_in_any_order")
+    assert "1 deselected" in summary

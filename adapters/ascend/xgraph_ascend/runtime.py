@@ -335,7 +335,7 @@ class TorchNpuRuntime(NpuRuntime):
         return str(torch.npu.get_device_name(self.device_index))  # type: ignore[attr-defined]
 
     def versions(self) -> dict[str, str]:
-        out = {"torch_npu": str(getattr(self._tn, "__version__", "?")), "pool era": self.era}
+        out = {"torch_npu": str(getattr(self._tn, "__version__", "?")), "pool era": self.era.value}
         get_cann = getattr(getattr(self._tn.npu, "utils", None), "get_cann_version", None)
         if get_cann is not None:
             with contextlib.suppress(Exception):

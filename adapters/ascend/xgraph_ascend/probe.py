@@ -9,20 +9,12 @@ exception and names the cause and the fix.
 
 from __future__ import annotations
 
-import importlib
 import re
-from importlib import metadata
-from typing import Any
 
 from xgraph.interfaces import Availability
 
-# what the adapter calls; missing ones mean a torch_npu older than the 7.0.0 branches
-REQUIRED = {
-    "torch.npu.NPUGraph": ("npu", "NPUGraph"),
-    "torch.npu.graph_task_group_begin": ("npu", "graph_task_group_begin"),
-    "torch.npu.graph_task_update_begin": ("npu", "graph_task_update_begin"),
-    "torch.npu.ExternalEvent": ("npu", "ExternalEvent"),
-}
+from .runtime import torch_npu_facts
+
 _SO = re.compile(r"(lib[\w.+-]+\.so[\w.]*)")
 
 
@@ -61,22 +53,7 @@ def explain_import_failure(exc: BaseException, cuda_version: str | None) -> str:
             "torch's autoload of the torch_npu backend failed; fix the cause below, or set "
             f"TORCH_DEVICE_BACKEND_AUTOLOAD=0 and import torch_npu explicitly ({text})"
         )
-    return f"importing torch_npu failed ({text})"
-
-
-def _missing_apis(torch: Any) -> list[str]:
-    missing = []
-    for name, (mod, attr) in REQUIRED.items():
-        if not hasattr(getattr(torch, mod, None), attr):
-            missing.append(name)
-    return missing
-
-
-def _version(dist: str, module: Any) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return str(getattr(module, "__version__", "?"))
+    return f"importing torch_npu (or asking it for NPUs) failed ({text})"
 
 
 def availability() -> Availability:
@@ -84,31 +61,23 @@ def availability() -> Availability:
 
     versions = {"torch": torch.__version__}
     try:
-        torch_npu = importlib.import_module("torch_npu")
+        facts = torch_npu_facts()
     except Exception as exc:  # not only ImportError: see the module docstring
         return Availability(False, explain_import_failure(exc, torch.version.cuda), versions)
-    versions["torch_npu"] = _version("torch_npu", torch_npu)
-    try:
-        if not torch.npu.is_available():  # type: ignore[attr-defined]
-            return Availability(
-                False, "no NPU is visible (torch.npu.is_available() is False)", versions
-            )
-        missing = _missing_apis(torch)
-        if missing:
-            return Availability(
-                False, f"torch_npu {versions['torch_npu']} lacks {', '.join(missing)} (ACL "
-                "graphs need torch_npu from the 7.0.0 branches and CANN >= 8.1)", versions,
-            )  # fmt: skip
-        era = "context" if hasattr(torch_npu.npu.memory, "MemPoolContext") else "owner"
-        versions["pool era"] = era
-        n, name = torch.npu.device_count(), torch.npu.get_device_name()  # type: ignore[attr-defined]
-    except Exception as exc:
-        why = f"torch_npu imported but querying the NPU failed: {exc!r}"
+    versions["torch_npu"] = facts["version"]
+    if not facts["available"]:
+        why = "no NPU is visible (torch.npu.is_available() is False)"
         return Availability(False, why, versions)
+    if facts["missing"]:
+        return Availability(
+            False, f"torch_npu {facts['version']} lacks {', '.join(facts['missing'])} (ACL "
+            "graphs need torch_npu from the 7.0.0 branches and CANN >= 8.1)", versions,
+        )  # fmt: skip
+    era = versions["pool era"] = facts["era"]
+    shared = "on" if era == "owner" else "off: falls back to shared-pool"
     return Availability(
         True,
-        f"{n} x {name}; {era}-era MemPool (shared-physical "
-        f"{'on' if era == 'owner' else 'off: falls back to shared-pool'}); verified against "
+        f"{facts['devices']}; {era}-era MemPool (shared-physical {shared}); verified against "
         "the simulated runtime only, run adapters/ascend/scripts/hardware_check.py",
         versions,
     )

@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
+import importlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from typing import Any
 
 import torch
@@ -165,6 +167,30 @@ class NpuRuntime(ABC):
         return None
 
 
+# what the adapter calls; missing ones mean a torch_npu older than the 7.0.0 branches
+REQUIRED_APIS = ("NPUGraph", "graph_task_group_begin", "graph_task_update_begin", "ExternalEvent")
+
+
+def torch_npu_facts() -> dict[str, Any]:
+    """Import torch_npu and report what availability depends on (for the probe).
+
+    Raises whatever the import raises: not only ImportError (see probe.py).
+    """
+    torch_npu = importlib.import_module("torch_npu")
+    try:
+        version = metadata.version("torch_npu")
+    except metadata.PackageNotFoundError:
+        version = str(getattr(torch_npu, "__version__", "?"))
+    npu = torch.npu  # type: ignore[attr-defined]
+    facts: dict[str, Any] = {"version": version, "available": bool(npu.is_available())}
+    if facts["available"]:
+        facts["missing"] = [f"torch.npu.{n}" for n in REQUIRED_APIS if not hasattr(npu, n)]
+        context = hasattr(torch_npu.npu.memory, "MemPoolContext")
+        facts["era"] = (PoolEra.CONTEXT if context else PoolEra.OWNER).value
+        facts["devices"] = f"{npu.device_count()} x {npu.get_device_name()}"
+    return facts
+
+
 def _paged_kwargs(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: Sequence[int], scale: float) -> dict[str, Any]:  # fmt: skip
     """npu_fused_infer_attention_score keyword arguments for paged decode (BNSD query)."""
@@ -187,7 +213,7 @@ class TorchNpuRuntime(NpuRuntime):
     name = "torch_npu"
 
     def __init__(self) -> None:
-        import torch_npu  # the one place the adapter imports it
+        import torch_npu  # only this module imports it (torch_npu_facts above for the probe)
 
         self._tn = torch_npu
         self.device_index = int(torch.npu.current_device())  # type: ignore[attr-defined]

@@ -33,6 +33,7 @@ def _info_rows(infos: list) -> list[str]:  # type: ignore[type-arg]
 def cmd_info(args: argparse.Namespace) -> int:
     import xgraph
 
+    chosen = xgraph.get_backend(args.backend).name  # first: a chosen hidden one is listed
     infos = xgraph.list_backends(refresh=True, hidden=args.all)
     if args.json:
         print(json.dumps([
@@ -43,7 +44,6 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     print(f"xgraph {xgraph.__version__}: backends (highest priority first)")
     print("\n".join(_info_rows(infos)))
-    chosen = xgraph.get_backend(args.backend).name
     print(f"\nselected: {chosen} (argument > XGRAPH_BACKEND > highest priority available)")
     return 0
 

@@ -298,6 +298,10 @@ class Backend(ABC):
         shared-physical memory, which otherwise falls back to shared-pool with a warning)."""
         return Availability(True)
 
+    def capture_space_bytes(self) -> int:
+        """Address space reserved per capture in shared-physical memory (never all backed)."""
+        return 1 << 36  # 64 GiB: plentiful on 64-bit GPUs; a runtime with less says so
+
     def warmup_context(self) -> AbstractContextManager[Any]:
         """Where warm-up runs: on the capture stream, so per-stream lazy allocations (cuBLAS
         workspaces) happen outside every capture pool. Default: nothing to switch."""

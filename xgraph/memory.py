@@ -75,7 +75,11 @@ class GraphMemory:
         self._owns_physical = physical is None and mode is MemoryMode.SHARED_PHYSICAL
         self.physical = physical
         if self._owns_physical:
-            self.physical = SharedPhysicalPool(vm, chunk_size=chunk_size)  # type: ignore[arg-type]
+            self.physical = SharedPhysicalPool(
+                vm,  # type: ignore[arg-type]  # not None: checked above
+                chunk_size=chunk_size,
+                space_bytes=backend.capture_space_bytes(),
+            )
         self._shared: CapturePool | None = None
         self._pools: list[CapturePool] = []  # every native pool handed out, for close()
         self.closed = False

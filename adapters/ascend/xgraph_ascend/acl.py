@@ -6,7 +6,7 @@ same prototypes to Python functions (`AclFunctions.from_python`), so in both cas
 adapter calls a real C function pointer: argument conversion, the `void**` out-parameters
 and the 32-byte `aclrtPhysicalMemProp` are marshalled the same way.
 
-Sources: CANN `acl_rt.h` / `acl_mdl.h` (hicann/runtime); see /work/shared/ascend.md §3.
+Sources: CANN `acl_rt.h` / `acl_mdl.h` (the open-source CANN runtime, hicann/runtime).
 """
 
 from __future__ import annotations

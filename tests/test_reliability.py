@@ -259,3 +259,19 @@ def test_vmm_failure_mid_capture_raises_its_name_and_leaks_nothing(call, nth):
     ex.close()
     mem.close()
     assert books(mem.physical.vm) == {"reservations": 0, "mappings": 0, "chunks": 0}
+
+
+@pytest.mark.parametrize("call", ["_unmap_chunk", "_release_range", "_free_chunk"])
+def test_a_driver_failure_during_teardown_is_reported_and_a_retry_finishes(call):
+    ex_w, ref_w = workloads()
+    backend = xgraph.get_backend("cpu")
+    vm = backend.virtual_memory()
+    start = books(vm)
+    ex = ex_w.executor(backend=backend, buckets=BUCKETS, memory="shared-physical")
+    check_steps(ex, ex_w, ref_w, random.Random(6), [1, 8, 3])
+    with fail_driver_call(vm, call, "EBUSY (injected)", nth=2):
+        with pytest.raises(xgraph.VirtualMemoryError, match=f"{call} failed: EBUSY"):
+            ex.close()
+    assert books(vm) != start  # what the driver refused is still booked, nothing else lost
+    ex.memory.close()  # the retry
+    assert books(vm) == start

@@ -148,13 +148,11 @@ class GraphMemory:
 
     def close(self) -> None:
         """Close every native pool, then the physical pool. Reset the graphs first."""
-        if self.closed:
-            return
-        self.closed = True
+        self.closed = True  # idempotent; after a driver failure, calling again finishes
         self.backend.synchronize()  # queued replays may still use every pool's memory
-        for p in self._pools:
-            p.close()
-        self._pools.clear()
+        while self._pools:
+            self._pools[-1].close()
+            self._pools.pop()
         self._shared = None
         if self._owns_physical and self.physical is not None:
             self.physical.close()

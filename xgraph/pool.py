@@ -116,10 +116,12 @@ class SharedPhysicalPool:
             return space.base + start
 
     def _unmap_space(self, space: AddressSpace) -> None:
-        for k in range(space.mapped):
-            self.vm.unmap(space.base + k * self.chunk_size)
+        # last mapping first, each step booked as it succeeds: a driver failure leaves
+        # exact books, and calling again continues where it stopped
+        while space.mapped:
+            self.vm.unmap(space.base + (space.mapped - 1) * self.chunk_size)
+            space.mapped -= 1
         self.vm.release(space.base)
-        space.mapped = 0
         space.closed = True
 
     def discard(self, space: AddressSpace) -> None:
@@ -138,7 +140,8 @@ class SharedPhysicalPool:
             for k in sorted(space.created, reverse=True):
                 if k != len(self.chunks) - 1:
                     raise XGraphError("chunk list changed under a space being discarded")
-                self.vm.free(self.chunks.pop())
+                self.vm.free(self.chunks[-1])
+                self.chunks.pop()
             self.high_water = max((s.cursor for s in self.spaces), default=0)
 
     # -- accounting ------------------------------------------------------------------------
@@ -168,17 +171,19 @@ class SharedPhysicalPool:
         }
 
     def close(self) -> None:
-        """Unmap every space, release every range, free every chunk. Graphs go first."""
+        """Unmap every space, release every range, free every chunk. Graphs go first.
+
+        Idempotent, and after a driver failure calling it again finishes the job.
+        """
         with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            for space in self.spaces:
-                if not space.closed:
-                    self._unmap_space(space)
-            self.spaces.clear()
+            self.closed = True  # no new space or allocation from here on
+            while self.spaces:
+                if not self.spaces[-1].closed:
+                    self._unmap_space(self.spaces[-1])
+                self.spaces.pop()
             while self.chunks:
-                self.vm.free(self.chunks.pop())
+                self.vm.free(self.chunks[-1])
+                self.chunks.pop()
             self.high_water = 0
 
     def __enter__(self) -> SharedPhysicalPool:

@@ -21,14 +21,6 @@ class TestCUDAConformance(ConformanceSuite):
     backend_name = "cuda"
 
 
-@pytest.fixture
-def backend():  # type: ignore[no-untyped-def]
-    try:
-        return xgraph.get_backend("cuda")
-    except xgraph.BackendUnavailableError as exc:
-        pytest.skip(str(exc))
-
-
 @needs_cuda
 def test_routed_pool_places_capture_segments_in_the_address_space(backend) -> None:  # type: ignore[no-untyped-def]
     from xgraph_cuda.pool import CUDACapturePool

@@ -17,14 +17,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 BUCKETS = [8, 16, 32, 64]
 
 
-@pytest.fixture
-def backend():  # type: ignore[no-untyped-def]
-    try:
-        return xgraph.get_backend("cuda")
-    except xgraph.BackendUnavailableError as exc:
-        pytest.skip(str(exc))
-
-
 def heavy(dev: torch.device, depth: int = 24, width: int = 4096):  # type: ignore[no-untyped-def]
     """A forward whose replay keeps the GPU busy for milliseconds: queued work at close."""
     g = torch.Generator(device="cpu").manual_seed(0)

@@ -84,6 +84,7 @@ def eager_attention(runner: AttentionRunner, metadata: AttentionMetadata) -> Ite
         yield
 
 
+@torch.compiler.disable
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -95,6 +96,9 @@ def attention(
     """The attention call site: store k, v in the paged cache and attend q over it.
 
     q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; returns [tokens, heads, dim].
+    Under torch.compile the call is a graph break: the compiled pieces around it stay
+    pure (no in-place cache write to functionalize), and the step context (inline runner
+    or piecewise cut) runs in Python as it does eagerly.
     """
     s = _stack()
     if not s:

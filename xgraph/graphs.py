@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import PoolClosedError, XGraphError
@@ -48,6 +49,7 @@ class _CaptureGuard(TorchDispatchMode):
         self.device = graph.backend.device
         self.op_check = op_check
 
+    @torch.compiler.disable  # the guard is library code: a compiled forward never traces it
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         check_op(func, args, kwargs, self.device)

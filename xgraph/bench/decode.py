@@ -3,7 +3,9 @@
 Side by side in one process, per batch size: eager, the GraphExecutor step (staging +
 replay), the forward captured by hand with the runtime's own graph API on static buffers
 (`backend.native_graph`; absent where the backend has none) and, optionally on
-accelerators, torch.compile(mode="reduce-overhead") (slow to compile). Times are medians of
+accelerators (`--compile` batch sizes), torch.compile(mode="reduce-overhead") and the
+executor over a torch.compile'd forward (Inductor kernels, xgraph's graphs), both slow to
+compile. Times are medians of
 device timings where the backend has a device timer. Host overhead: host wall time of one
 executor step minus that of the native graph's replay call, each measured with an idle
 device (synchronized before the call) so neither waits on earlier work.
@@ -89,6 +91,29 @@ def _compiled(
         return {"compile_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
+def _xgraph_compiled(
+    backend: Backend, w: Workload, step: Step, timer: Timer, iters: int
+) -> dict[str, Any]:
+    """The executor over torch.compile(forward) (Inductor, no graphs of its own): the
+    compiled kernels captured and replayed by xgraph; first step = compile + capture."""
+    try:
+        compiled = torch.compile(w.model.forward)
+        ex = w.executor(compiled, backend=backend, buckets=[step.num_tokens])
+        t0 = time.perf_counter()
+        ex(**step.kwargs())
+        backend.synchronize()
+        first = time.perf_counter() - t0
+        row = {
+            "xgraph_compiled_s": timer(lambda: ex(**step.kwargs()), iters),
+            "xgraph_compiled_first_step_s": first,
+            "xgraph_compiled_capture_s": ex.stats()["capture_seconds"],
+        }
+        ex.close()
+        return row
+    except Exception as exc:  # a compiler failure must not hide the other numbers
+        return {"xgraph_compiled_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
 def _measure(
     backend: Backend,
     w: Workload,
@@ -139,6 +164,7 @@ def run(
         # torch.compile's reduce-overhead mode is a graph runtime of its own: accelerators only
         if accel and compile_batches and b in compile_batches:
             row.update(_compiled(backend, w, step, timer, iters))
+            row.update(_xgraph_compiled(backend, w, step, timer, iters))
         rows.append(row)
     ex.close()
     eager.close()
@@ -168,6 +194,11 @@ def summarize(data: dict[str, Any]) -> str:
             row["compile(reduce-overhead) ms"] = r["compile_s"] * 1e3
         elif "compile_error" in r:
             row["compile(reduce-overhead) ms"] = "failed"
+        if "xgraph_compiled_s" in r:
+            row["xgraph over compile ms"] = r["xgraph_compiled_s"] * 1e3
+            row["compile+capture s"] = r["xgraph_compiled_first_step_s"]
+        elif "xgraph_compiled_error" in r:
+            row["xgraph over compile ms"] = "failed"
         rows.append(row)
     cols = list(dict.fromkeys(k for r in rows for k in r))
     return (

@@ -113,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     conf.set_defaults(func=cmd_conformance)
 
     from .bench import add_parsers
+    from .integrations.transformers.cli import add_parser as add_generate_parser
 
     add_parsers(sub)
+    add_generate_parser(sub)
     return p
 
 

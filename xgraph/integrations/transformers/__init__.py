@@ -1,0 +1,44 @@
+"""Run Hugging Face transformers models through xgraph, unmodified.
+
+    from xgraph.integrations.transformers import GraphModel
+    print(GraphModel.from_pretrained("path/to/folder").generate([[1, 2, 3]]).tokens)
+
+transformers lets a program register its own attention function; this package registers
+"xgraph", which routes every attention layer to `xgraph.attention` over a paged KV cache
+allocated for the model, builds the GraphExecutor from the model's config, and runs a small
+generation loop on top (chunked prefill, greedy or sampled decode of many sequences).
+See docs/transformers.md. transformers is an optional extra (`pip install
+xgraph[transformers]`): importing this package does not import it.
+"""
+
+from .allocator import BlockAllocator
+from .attention import IMPLEMENTATION, attention_forward, register
+from .cache import PagedCache
+from .errors import CapacityError, MissingExtraError, ModelFolderError, UnsupportedModelError
+from .generate import GenerationResult, generate
+from .limits import Limits
+from .loading import load_model, load_tokenizer
+from .model import GraphModel
+from .sampling import SamplingParams
+from .spec import ModelSpec, inspect_model
+
+__all__ = [
+    "IMPLEMENTATION",
+    "BlockAllocator",
+    "CapacityError",
+    "GenerationResult",
+    "GraphModel",
+    "Limits",
+    "MissingExtraError",
+    "ModelFolderError",
+    "ModelSpec",
+    "PagedCache",
+    "SamplingParams",
+    "UnsupportedModelError",
+    "attention_forward",
+    "generate",
+    "inspect_model",
+    "load_model",
+    "load_tokenizer",
+    "register",
+]

@@ -106,6 +106,11 @@ class GraphExecutor:
             or "raise" (BucketOverflowError).
         on_capture_error: a Fallback for a failed capture (always rolled back): "eager"
             (that key runs eagerly from then on, warned once) or "raise" (CaptureError).
+        compiled: the forward runs torch.compile'd code. Captures then leave out the
+            per-op host-read guard and the piecewise bypass check (under a dispatch mode
+            Dynamo would run the eager forward instead); a host read still fails the
+            capture in the runtime, and Tensor.tolist / numpy stay blocked. Host-recording
+            backends (cpu) keep the guard and record the eager ops.
     """
 
     def __init__(
@@ -122,10 +127,11 @@ class GraphExecutor:
         on_overflow: Fallback | str = Fallback.EAGER,
         on_capture_error: Fallback | str = Fallback.EAGER,
         name: str = "executor",
+        compiled: bool = False,
     ) -> None:
         self.mode = Mode.parse(mode, "mode")
         self.on_capture_error = Fallback.parse(on_capture_error, "on_capture_error")
-        self.forward, self.name = forward, name
+        self.forward, self.name, self.compiled = forward, name, compiled
         self.backend = get_backend(backend)
         self.device = self.backend.device
         self.buckets = _buckets(buckets)
@@ -289,9 +295,12 @@ class GraphExecutor:
             )
 
     def _recording(self, kind: Kind, lease: Lease) -> Recording:
+        checks = not self.compiled  # per-op checks would make Dynamo run the forward eagerly
         if kind is Kind.FULL:
-            return FullGraph(self.backend, lease.pool, self.decode_runner)
-        return PiecewiseGraph(self.backend, lease.pool, self.prefill_runner, self._guarded)
+            return FullGraph(self.backend, lease.pool, self.decode_runner, checks)
+        return PiecewiseGraph(
+            self.backend, lease.pool, self.prefill_runner, self._guarded, checks
+        )
 
     def _record(self, step: Step, graph: Recording) -> None:
         """Record the forward and the copy of its outputs into the persistent buffers."""

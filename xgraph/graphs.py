@@ -80,7 +80,12 @@ class CheckedGraph(Graph):
     def captured(self) -> bool:
         return self._state == _CAPTURED
 
-    def capture_begin(self, pool: CapturePool, op_check: OpCheck | None = None) -> None:
+    def capture_begin(
+        self, pool: CapturePool, op_check: OpCheck | None = None, check_ops: bool = True
+    ) -> None:
+        """Start recording. `check_ops=False` leaves out the per-op guard (Dynamo runs a
+        compiled forward eagerly under any dispatch mode); host recorders keep it, since
+        they record through it. Tensor.tolist / numpy stay blocked either way."""
         if self._state != _IDLE:
             raise XGraphError(
                 f"capture_begin: this graph is {self._state}; "
@@ -104,7 +109,8 @@ class CheckedGraph(Graph):
             guard = contextlib.ExitStack()
             self._guard = guard
             guard.enter_context(block_host_conversions())
-            guard.enter_context(_CaptureGuard(self, op_check))
+            if check_ops or type(self)._record_op is not Graph._record_op:
+                guard.enter_context(_CaptureGuard(self, op_check))
             guard.enter_context(_current(self))
         except BaseException:
             self._undo_capture(route)

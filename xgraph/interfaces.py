@@ -159,12 +159,12 @@ class Graph(ABC):
     """One recorded launch sequence, replayed later on the same addresses.
 
     Public methods (implemented by xgraph.graphs.CheckedGraph, which adapters subclass):
-    `capture_begin(pool, op_check=None)`, `capture_end()`, `replay()`, `reset()`, `abort()`,
-    `capturing`, `captured`. Work issued between capture_begin and capture_end is recorded;
-    tensors it allocates come from the pool and stay valid for the graph's life (until
-    reset). Several captures may follow each other on one pool (piecewise graphs). Graphs
-    never replay concurrently. The core checks state and pool before each driver call below
-    and runs the capture-safety guard itself.
+    `capture_begin(pool, op_check=None, check_ops=True)`, `capture_end()`, `replay()`,
+    `reset()`, `abort()`, `capturing`, `captured`. Work issued between capture_begin and
+    capture_end is recorded; tensors it allocates come from the pool and stay valid for the
+    graph's life (until reset). Several captures may follow each other on one pool
+    (piecewise graphs). Graphs never replay concurrently. The core checks state and pool
+    before each driver call below and runs the capture-safety guard itself.
     """
 
     pool_type: ClassVar[type[CapturePool]]  # the pool class this backend's new_pool returns
@@ -175,7 +175,9 @@ class Graph(ABC):
     # -- public (CheckedGraph) -------------------------------------------------------------
 
     @abstractmethod
-    def capture_begin(self, pool: CapturePool, op_check: OpCheck | None = None) -> None:
+    def capture_begin(
+        self, pool: CapturePool, op_check: OpCheck | None = None, check_ops: bool = True
+    ) -> None:
         """Start recording the work issued from now on; allocations come from `pool`."""
 
     @abstractmethod

@@ -31,9 +31,16 @@ from .safety import ScopedPatch, model_location
 class FullGraph:
     """One graph for the whole forward; `context` runs attention inline while it records."""
 
-    def __init__(self, backend: Backend, pool: CapturePool, runner: AttentionRunner | None):
+    def __init__(
+        self,
+        backend: Backend,
+        pool: CapturePool,
+        runner: AttentionRunner | None,
+        check_ops: bool = True,
+    ):
         self.graph = backend.new_graph()
         self.pool = pool
+        self.check_ops = check_ops
         if runner is not None and not runner.graph_safe:
             raise XGraphError(
                 f"{type(runner).__name__} is not graph-safe, so it cannot run inside a full "
@@ -42,7 +49,7 @@ class FullGraph:
         self.context: StepContext | None = InlineRunner(runner) if runner is not None else None
 
     def begin(self) -> None:
-        self.graph.capture_begin(self.pool)
+        self.graph.capture_begin(self.pool, check_ops=self.check_ops)
 
     def end(self) -> None:
         self.graph.capture_end()
@@ -114,8 +121,10 @@ class PiecewiseGraph:
         pool: CapturePool,
         runner: AttentionRunner | None,
         guarded: set[int] | None = None,
+        check_ops: bool = True,
     ) -> None:
         self.backend = backend
+        self.check_ops = check_ops
         self.pool = pool
         self.runner = runner
         self.items: list[Graph | RunnerCall] = []
@@ -140,7 +149,7 @@ class PiecewiseGraph:
         if self._current is not None:
             raise XGraphError("begin_piece: a piece is already being captured.")
         g = self.backend.new_graph()
-        g.capture_begin(self.pool, op_check=self._check)
+        g.capture_begin(self.pool, op_check=self._check, check_ops=self.check_ops)
         self._current = g
 
     def _end_piece(self) -> None:

@@ -229,13 +229,14 @@ def check_cache_layout(
     seq_len; each token's slot is the one its sequence's table gives its position."""
     bs, dummy, nb = layout.block_size, layout.dummy_block, layout.num_blocks
     need = (sl + (bs - 1)) // bs
-    if (need > rows).any():
+    cols = int(need.max())
+    if cols > rows.min() and (need > rows).any():  # one scalar test when all rows fit
         i = int(np.flatnonzero(need > rows)[0])
         raise InputError(
             f"{name}: block_tables: sequence {i} needs {need[i]} blocks for seq_len {sl[i]} "
             f"(block_size {bs}) but its row holds {rows[i]}. Give it enough blocks."
         )
-    used = table[:, : int(need.max())]  # only the columns some sequence reads
+    used = table[:, :cols]  # only the columns some sequence reads
     ids = used.view(np.uint32)  # a negative id becomes huge: one compare finds both ends
     # the usual layout puts the dummy last: then one compare refuses it too
     bad = ids >= dummy if dummy == nb - 1 else (ids >= nb) | (ids == dummy)
@@ -254,7 +255,8 @@ def check_cache_layout(
         seq = np.repeat(np.arange(len(ql)), ql)
         starts = np.cumsum(ql) - ql
         pos = (sl - ql)[seq] + np.arange(len(seq)) - starts[seq]
-    expected = used[seq, pos // bs] * bs + pos % bs  # int64: pos is int64
+    block, offset = np.divmod(pos, bs)
+    expected = used[seq, block] * bs + offset  # int64: pos is int64
     if (slots != expected).any():
         t = int(np.flatnonzero(slots != expected)[0])
         raise InputError(

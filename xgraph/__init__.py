@@ -40,7 +40,7 @@ from .interfaces import (
 from .memory import GraphMemory
 from .metadata import AttentionInputs, AttentionMetadata
 from .options import Fallback, Kind, MemoryMode, Mode
-from .paging import PagedAttention
+from .paging import PagedAttention, PagedKVCache
 from .plugins import BackendInfo, get_backend, list_backends
 from .pool import SharedPhysicalPool
 from .vmm import CheckedVirtualMemory
@@ -78,6 +78,7 @@ __all__ = [
     "MemoryMode",
     "Mode",
     "PagedAttention",
+    "PagedKVCache",
     "PhysicalChunk",
     "PoolClosedError",
     "SegmentAllocator",

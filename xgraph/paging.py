@@ -1,4 +1,5 @@
-"""PagedAttention: what the executor needs to drive `xgraph.attention` over a paged KV cache."""
+"""Paged KV caches: the cache tensors (PagedKVCache), and what the executor needs to drive
+`xgraph.attention` over them (PagedAttention)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,60 @@ import torch
 
 from .errors import XGraphError
 from .interfaces import AttentionRunner
+from .metadata import KVCache
+
+
+class PagedKVCache:
+    """Per-layer (k, v) caches of shape [num_blocks + 1, block_size, kv_heads, head_dim].
+
+    The last block is reserved: bucket padding writes its k/v to `dummy_slot` (the first
+    slot of that block) and padded sequences point their block tables at `dummy_block`, so
+    padding never lands in a real request's cache. Zeros, not empty: padded sequences read
+    the dummy block before anything is written there.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.layers: list[KVCache] = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
+
+    @property
+    def dummy_block(self) -> int:
+        return self.num_blocks
+
+    @property
+    def dummy_slot(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor (the piecewise capture refuses ops that touch them directly)."""
+        return [t for kv in self.layers for t in kv]
+
+    def real(self) -> list[torch.Tensor]:
+        """Views of every layer's cache without the reserved block (for comparisons)."""
+        return [t[: self.num_blocks] for t in self.tensors()]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def slot(self, row: list[int], position: int) -> int:
+        """The cache slot of `position` in a sequence whose block-table row is `row`."""
+        return row[position // self.block_size] * self.block_size + position % self.block_size
 
 
 @dataclass

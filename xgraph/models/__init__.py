@@ -6,8 +6,9 @@ its line here, as it would be in an engine's own model.
 
 import os
 
+from ..paging import PagedKVCache
 from ..safety import register_model_path
-from .qwen3 import PagedKVCache, Qwen3Config, Qwen3Model
+from .qwen3 import Qwen3Config, Qwen3Model
 from .workload import TOKEN_INPUTS, Step, Workload
 
 register_model_path(os.path.dirname(os.path.abspath(__file__)))

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..attention import attention
 from ..metadata import KVCache
+from ..paging import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -86,54 +87,6 @@ class Qwen3Config:
             max_position=c.get("max_position_embeddings", 8192),
             tie_word_embeddings=c.get("tie_word_embeddings", True),
         )
-
-
-class PagedKVCache:
-    """Per-layer (k, v) caches of shape [blocks + 1, block_size, kv_heads, head_dim].
-
-    The last block is reserved: bucket padding writes its k/v to `dummy_slot` (the first
-    slot of that block) and padded sequences point their block tables at `dummy_block`, so
-    padding never lands in a real request's cache.
-    """
-
-    def __init__(
-        self,
-        config: Qwen3Config,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
-        self.layers: list[KVCache] = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(config.num_layers)
-        ]
-
-    @property
-    def dummy_block(self) -> int:
-        return self.num_blocks
-
-    @property
-    def dummy_slot(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for kv in self.layers for t in kv]
-
-    def real(self) -> list[torch.Tensor]:
-        """Views of every layer's cache without the reserved block (for comparisons)."""
-        return [t[: self.num_blocks] for t in self.tensors()]
-
-    def clone(self) -> PagedKVCache:
-        new = object.__new__(PagedKVCache)
-        new.num_blocks, new.block_size = self.num_blocks, self.block_size
-        new.layers = [(k.clone(), v.clone()) for k, v in self.layers]
-        return new
 
 
 class RMSNorm(nn.Module):
@@ -245,7 +198,10 @@ class Qwen3Model(nn.Module):
         """Random weights (seeded, std 0.02), or a local Hugging Face safetensors folder."""
         if isinstance(config, str):
             config = Qwen3Config.from_hf(weights) if weights else Qwen3Config.named(config)
-        cache = PagedKVCache(config, num_blocks, block_size, dtype, device)
+        cache = PagedKVCache(
+            config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size,
+            dtype, device,
+        )  # fmt: skip
         with torch.device("meta"):
             model = cls(config, cache)
         model = model.to_empty(device=device)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ...metadata import KVCache
+from ...paging import PagedKVCache
 from .spec import ModelSpec
 
 
-class PagedCache:
+class PagedCache(PagedKVCache):
     """Per-layer paged (k, v) tensors for a ModelSpec, allocated once at construction."""
 
     def __init__(
@@ -26,33 +26,7 @@ class PagedCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.dtype = dtype or spec.dtype
-        shape = (num_blocks + 1, block_size, spec.num_kv_heads, spec.head_dim)
-        # zeros, not empty: the dummy block is read by padded sequences before any write
-        self.layers: list[KVCache] = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=device),
-                torch.zeros(shape, dtype=self.dtype, device=device),
-            )
-            for _ in range(spec.num_layers)
-        ]
-
-    @property
-    def dummy_block(self) -> int:
-        return self.num_blocks
-
-    @property
-    def dummy_slot(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every cache tensor (the piecewise capture refuses ops that touch them directly)."""
-        return [t for kv in self.layers for t in kv]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-    def slot(self, row: list[int], position: int) -> int:
-        """The cache slot of `position` in a sequence whose block-table row is `row`."""
-        return row[position // self.block_size] * self.block_size + position % self.block_size
+        super().__init__(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, block_size,
+            dtype or spec.dtype, device,
+        )  # fmt: skip

@@ -211,7 +211,7 @@ def _current(g: CheckedGraph) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def graph(g: Graph, pool: CapturePool | None = None) -> Iterator[Graph]:
+def graph(g: CheckedGraph, pool: CapturePool | None = None) -> Iterator[CheckedGraph]:
     """Capture the work of the block into `g`, like `torch.cuda.graph`.
 
     Warm the callable up first (lazy initialisation must not happen inside a capture). With
@@ -229,7 +229,7 @@ def graph(g: Graph, pool: CapturePool | None = None) -> Iterator[Graph]:
         if own:
             pool.close()
         raise
-    if own and isinstance(g, CheckedGraph):
+    if own:
         g.owned_pool = pool
     try:
         yield g

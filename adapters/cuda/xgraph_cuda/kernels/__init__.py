@@ -1,0 +1,32 @@
+"""Triton attention kernels of the CUDA adapter, one idea per module.
+
+`store` writes a step's k/v rows into the paged caches, `decode` attends one query token per
+sequence (graph-safe), `prefill` attends variable-length query tiles planned by `tiles`.
+Importing this package loads no Triton; the kernel modules do, so only code that has checked
+for Triton imports them. Under TRITON_INTERPRET=1 the kernels run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_TRUE = ("1", "true", "on", "yes")
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET set)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+
+
+def dot_upcast() -> bool:
+    """Whether dot operands go to float32 first: the interpreter's bfloat16 dot is wrong, and
+    float32 there costs nothing that matters."""
+    return interpreting()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Input precision of tl.dot: IEEE for float32 operands (Triton would round them through
+    TF32, torch's matmuls do not by default); 16-bit operands ignore it."""
+    return "ieee" if dtype == torch.float32 or dot_upcast() else "tf32"

@@ -1,0 +1,147 @@
+"""Paged decode attention: one query token per sequence, every per-step value read on device.
+
+Program (sequence, kv head, split) loads the q heads of its kv head together (GQA), reads
+the sequence's length and block-table row from device tensors and walks only the
+ceil(seq_len / BLOCK_N) key tiles of its share of the context, so its cost follows the real
+context, not the table width. Positions >= seq_len are never loaded (masked loads, -inf
+scores), so whatever fills unused or dummy blocks cannot reach the output. With one split
+the program writes `out`; with several, each writes a normalized partial and its
+log-sum-exp, and a second kernel merges them. The launch shape depends only on tensor
+shapes, so the pair records into a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from xgraph.metadata import KVCache
+
+from . import dot_precision, dot_upcast
+from .online import load_rows, page_slots, softmax_step
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _walk(q, K, V, table_row, table_width, lo, hi, scale_log2,
+          s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+          PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+          PRECISION: tl.constexpr):  # fmt: skip
+    """Online softmax of q [BLOCK_G, BLOCK_D] over key positions [lo, hi) of one kv head
+    (K, V point at it): (acc, running max, denominator)."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = (pos < hi) & (pos // PAGE < table_width)
+        blk, slot = page_slots(table_row, pos, valid, PAGE, True)
+        lmask = valid[:, None] & dmask[None, :]
+        k = load_rows(K, blk, slot, d, lmask, s_kb, s_ks, s_kd)
+        v = load_rows(V, blk, slot, d, lmask, s_vb, s_vs, s_vd)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        acc, m, den = softmax_step(acc, m, den, s, v, PRECISION)
+    return acc, m, den
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_log2,
+                   s_qb, s_qh, s_qd, s_ob, s_oh, s_od,
+                   s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb,
+                   GROUP: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+                   PRECISION: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    # whole key tiles per split, so a short context keeps to the first few splits
+    share = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * share
+    hi = tl.minimum(lo + share, seq_len)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = h * GROUP + g
+    qmask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd, mask=qmask, other=0.0)
+    q = q.to(K.dtype.element_ty)
+    if UPCAST:
+        q = q.to(tl.float32)
+    acc, m, den = _walk(
+        q, K + h * s_kh, V + h * s_vh, Tables + b * s_tb, table_width, lo, hi, scale_log2,
+        s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+        PAGE, BLOCK_G, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST, PRECISION,
+    )  # fmt: skip
+    # an empty share (or seq_len 0) has den == 0: it writes zeros and a -inf log-sum-exp
+    safe = tl.where(den > 0, den, 1.0)
+    o = acc / safe[:, None]
+    if SPLITS == 1:
+        o_ptr = Out + b * s_ob + heads[:, None] * s_oh + d[None, :] * s_od
+        tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=qmask)
+    else:
+        row = (b * tl.num_programs(1) * GROUP + heads) * SPLITS + split  # Part [b, hq, S, D]
+        tl.store(Part + row[:, None] * HEAD_DIM + d[None, :], o, mask=qmask)
+        lse = tl.where(den > 0, m + tl.log2(safe), float("-inf"))
+        tl.store(Lse + row, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _merge_kernel(Part, Lse, Out, s_ob, s_oh, s_od,
+                  SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):  # fmt: skip
+    """Out[b, h] = the splits' partials weighted by their share of the softmax mass."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    row = (b * tl.num_programs(1) + h) * SPLITS + s
+    smask = s < SPLITS
+    lse = tl.load(Lse + row, mask=smask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    part = tl.load(Part + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(Out + b * s_ob + h * s_oh + d * s_od, o.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def paged_decode(q: torch.Tensor, kv_cache: KVCache, seq_lens: torch.Tensor,
+                 block_tables: torch.Tensor, out: torch.Tensor, scale: float,
+                 splits: int, block_n: int = 64, num_warps: int = 4) -> None:  # fmt: skip
+    """out[b] = attention of q[b] [hq, dim] over the first seq_lens[b] positions of sequence
+    b's pages; `splits` programs share each (sequence, kv head)."""
+    k_cache, v_cache = kv_cache
+    b, hq, dim = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    block_d = triton.next_power_of_2(dim)
+    part = lse = out  # unused with one split
+    if splits > 1:
+        part = torch.empty((b, hq, splits, dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    _decode_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, out, part, lse, seq_lens, block_tables,
+        block_tables.shape[1], scale * LOG2E, *q.stride(), *out.stride(),
+        *k_cache.stride()[:4], *v_cache.stride()[:4], block_tables.stride(0),
+        GROUP=group, PAGE=k_cache.shape[1], SPLITS=splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        HEAD_DIM=dim, UPCAST=dot_upcast(), PRECISION=dot_precision(k_cache.dtype),
+        num_warps=num_warps, num_stages=2,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(b, hq)](
+            part, lse, out, *out.stride(), SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, HEAD_DIM=dim,
+            num_warps=1 if dim <= 128 else 2,
+        )  # fmt: skip

@@ -9,6 +9,9 @@ What that call does depends on the step context the executor has set:
   (q, k, v, the preallocated out and the cache), the next piece begins; replay runs
   piece, runner, piece, ... with the runner planned on this step's metadata.
 
+Compiled code reaches the same contexts through the custom op `xgraph::attention`, which
+declares the in-place cache writes; see `attention`.
+
 Calling attention kernels directly instead (bypassing the call site) is detected during a
 piecewise capture and refused, because such a kernel would be frozen into a piece with the
 batch composition of the capture step.
@@ -84,7 +87,49 @@ def eager_attention(runner: AttentionRunner, metadata: AttentionMetadata) -> Ite
         yield
 
 
-@torch.compiler.disable
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, scale: float
+) -> torch.Tensor:
+    """Hand the call to the innermost step context of this thread."""
+    s = _stack()
+    if not s:
+        raise XGraphError(
+            "xgraph.attention was called outside a step. Run the forward through a "
+            "GraphExecutor, or inside `with xgraph.eager_attention(runner, metadata):`."
+        )
+    return s[-1].attend(q, k, v, kv_cache, scale)
+
+
+@torch.library.custom_op("xgraph::attention", mutates_args=("k_cache", "v_cache"))
+def attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`xgraph::attention`: the call site as compiled code sees it, one opaque op.
+
+    It declares the cache writes (k_cache, v_cache), so the compiler keeps them in place
+    instead of rewriting them as whole-cache copies, and returns a fresh tensor laid out as
+    `torch.empty_like(q)` (what every step context returns).
+    """
+    return _attend(q, k, v, (k_cache, v_cache), scale)
+
+
+@attention_op.register_fake
+def _attention_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -96,14 +141,14 @@ def attention(
     """The attention call site: store k, v in the paged cache and attend q over it.
 
     q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; returns [tokens, heads, dim].
-    Under torch.compile the call is a graph break: the compiled pieces around it stay
-    pure (no in-place cache write to functionalize), and the step context (inline runner
-    or piecewise cut) runs in Python as it does eagerly.
+    Under torch.compile the call becomes the custom op `xgraph::attention` (no graph break):
+    compiled code calls it like any kernel, and it runs the step context (inline runner or
+    piecewise cut). Eager calls go to the step context directly, so a dispatch mode (a host
+    graph's op recorder, the capture checks) sees the runner's ops, not one opaque op that
+    takes the cache.
     """
-    s = _stack()
-    if not s:
-        raise XGraphError(
-            "xgraph.attention was called outside a step. Run the forward through a "
-            "GraphExecutor, or inside `with xgraph.eager_attention(runner, metadata):`."
-        )
-    return s[-1].attend(q, k, v, kv_cache, scale if scale is not None else q.shape[-1] ** -0.5)
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():
+        k_cache, v_cache = kv_cache
+        return attention_op(q, k, v, k_cache, v_cache, float(scale))
+    return _attend(q, k, v, kv_cache, scale)

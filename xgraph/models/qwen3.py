@@ -1,165 +1,52 @@
 """A Qwen3-style decoder in plain torch with a paged KV cache: the reference workload.
 
-RMSNorm, per-head QK-norm, grouped-query attention, neox RoPE and a SwiGLU MLP, with the
-parameter names of the Hugging Face checkpoints so a local safetensors folder loads as is.
-Attention goes through `xgraph.attention`, so one model runs eager, as a full graph and
-piecewise. Everything in the forward is graph-safe: no host reads, no host scalars derived
-from tensors, positions and cache slots come in as device tensors.
+RMSNorm, per-head QK-norm, grouped-query attention, neox RoPE and a SwiGLU MLP, with
+merged qkv and gate/up projections and the residual add fused into the norms (layers in
+`qwen3_layers`). Hugging Face checkpoints load by their own parameter names (the split
+projections are merged on load). Attention goes through `xgraph.attention`, so one model runs
+eager, as a full graph and piecewise, and compiled (`compile_layers`, or torch.compile of the
+whole forward: the call site is a custom op, not a graph break). Everything in the forward is
+graph-safe: no host reads, no host scalars derived from tensors, positions and cache slots
+come in as device tensors.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..attention import attention
-from ..metadata import KVCache
 from ..paging import PagedKVCache
+from .qwen3_config import Qwen3Config
+from .qwen3_layers import DecoderLayer, RMSNorm, Rotary
+
+__all__ = ["Qwen3Config", "Qwen3Model", "hf_parameters"]
 
 
-@dataclass(frozen=True)
-class Qwen3Config:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position: int = 8192
-    tie_word_embeddings: bool = True
-
-    @classmethod
-    def tiny(cls) -> Qwen3Config:
-        """Small enough for CPU tests: 2 layers, 4 query heads over 2 kv heads."""
-        return cls(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            max_position=2048,
-        )
-
-    @classmethod
-    def qwen3_0_6b(cls) -> Qwen3Config:
-        """The shape of Qwen3-0.6B (28 layers, 16 q / 8 kv heads of 128, hidden 1024)."""
-        return cls(
-            vocab_size=151_936,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_layers=28,
-            num_heads=16,
-            num_kv_heads=8,
-            head_dim=128,
-            max_position=40_960,
-        )
-
-    @classmethod
-    def named(cls, name: str) -> Qwen3Config:
-        table = {"tiny": cls.tiny, "qwen3-0.6b": cls.qwen3_0_6b}
-        if name not in table:
-            raise ValueError(f"Unknown model config {name!r}; choose one of {sorted(table)}.")
-        return table[name]()
-
-    @classmethod
-    def from_hf(cls, folder: str) -> Qwen3Config:
-        with open(os.path.join(folder, "config.json")) as f:
-            c = json.load(f)
-        return cls(
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"],
-            num_heads=c["num_attention_heads"],
-            num_kv_heads=c["num_key_value_heads"],
-            head_dim=c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=c.get("rope_theta", 1e6),
-            max_position=c.get("max_position_embeddings", 8192),
-            tie_word_embeddings=c.get("tie_word_embeddings", True),
-        )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
-
-
-class Rotary(nn.Module):
-    """neox-style rotary embedding; the cos/sin table is indexed by device positions."""
-
-    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
-        super().__init__()
-        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        ang = torch.arange(max_position, dtype=torch.float64)[:, None] * inv[None, :]
-        self.register_buffer("cos", ang.cos().float(), persistent=False)
-        self.register_buffer("sin", ang.sin().float(), persistent=False)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, c: Qwen3Config) -> None:
-        super().__init__()
-        self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.scale = c.head_dim**-0.5
-
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, kv_cache: KVCache
-    ) -> torch.Tensor:
-        t, c = x.shape[0], self.c
-        q = self.q_norm(self.q_proj(x).view(t, c.num_heads, c.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, c.num_kv_heads, c.head_dim))
-        v = self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
-        q, k = rotary(q, positions), rotary(k, positions)
-        o = attention(q, k, v, kv_cache, scale=self.scale)
-        return self.o_proj(o.reshape(t, c.num_heads * c.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, c: Qwen3Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, c: Qwen3Config) -> None:
-        super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = MLP(c)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+def hf_parameters(c: Qwen3Config) -> list[tuple[str, tuple[int, ...]]]:
+    """Checkpoint parameter names and shapes, in the order of a Hugging Face Qwen3 model."""
+    h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c.vocab_size, h))]
+    for n in range(c.num_layers):
+        p = f"model.layers.{n}."
+        out += [
+            (p + "self_attn.q_proj.weight", (c.num_heads * d, h)),
+            (p + "self_attn.k_proj.weight", (c.num_kv_heads * d, h)),
+            (p + "self_attn.v_proj.weight", (c.num_kv_heads * d, h)),
+            (p + "self_attn.o_proj.weight", (h, c.num_heads * d)),
+            (p + "self_attn.q_norm.weight", (d,)),
+            (p + "self_attn.k_norm.weight", (d,)),
+            (p + "mlp.gate_proj.weight", (i, h)),
+            (p + "mlp.up_proj.weight", (i, h)),
+            (p + "mlp.down_proj.weight", (h, i)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+    out.append(("model.norm.weight", (h,)))
+    if not c.tie_word_embeddings:
+        out.append(("lm_head.weight", (c.vocab_size, h)))
+    return out
 
 
 class _Body(nn.Module):
@@ -217,13 +104,14 @@ class Qwen3Model(nn.Module):
         return model
 
     def init_random(self, seed: int) -> None:
+        """Seeded weights: drawn per checkpoint parameter in checkpoint order (norm weights
+        1 + 0.1 N(0, 1), the rest 0.02 N(0, 1)), then loaded like a checkpoint."""
         g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-                else:
-                    p.copy_(0.02 * torch.randn(p.shape, generator=g))
+        state = {}
+        for name, shape in hf_parameters(self.config):
+            r = torch.randn(shape, generator=g)
+            state[name] = 1.0 + 0.1 * r if name.endswith("norm.weight") else 0.02 * r
+        self.load_hf_state(state, f"init_random({seed})")
 
     def load_safetensors(self, folder: str) -> None:
         from safetensors.torch import load_file  # optional dependency
@@ -232,34 +120,45 @@ class Qwen3Model(nn.Module):
         for fn in sorted(os.listdir(folder)):
             if fn.endswith(".safetensors"):
                 state.update(load_file(os.path.join(folder, fn)))
-        if self.config.tie_word_embeddings:
+        self.load_hf_state(state, folder)
+
+    def load_hf_state(self, state: dict[str, torch.Tensor], source: str = "state") -> None:
+        """Load a state dict with Hugging Face names (split projections are merged)."""
+        state = dict(state)
+        tied = self.config.tie_word_embeddings
+        if tied:
             state.pop("lm_head.weight", None)
-        missing, unexpected = self.load_state_dict(state, strict=False)
-        missing = [
-            m for m in missing if not (m == "lm_head.weight" and self.config.tie_word_embeddings)
-        ]
+        with torch.no_grad():
+            missing, unexpected = self.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and tied)]
         if missing or unexpected:
             raise ValueError(
-                f"Weights in {folder} do not fit: missing {missing[:5]}, "
+                f"Weights in {source} do not fit: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}"
             )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        # the first layer adds a zero residual like every other layer adds its own, so all
+        # layers run one compiled graph
+        residual = torch.zeros_like(x)
+        cos_sin = self.rotary(positions)  # gathered once for every layer
         for layer, kv in zip(self.model.layers, self.kv_cache.layers):
-            h = x + layer.self_attn(layer.input_layernorm(x), positions, self.rotary, kv)
-            x = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv)
+        return self.model.norm(x, residual)[0]
 
     def compile_layers(self, **options: object) -> Qwen3Model:
-        """torch.compile each layer's norms, attention block and MLP (in place): the layer
-        code is shared, so the 28 layers reuse a handful of compiled graphs, and the
-        attention call site stays a graph break between them. Run it under an executor
-        made with `compiled=True`."""
+        """torch.compile each decoder layer whole (norms, attention block with the attention
+        custom op, MLP) and the final norm, in place. The layers share their code and
+        shapes, so they share one compiled graph (per shape regime, see below). Run it under
+        an executor made with `compiled=True`.
+
+        `dynamic=True` by default: one graph serves every num_tokens >= 2 and one more the
+        specialised num_tokens == 1 (decode at batch 1), instead of a compile per bucket.
+        """
+        options.setdefault("dynamic", True)
         for layer in self.model.layers:
-            for m in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
-                      layer.mlp):  # fmt: skip
-                m.compile(**options)  # type: ignore[arg-type]
+            layer.compile(**options)  # type: ignore[arg-type]
         self.model.norm.compile(**options)  # type: ignore[arg-type]
         return self
 

@@ -1,0 +1,75 @@
+"""The shape of a Qwen3-style decoder, by name or from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position: int = 8192
+    tie_word_embeddings: bool = True
+
+    @classmethod
+    def tiny(cls) -> Qwen3Config:
+        """Small enough for CPU tests: 2 layers, 4 query heads over 2 kv heads."""
+        return cls(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            max_position=2048,
+        )
+
+    @classmethod
+    def qwen3_0_6b(cls) -> Qwen3Config:
+        """The shape of Qwen3-0.6B (28 layers, 16 q / 8 kv heads of 128, hidden 1024)."""
+        return cls(
+            vocab_size=151_936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_layers=28,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            max_position=40_960,
+        )
+
+    @classmethod
+    def named(cls, name: str) -> Qwen3Config:
+        table = {"tiny": cls.tiny, "qwen3-0.6b": cls.qwen3_0_6b}
+        if name not in table:
+            raise ValueError(f"Unknown model config {name!r}; choose one of {sorted(table)}.")
+        return table[name]()
+
+    @classmethod
+    def from_hf(cls, folder: str) -> Qwen3Config:
+        with open(os.path.join(folder, "config.json")) as f:
+            c = json.load(f)
+        return cls(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=c["num_attention_heads"],
+            num_kv_heads=c["num_key_value_heads"],
+            head_dim=c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=c.get("rope_theta", 1e6),
+            max_position=c.get("max_position_embeddings", 8192),
+            tie_word_embeddings=c.get("tie_word_embeddings", True),
+        )

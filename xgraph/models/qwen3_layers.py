@@ -1,0 +1,147 @@
+"""The layers of the reference Qwen3 decoder, written for few kernels eager and for fusion.
+
+Projections are merged (one `qkv_proj`, one `gate_up_proj` GEMM); the residual add is
+folded into the next RMSNorm (vLLM-style `norm(x, residual) -> (normed, residual)`); QK-norm
+and neox rotary run once over the q and k heads together. Math stays in float32 and is cast
+back to the model dtype where the unfused model casts, so an fp32 model matches it to
+rounding. Hugging Face checkpoints keep loading by their names: a state-dict pre-hook merges
+q/k/v_proj and gate/up_proj weights into the merged layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import attention
+from ..metadata import KVCache
+from .qwen3_config import Qwen3Config
+
+
+def _merge_on_load(module: nn.Module, merged: str, parts: Sequence[str]) -> None:
+    """Let `module` load a checkpoint that stores `merged` as separate `parts` (row blocks)."""
+
+    def hook(mod: nn.Module, state: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
+        names = [f"{prefix}{p}.weight" for p in parts]
+        if all(n in state for n in names):
+            state[f"{prefix}{merged}.weight"] = torch.cat([state.pop(n) for n in names])
+
+    module.register_load_state_dict_pre_hook(hook)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim, computed in float32, returned in x's dtype.
+
+    A 1-d weight goes into F.rms_norm (one fused kernel on CUDA eager); a per-head weight
+    [heads, dim] multiplies its result, the same product in the same order.
+    """
+    xf = x.float()
+    if weight.dim() == 1:
+        return F.rms_norm(xf, (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    return (F.rms_norm(xf, (x.shape[-1],), None, eps) * weight.float()).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim; with `residual`, the residual add is folded in first."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); without a residual, (norm(x), x)."""
+        if residual is not None:
+            x = x + residual
+        return rms_norm(x, self.weight, self.eps), x
+
+
+class Rotary(nn.Module):
+    """neox rotary tables, gathered once per step for every layer.
+
+    `table[p]` holds [cos, cos] and [-sin, sin] for position p (float32), so rotating x is
+    x * cos + roll(x, dim / 2) * sin: the same products and sums as the half-split form.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+        super().__init__()
+        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        ang = torch.arange(max_position, dtype=torch.float64)[:, None] * inv[None, :]
+        cos, sin = ang.cos().float(), ang.sin().float()
+        table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], 1)
+        self.register_buffer("table", table, persistent=False)  # [max_position, 2, head_dim]
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """[tokens, 2, head_dim]: this step's cos and signed sin rows."""
+        return self.table[positions]
+
+
+def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [tokens, heads, dim] (q and k heads together) by its tokens' positions."""
+    cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
+    xf = x.float()
+    return (xf * cos + xf.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention: merged qkv GEMM, QK-norm and rotary over q and k at once."""
+
+    def __init__(self, c: Qwen3Config) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        heads = c.num_heads + 2 * c.num_kv_heads
+        self.qkv_proj = nn.Linear(c.hidden_size, heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.scale = c.head_dim**-0.5
+        _merge_on_load(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        t, hq, hkv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, d)
+        # per-head norm weights: q's for the first hq heads, k's for the next hkv
+        w = torch.cat([self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)])
+        qk = apply_rotary(rms_norm(qkv[:, : hq + hkv], w, self.q_norm.eps), cos_sin)
+        o = attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kv_cache, scale=self.scale)
+        return self.o_proj(o.reshape(t, hq * d))
+
+
+class MLP(nn.Module):
+    """SwiGLU over one merged gate/up GEMM."""
+
+    def __init__(self, c: Qwen3Config) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        _merge_on_load(self, "gate_up_proj", ("gate_proj", "up_proj"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer; `forward(x, residual, ...)` returns (mlp output, residual), and
+    the next layer (or the final norm) adds them, fused with its norm."""
+
+    def __init__(self, c: Qwen3Config) -> None:
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos_sin, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual

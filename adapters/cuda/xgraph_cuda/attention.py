@@ -1,19 +1,29 @@
-"""Prefill attention over the paged KV cache with torch's scaled_dot_product_attention.
+"""The CUDA adapter's attention runners: which ones run, and the SDPA prefill runner.
 
-Same semantics as xgraph.runners.PagedPrefillRunner (the reference): store the step's k/v
-at their slots, then each sequence attends causally over its cached context, query j of a
-sequence sitting at position seq_len - query_len + j; rows past the real tokens are zeroed.
-SDPA picks a fused kernel where it can, and computes in the input dtype.
+`attention_runners()` picks the Triton runners (xgraph_cuda.triton_runners: paged decode
+and varlen prefill kernels) when Triton imports, else the SDPA prefill runner below with the
+core's reference decode; XGRAPH_CUDA_ATTENTION=triton|torch forces one side.
+
+SDPAPrefillRunner has the semantics of xgraph.runners.PagedPrefillRunner (the reference):
+store the step's k/v at their slots, then each sequence attends causally over its cached
+context, query j of a sequence sitting at position seq_len - query_len + j; rows past the
+real tokens are zeroed. SDPA picks a fused kernel where it can, and computes in the input
+dtype.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from xgraph.errors import XGraphError, XGraphWarning
+from xgraph.interfaces import AttentionRunner
 from xgraph.metadata import AttentionMetadata, KVCache
 from xgraph.runners import PlannedRunner, SeqSpan, sequence_spans
 
@@ -85,3 +95,49 @@ class SDPAPrefillRunner(PlannedRunner):
             out[start : start + ql].copy_(o[0].transpose(0, 1))
         if out.shape[0] > n:
             out[n:].zero_()
+
+
+ATTENTION_ENV = "XGRAPH_CUDA_ATTENTION"
+CHOICES = ("auto", "triton", "torch")
+
+
+def attention_choice() -> str:
+    """'triton' or 'torch': what XGRAPH_CUDA_ATTENTION asks, 'auto' meaning Triton if present."""
+    asked = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if asked not in CHOICES:
+        raise XGraphError(
+            f"{ATTENTION_ENV}={asked!r}; use one of {', '.join(CHOICES)} (auto: Triton "
+            "kernels when triton imports, else SDPA prefill and the reference decode)."
+        )
+    have = importlib.util.find_spec("triton") is not None
+    if asked == "triton" and not have:
+        raise XGraphError(
+            f"{ATTENTION_ENV}=triton but triton is not installed. Install the CUDA build "
+            "of torch (it brings triton) or `pip install xgraph-cuda[triton]`."
+        )
+    if asked == "torch" or not have:
+        return "torch"
+    return "triton"
+
+
+def attention_runners() -> dict[str, AttentionRunner]:
+    """Fresh runners by role for a CUDA device (decode left out: the core's reference)."""
+    choice = attention_choice()
+    if choice == "triton":
+        try:
+            from .triton_runners import TritonPagedDecodeRunner, TritonVarlenPrefillRunner
+        except ImportError as exc:  # a triton that does not fit this torch: say so, go on
+            if os.environ.get(ATTENTION_ENV, "auto").strip().lower() == "triton":
+                raise XGraphError(
+                    f"{ATTENTION_ENV}=triton but the Triton runners do not import ({exc}). "
+                    "Install the triton that matches this torch build."
+                ) from exc
+            warnings.warn(
+                f"xgraph-cuda: the Triton attention runners do not import ({exc}); using SDPA "
+                f"prefill and the reference decode. Set {ATTENTION_ENV}=torch to silence this.",
+                XGraphWarning,
+                stacklevel=2,
+            )
+        else:
+            return {"decode": TritonPagedDecodeRunner(), "prefill": TritonVarlenPrefillRunner()}
+    return {"prefill": SDPAPrefillRunner()}

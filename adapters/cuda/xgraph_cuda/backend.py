@@ -18,8 +18,7 @@ from xgraph.interfaces import (
     SegmentAllocator,
 )
 
-from . import probe
-from .attention import SDPAPrefillRunner
+from . import attention, probe
 from .graph import CUDAGraph
 from .pool import CUDACapturePool
 from .vmm import CUDAVirtualMemory
@@ -104,7 +103,9 @@ class CUDABackend(Backend):
         return int(total - free)
 
     def attention_runners(self) -> dict[str, AttentionRunner]:
-        return {"prefill": SDPAPrefillRunner()}  # decode: the core's graph-safe reference
+        """Triton decode and prefill runners when triton imports, else SDPA prefill and the
+        core's graph-safe reference decode (XGRAPH_CUDA_ATTENTION=triton|torch forces one)."""
+        return attention.attention_runners()
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self._device)

@@ -39,7 +39,7 @@ from .errors import (
     XGraphWarning,
 )
 from .interfaces import AttentionRunner, Backend
-from .memory import GraphMemory, Lease
+from .memory import GraphMemory, Lease, OutsidePoolMeter
 from .metadata import AttentionInputs
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
@@ -143,11 +143,13 @@ class GraphExecutor:
         )  # fmt: skip
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self.memory = GraphMemory.of(self.backend, memory)
+        self._outside = OutsidePoolMeter(self.memory)
         self._owns_memory = not isinstance(memory, GraphMemory)
         self._graphs: dict[tuple, _Entry] = {}
         self._eager_keys: dict[tuple, str] = {}
         self._out_bufs: list[torch.Tensor] | None = None
         self._out_spec: Any = None
+        self._out_layout: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self._out_views: dict[int, Any] = {}
         self._stats = ExecutorStats()
         self._closed = False
@@ -281,10 +283,8 @@ class GraphExecutor:
                     f"{tuple(getattr(t, 'shape', ()))}."
                 )
         if self._out_bufs is None:
-            m = self.buckets.max
-            self._out_bufs = [
-                torch.empty((m, *t.shape[1:]), dtype=t.dtype, device=t.device) for t in flat
-            ]
+            # allocated by _capture once the warm-up's memory is back (see there)
+            self._out_layout = [(t.shape[1:], t.dtype, t.device) for t in flat]
             self._out_spec = spec
         elif spec != self._out_spec or any(
             b.shape[1:] != t.shape[1:] or b.dtype != t.dtype for b, t in zip(self._out_bufs, flat)
@@ -298,9 +298,7 @@ class GraphExecutor:
         checks = not self.compiled  # per-op checks would make Dynamo run the forward eagerly
         if kind is Kind.FULL:
             return FullGraph(self.backend, lease.pool, self.decode_runner, checks)
-        return PiecewiseGraph(
-            self.backend, lease.pool, self.prefill_runner, self._guarded, checks
-        )
+        return PiecewiseGraph(self.backend, lease.pool, self.prefill_runner, self._guarded, checks)
 
     def _record(self, step: Step, graph: Recording) -> None:
         """Record the forward and the copy of its outputs into the persistent buffers."""
@@ -327,10 +325,16 @@ class GraphExecutor:
         # warm-up: the forward runs eagerly once (lazy init, autotuning, workspaces) and its
         # outputs fix the persistent output buffers
         with self.backend.warmup_context():
-            self._ensure_out_buffers(
-                self._eager_forward(step.views, step, step.kind), step.padded["num_tokens"]
-            )
-        self.backend.synchronize()
+            warm = self._eager_forward(step.views, step, step.kind)
+        self._ensure_out_buffers(warm, step.padded["num_tokens"])
+        del warm
+        # the warm-up's activations go back to the device before anything persistent is
+        # allocated, so neither the output buffers nor a graph pool pin a warm-up segment
+        if self._out_bufs is None:
+            self._outside.settle()
+            self._out_bufs = [torch.empty((self.buckets.max, *shp), dtype=dt, device=dev)
+                              for shp, dt, dev in self._out_layout]  # fmt: skip
+        self._outside.start()
         lease = self.memory.begin()
         graph: Recording | None = None
         try:
@@ -351,6 +355,7 @@ class GraphExecutor:
         self._graphs[step.key] = entry
         self._stats.captures += 1
         self._stats.capture_seconds += seconds
+        self._outside.stop()
         logger.info("%s: captured %s in %.3f s", self.name, step.key, seconds)
         self._replay(entry, step, hit=False)  # the capture step's own result
         return self._outputs(step.num_tokens)
@@ -414,6 +419,7 @@ class GraphExecutor:
             "eager_keys": dict(self._eager_keys),
             "failed_keys": dict(s.failed_keys),
             "persistent_bytes": self.persistent_bytes(),
+            "outside_pool_bytes": self._outside.bytes,
             "graph_bytes": self.memory.graph_bytes(),
             "memory": self.memory.stats(),
             "keys": sorted(self._graphs, key=repr),

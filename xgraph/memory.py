@@ -156,3 +156,36 @@ class GraphMemory:
         self._shared = None
         if self._owns_physical and self.physical is not None:
             self.physical.close()
+
+
+class OutsidePoolMeter:
+    """Device memory that captures leave in use outside graph memory, by the backend's reading.
+
+    Around each capture: the reading once queued work is done and cached free memory is
+    returned, before and after, minus what graph memory grew by. What remains is the
+    captures' own cost outside any pool (graph executables: the driver keeps each graph's
+    nodes in device memory) plus anything else a capture left allocated. None where the
+    backend reports no memory in use. Other users of the device in the meantime count too.
+    """
+
+    def __init__(self, memory: GraphMemory) -> None:
+        self.memory = memory
+        self.bytes: int | None = None
+        self._before: tuple[int | None, int] = (None, 0)
+
+    def settle(self) -> int | None:
+        """Synchronize, return cached free memory to the device, read memory in use."""
+        backend = self.memory.backend
+        backend.synchronize()
+        backend.empty_cache()
+        return backend.memory_in_use()
+
+    def start(self) -> None:
+        self._before = (self.settle(), self.memory.graph_bytes())
+
+    def stop(self) -> None:
+        after, (before, graph_before) = self.settle(), self._before
+        if before is None or after is None:
+            return
+        grown = (after - before) - (self.memory.graph_bytes() - graph_before)
+        self.bytes = (self.bytes or 0) + grown

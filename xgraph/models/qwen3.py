@@ -101,6 +101,7 @@ class Qwen3Model(nn.Module):
         model = model.to(dtype).eval().requires_grad_(False)
         # the rotary table stays float32 whatever the weights' dtype
         model.rotary = Rotary(config.head_dim, config.max_position, config.rope_theta).to(device)
+        model.mark_cache_static()
         return model
 
     def init_random(self, seed: int) -> None:
@@ -149,18 +150,27 @@ class Qwen3Model(nn.Module):
 
     def compile_layers(self, **options: object) -> Qwen3Model:
         """torch.compile each decoder layer whole (norms, attention block with the attention
-        custom op, MLP) and the final norm, in place. The layers share their code and
-        shapes, so they share one compiled graph (per shape regime, see below). Run it under
-        an executor made with `compiled=True`.
+        custom op, MLP) and the final norm, in place. The layers share code and shapes, so
+        they share one compiled graph. Run it under an executor made with `compiled=True`.
 
-        `dynamic=True` by default: one graph serves every num_tokens >= 2 and one more the
-        specialised num_tokens == 1 (decode at batch 1), instead of a compile per bucket.
+        `dynamic=True` unless given: num_tokens is symbolic, so one graph serves every
+        bucket of 2 tokens or more and one more the specialised single token (decode at
+        batch 1), instead of a compile per bucket (faster to capture from the third bucket
+        on; docs/model-adaptation.md has the numbers). The cache tensors stay static: their
+        sizes are fixed, and symbolic ones could be unified with num_tokens by equal values.
         """
         options.setdefault("dynamic", True)
+        self.mark_cache_static()
         for layer in self.model.layers:
             layer.compile(**options)  # type: ignore[arg-type]
         self.model.norm.compile(**options)  # type: ignore[arg-type]
         return self
+
+    def mark_cache_static(self) -> None:
+        """Keep the cache tensors' sizes static under torch.compile(dynamic=True) (build()
+        calls it; torch.compile(model.forward) needs nothing else)."""
+        for t in self.kv_cache.tensors():
+            torch._dynamo.mark_static(t)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -4,7 +4,8 @@ Decode: the core's reference runner against the Triton runner, batch 1/8/64/256,
 contexts in block tables 512 and 4096 tokens wide; timed eagerly and as CUDA-graph replays.
 Prefill: the SDPA runner against the Triton runner at 1x2048, 16x8 and 16x128 tokens (plus a
 512-token chunk after 1536 tokens of context), with dense SDPA (no paging) as the anchor for
-single sequences. Qwen3-0.6B attention shapes (16 q heads, 8 kv heads, dim 128), bf16,
+single sequences; eager (what a step pays, host included) and replayed from a graph of the
+planned step (device time). Qwen3-0.6B attention shapes (16 q heads, 8 kv heads, dim 128), bf16,
 16-token blocks. Times are per runner call (one layer), from torch.cuda.Event pairs.
 
     python scripts/bench_attention.py --json out/bench_attention.json
@@ -178,6 +179,7 @@ def prefill_row(row: Row, case: str, args: argparse.Namespace) -> None:
     runner = make_runner(row.runner)
     call, out = runner_call(runner, md, qkv, cache)
     row.eager_us = time_calls(call, args.warmup, args.iters)
+    graph_time(row, call, args)
     row.plan_us = time_host(lambda: runner.plan(md), args.iters)
     call()
     want_call, want = runner_call(make_runner("sdpa"), md, qkv, cache.clone())
@@ -193,7 +195,17 @@ def dense_row(row: Row, qkv: tuple[torch.Tensor, ...], args: argparse.Namespace)
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     row.eager_us = time_calls(call, args.warmup, args.iters)
+    graph_time(row, call, args)
     row.extra["sdpa_backend"] = "default (flash where it applies)"
+
+
+def graph_time(row: Row, call: Callable[[], Any], args: argparse.Namespace) -> None:
+    """Device time of one planned prefill step, replayed from a graph (the executor runs
+    prefill attention eagerly; this separates the kernels from the host's launch cost)."""
+    try:
+        row.graph_us = time_graph(call, args.warmup, args.iters)
+    except Exception as exc:
+        row.extra["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
 
 
 def canonical_rows() -> list[Row]:

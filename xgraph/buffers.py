@@ -4,12 +4,14 @@ Every persistent input (token ids, positions, slot mapping, sequence lengths, bl
 user-declared extras) is a view of one device tensor sized for the largest bucket; graphs
 read slices of those views, so their addresses never change. A step writes its host values
 into the twin views in pinned host memory and then one asynchronous copy moves the touched
-prefix to the device. On the CPU backend the twin is the buffer itself. Values already on
-the device are written on the device after that copy.
+prefix to the device. The CPU backend keeps a twin as well (its copy is a memcpy), so a
+step refused after staging has still written nothing a graph reads. Values already on the
+device are written on the device after that copy.
 
 Host writes go through numpy views of the twin: on the per-step path a numpy slice
 assignment costs well under a microsecond where a torch op on a small CPU tensor costs
-several. Device views of a given extent are made once and reused.
+several. Device views of a given extent are made once and reused; `StagingPlan` holds one
+bucket's views and its copy, worked out once.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ _NUMPY = {
 }
 
 
+def has_numpy_twin(dtype: Any) -> bool:
+    """Whether values of `dtype` are staged through numpy views (bfloat16, say, is not)."""
+    return dtype in _NUMPY
+
+
 @dataclass(frozen=True)
 class _Target:
     """One buffer's extent: its host (numpy or torch) and device views, and where it ends."""
@@ -43,7 +50,7 @@ class _Target:
     np: np.ndarray | None
     host: torch.Tensor
     device: torch.Tensor
-    end: int  # bytes of the packed twin up to the extent's last element (0: not staged)
+    end: int  # bytes of the packed twin up to the extent's last element (0: empty extent)
     fill: float | int
 
 
@@ -59,6 +66,17 @@ def _nbytes(s: BufferSpec) -> int:
     return _numel(s.shape) * torch.empty((), dtype=s.dtype).element_size()
 
 
+@dataclass(frozen=True)
+class StagingPlan:
+    """One bucket's staging, worked out once: numpy views of the host twin and device views
+    of every buffer's extent, and the one copy (a prefix of the packed twin) that sends them."""
+
+    host: dict[str, np.ndarray]
+    device: dict[str, torch.Tensor]
+    fills: dict[str, float | int]
+    nbytes: int  # the prefix of the packed twin the copy moves
+
+
 class StagedBuffers:
     """Named views of one device tensor, staged through pinned host memory (see module doc)."""
 
@@ -72,13 +90,7 @@ class StagedBuffers:
             total += -(-_nbytes(s) // ALIGN) * ALIGN
         self.nbytes = total
         self.packed = torch.empty(max(total, ALIGN), dtype=torch.uint8, device=device)
-        self.staged = device.type != "cpu"
-        self.host_packed = self.packed
-        if self.staged:
-            try:
-                self.host_packed = torch.empty_like(self.packed, device="cpu", pin_memory=True)
-            except RuntimeError:  # no pinned memory on this platform: pageable still works
-                self.host_packed = torch.empty_like(self.packed, device="cpu")
+        self.host_packed = _host_twin(self.packed)
         self.device_views = {s.name: self._view(self.packed, s) for s in specs}
         self.host_views = {s.name: self._view(self.host_packed, s) for s in specs}
         self.np_views = {
@@ -86,9 +98,11 @@ class StagedBuffers:
         }
         for s in specs:
             self.host_views[s.name].fill_(s.fill)
-        if self.staged:
-            self.packed.copy_(self.host_packed)
-        self._event = torch.Event(device=device) if self.staged else None
+        self.packed.copy_(self.host_packed)
+        # on the host the copy is a memcpy: numpy does it without torch's dispatch
+        host = device.type == "cpu"
+        self._np_packed = (self.packed.numpy(), self.host_packed.numpy()) if host else None
+        self._event = None if host else torch.Event(device=device)
         self._pending = False  # a copy from the host twin may still be reading it
         self._dirty = 0  # bytes of the host twin written since the last flush
         self._device_writes: list[tuple[torch.Tensor, torch.Tensor, float | int]] = []
@@ -129,11 +143,24 @@ class StagedBuffers:
                 np_view[index] if np_view is not None else None,
                 host[index],
                 self.device_view(name, extent),
-                end if self.staged else 0,
+                end,
                 self.specs[name].fill,
             )
             self._targets[key] = target
         return target
+
+    def plan(self, extents: dict[str, tuple[int, ...]]) -> StagingPlan | None:
+        """The staging of one bucket (buffer -> extent), or None where a buffer's dtype has
+        no numpy twin (such executors stage through `write`)."""
+        targets = {name: self._target(name, e) for name, e in extents.items()}
+        if any(t.np is None for t in targets.values()):
+            return None
+        return StagingPlan(
+            host={n: t.np for n, t in targets.items()},  # type: ignore[misc]  # checked above
+            device={n: t.device for n, t in targets.items()},
+            fills={n: t.fill for n, t in targets.items()},
+            nbytes=max(t.end for t in targets.values()),
+        )
 
     def write(self, name: str, value: Any, extent: Sequence[int]) -> torch.Tensor:
         """Stage `value` (a tensor, numpy array or list) into the prefix of buffer[extent],
@@ -141,10 +168,7 @@ class StagedBuffers:
         `flush` has run)."""
         t = self._target(name, extent if type(extent) is tuple else tuple(extent))
         if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            if self.staged:
-                self._device_writes.append((t.device, value, t.fill))
-            else:
-                _write(t.device, value, t.fill)
+            self._device_writes.append((t.device, value, t.fill))
             return t.device
         if t.np is not None:
             _write_np(t.np, value, t.fill)
@@ -157,20 +181,26 @@ class StagedBuffers:
     def flush(self) -> None:
         """Send what was staged to the device (one asynchronous copy), then device writes."""
         if self._dirty:
-            pair = self._copies.get(self._dirty)
-            if pair is None:
-                pair = self._copies[self._dirty] = (
-                    self.packed[: self._dirty],
-                    self.host_packed[: self._dirty],
-                )
-            pair[0].copy_(pair[1], non_blocking=True)
-            assert self._event is not None
-            self._event.record()
-            self._pending = True
+            self.send(self._dirty)
             self._dirty = 0
         for view, value, fill in self._device_writes:
             _write(view, value, fill)
         self._device_writes.clear()
+
+    def send(self, nbytes: int) -> None:
+        """Copy the first `nbytes` of the host twin to the device: one copy, asynchronous on
+        an accelerator (the next `begin` waits for it before the twin is written again)."""
+        if self._np_packed is not None:
+            dst, src = self._np_packed
+            dst[:nbytes] = src[:nbytes]
+            return
+        pair = self._copies.get(nbytes)
+        if pair is None:  # slicing costs a microsecond: once per size
+            pair = self._copies[nbytes] = (self.packed[:nbytes], self.host_packed[:nbytes])
+        pair[0].copy_(pair[1], non_blocking=True)
+        assert self._event is not None
+        self._event.record()
+        self._pending = True
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.device_views[name]
@@ -197,6 +227,17 @@ def _write_np(view: np.ndarray, value: Any, fill: float | int) -> None:
         view.fill(fill)
         view = view[tuple(slice(0, n) for n in value.shape)]
     view[...] = value
+
+
+def _host_twin(packed: torch.Tensor) -> torch.Tensor:
+    """The host twin of the packed buffer: pinned where the platform has pinned memory (an
+    asynchronous copy needs it); a plain second buffer on the CPU backend."""
+    if packed.device.type != "cpu":
+        try:
+            return torch.empty_like(packed, device="cpu", pin_memory=True)
+        except RuntimeError:  # no pinned memory on this platform: pageable still works
+            pass
+    return torch.empty_like(packed, device="cpu")
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -22,12 +22,21 @@ import numpy as np
 import torch
 
 from .buckets import Buckets, Dim, Input
-from .buffers import BufferSpec, StagedBuffers
+from .buffers import BufferSpec, StagedBuffers, StagingPlan, has_numpy_twin
 from .errors import BucketOverflowError, InputError, XGraphError, XGraphWarning
 from .metadata import AttentionInputs, AttentionMetadata
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
-from .validation import NUM_TOKENS, StepAttention, validate_attention, validate_inputs
+from .validation import (
+    NUM_TOKENS,
+    DecodeAttention,
+    DecodeCheck,
+    StepAttention,
+    TokenCheck,
+    TokenInputs,
+    validate_attention,
+    validate_inputs,
+)
 
 logger = logging.getLogger("xgraph")
 
@@ -114,6 +123,7 @@ class StepPlanner:
         self.staged = StagedBuffers(self._buffer_specs(), device)
         self._qsl = np.zeros(self.max_seqs + 1, dtype=np.int32)  # query start locations
         self._warned_overflow = False
+        self.decode = DecodePath(self) if DecodePath.serves(self) else None
 
     def _buffer_specs(self) -> list[BufferSpec]:
         specs = [
@@ -145,6 +155,10 @@ class StepPlanner:
     ) -> Step:
         """Validate, classify, bucket and stage one step; `kind` forces the graph kind;
         `synthetic` marks the executor's own pre-capture steps (dummy block only)."""
+        if self.decode is not None and kind is None:
+            step = self.decode.plan(inputs, attn)
+            if step is not None:
+                return step
         tensors, sizes = validate_inputs(self.name, self.inputs, self.dims, inputs, self.device)
         attn = self._attention(attn, sizes[NUM_TOKENS], synthetic)
         step = Step(Kind.EAGER, tensors, sizes, attn=attn)
@@ -298,3 +312,144 @@ class StepPlanner:
         lens = [per_seq] * (n // per_seq) + ([n % per_seq] if n % per_seq else [])
         tables = [[a.dummy_block] * -(-q // a.block_size) for q in lens]
         return AttentionInputs(lens, lens, tables, [a.dummy_slot] * n)
+
+
+# -- the decode fast path ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """One decode bucket's staging, worked out at its first step."""
+
+    size: int
+    key: tuple
+    padded: dict[str, int]
+    plan: StagingPlan
+    inputs: list[tuple[np.ndarray, float | int]]  # (host view, fill) per input, in order
+    views: dict[str, torch.Tensor]  # device views of the inputs
+    qsl: np.ndarray  # a decode step's query start locations: 0, 1, ..., size
+
+
+class DecodePath:
+    """Decode steps as full graphs with host inputs: lengths checked, the step written into
+    the host twin through views made once per bucket, block ids and slots checked on what
+    was written (vectorized, no loop over sequences), then sent in one copy.
+
+    `plan` answers None for anything else, and for anything wrong: the general path then
+    plans the step, or refuses it with the full validation's message (a refused step has
+    written the host twin only, never the buffers graphs read). It accepts only what the
+    general path accepts and stages the same bytes (tests/test_decode_path.py).
+    """
+
+    @staticmethod
+    def serves(p: StepPlanner) -> bool:
+        return (
+            p.mode in (Mode.AUTO, Mode.FULL)
+            and list(p.dims) == [NUM_TOKENS]
+            and all(i.shape[0] == NUM_TOKENS and has_numpy_twin(i.dtype) for i in p.inputs)
+            and all(isinstance(d, int) for i in p.inputs for d in i.shape[1:])
+        )
+
+    def __init__(self, planner: StepPlanner) -> None:
+        self.planner = planner
+        self.staged = planner.staged
+        self.tokens = TokenCheck(planner.inputs)
+        a = planner.attention
+        self.attention = (
+            DecodeCheck(a, planner.max_seqs, planner.staged.np_views["block_tables"])
+            if a is not None
+            else None
+        )
+        self.buckets: dict[int, _Bucket | None] = {}
+        self.pad = planner.buckets.pad
+
+    def plan(self, inputs: Mapping[str, Any], attn: AttentionInputs | None) -> Step | None:
+        checked = self.validate(inputs, attn)
+        if checked is None:
+            return None
+        bucket = self.bucket(checked[0].num_tokens)
+        return None if bucket is None else self.stage(checked, bucket)
+
+    def validate(
+        self, inputs: Mapping[str, Any], attn: AttentionInputs | None
+    ) -> tuple[TokenInputs, DecodeAttention | None] | None:
+        """The checks that need nothing staged: inputs, lengths, rows long enough."""
+        tokens = self.tokens.check(inputs)
+        if tokens is None:
+            return None
+        if self.attention is None:
+            return (tokens, None) if attn is None else None
+        if type(attn) is not AttentionInputs:
+            return None
+        d = self.attention.check(attn, tokens.num_tokens)
+        return None if d is None else (tokens, d)
+
+    def bucket(self, n: int) -> _Bucket | None:
+        """The staging of n tokens' bucket; None above the largest (the overflow policy)."""
+        tb = self.pad(n)
+        if tb is None:
+            return None
+        b = self.buckets.get(tb, False)
+        if b is False:
+            b = self.buckets[tb] = self._new_bucket(tb)
+        return b  # type: ignore[return-value]
+
+    def _new_bucket(self, tb: int) -> _Bucket | None:
+        p = self.planner
+        extents = {i.name: (tb, *(int(s) for s in i.shape[1:])) for i in p.inputs}
+        if p.attention is not None:
+            w = p.attention.max_blocks_per_seq
+            extents.update(
+                slot_mapping=(tb,), seq_lens=(tb,), query_start_loc=(tb + 1,),
+                block_tables=(tb, w),
+            )  # fmt: skip
+        plan = p.staged.plan(extents)
+        if plan is None:
+            return None
+        return _Bucket(
+            size=tb, key=(Kind.FULL.value, tb), padded={NUM_TOKENS: tb}, plan=plan,
+            inputs=[(plan.host[i.name], plan.fills[i.name]) for i in p.inputs],
+            views={i.name: plan.device[i.name] for i in p.inputs},
+            qsl=np.arange(tb + 1, dtype=np.int32),
+        )  # fmt: skip
+
+    def stage(self, checked: tuple[TokenInputs, DecodeAttention | None], b: _Bucket) -> Step | None:
+        """Write the step into the host twin, check its layout there, send it in one copy."""
+        tokens, d = checked
+        n, tb = tokens.num_tokens, b.size
+        self.staged.begin()  # the previous step's copy has read the twin
+        for (view, fill), a in zip(b.inputs, tokens.arrays):
+            view[:n] = a
+            if n < tb:
+                view[n:] = fill
+        h = md = None
+        if d is not None:
+            h = self._stage_attention(d, n, b)
+            if h is None:
+                return None
+            md = self._metadata(d, n, b)
+        self.staged.send(b.plan.nbytes)
+        return Step(Kind.FULL, tokens.tensors, {NUM_TOKENS: n}, h, b.key, b.padded, b.views, md)
+
+    def _stage_attention(self, d: DecodeAttention, n: int, b: _Bucket) -> StepAttention | None:
+        check, host, tb = self.attention, b.plan.host, b.size
+        assert check is not None
+        slots, sl = host["slot_mapping"], host["seq_lens"]
+        slots[:n] = d.slots
+        sl[:n] = d.seq_lens
+        if n < tb:  # padded sequences: one token at the dummy slot, seq_len 1, dummy blocks
+            slots[n:] = b.plan.fills["slot_mapping"]
+            sl[n:] = 1
+        host["query_start_loc"][:] = b.qsl
+        table = check.stage(d, n, tb)
+        if not check.check_staged(d, n):
+            return None
+        return StepAttention(check.ones[:n], d.seq_lens, table, d.slots, True)
+
+    def _metadata(self, d: DecodeAttention, n: int, b: _Bucket) -> AttentionMetadata:
+        dev, tb = b.plan.device, b.size
+        return AttentionMetadata(
+            dev["slot_mapping"], dev["seq_lens"], dev["query_start_loc"], dev["block_tables"],
+            num_tokens=tb, num_seqs=tb, query_lens_host=[1] * tb,
+            seq_lens_host=d.seq_lens.tolist() + [1] * (tb - n),
+        )  # fmt: skip

@@ -264,3 +264,195 @@ def check_cache_layout(
             f"position {pos[t]} at slot {expected[t]} (its block table row, block_size {bs}). "
             "Slots must follow the block tables."
         )
+
+
+# -- the decode fast path ------------------------------------------------------------------
+# A check answers the step's arrays, or None. None never refuses a step: the planner then runs
+# the full validation above on it, which raises the exact error, or accepts a form the fast
+# path leaves out (device tensors, other dtypes, prefill). Constants are 0-d arrays: numpy
+# compares an array with one faster than with a Python int.
+
+
+class TokenCheck:
+    """The declared inputs of an executor whose only symbolic dim is num_tokens (axis 0)."""
+
+    def __init__(self, declared: Sequence[Input]) -> None:
+        self.count = len(declared)
+        self.specs = [
+            (i.name, i.dtype, len(i.shape), tuple(i.shape[1:]), _bounds(i.bounds, i.dtype))
+            for i in declared
+        ]
+
+    def check(self, inputs: Mapping[str, Any]) -> TokenInputs | None:
+        """The step's tokens if every input is a host tensor of its declared dtype and shape
+        with its values within bounds."""
+        if len(inputs) != self.count:
+            return None
+        n = -1
+        tensors: dict[str, torch.Tensor] = {}
+        arrays: list[np.ndarray] = []
+        for name, dtype, ndim, tail, bounds in self.specs:
+            v = inputs.get(name)
+            if type(v) is not torch.Tensor or v.dtype is not dtype or not v.is_cpu:
+                return None
+            shape = v.shape
+            if len(shape) != ndim or v.requires_grad or (ndim > 1 and shape[1:] != tail):
+                return None
+            if n != shape[0]:
+                if n >= 0:
+                    return None
+                n = shape[0]
+            a = v.numpy()
+            if bounds is not None and n:
+                if type(bounds) is tuple:
+                    if a.min() < bounds[0] or a.max() >= bounds[1]:
+                        return None
+                elif np.count_nonzero(a.view(np.uint64) >= bounds):
+                    return None
+            tensors[name] = v
+            arrays.append(a)
+        return TokenInputs(n, tensors, arrays) if n > 0 else None
+
+
+def _bounds(bounds: tuple[int, int] | None, dtype: Any) -> Any:
+    """[0, high) of int64 values: one unsigned compare (a negative value is huge as unsigned)."""
+    if bounds is not None and bounds[0] == 0 and dtype is torch.int64 and bounds[1] >= 0:
+        return np.array(bounds[1], dtype=np.uint64)
+    return bounds
+
+
+@dataclass
+class TokenInputs:
+    """A step's token inputs: num_tokens, the tensors by name, their numpy views in order."""
+
+    num_tokens: int
+    tensors: dict[str, torch.Tensor]
+    arrays: list[np.ndarray]
+
+
+def _int64(value: Any, strict: bool) -> np.ndarray | None:
+    """A host tensor (int64; any integer dtype unless `strict`) or a list / array as int64."""
+    if type(value) is torch.Tensor:
+        if not value.is_cpu or value.requires_grad or value.dtype.is_floating_point:
+            return None
+        if value.dtype is torch.int64:
+            return value.numpy()
+        if strict or value.dtype.is_complex or value.dtype is torch.bool:
+            return None
+        return value.numpy().astype(np.int64)
+    try:
+        return np.asarray(value, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _all_ones(query_lens: Any, n: int) -> bool:
+    if type(query_lens) is list:  # list.count compares in C, no Python loop
+        return len(query_lens) == n and query_lens.count(1) == n
+    q = _int64(query_lens, strict=False)
+    return q is not None and q.size == n and not np.count_nonzero(q != 1)
+
+
+@dataclass
+class DecodeAttention:
+    """A decode step's attention inputs as host arrays, lengths checked, layout not yet."""
+
+    seq_lens: np.ndarray  # int64 [n]
+    slots: np.ndarray  # int64 [n]
+    table: np.ndarray  # int32 [n, width], or the ids of ragged rows one after another
+    lens: np.ndarray  # uint64: the width (0-d), or the length of each ragged row
+    last: np.ndarray  # int64 [n]: the column of each sequence's last block
+    offset: np.ndarray  # int64 [n]: its position in that block
+
+
+class DecodeCheck:
+    """The attention inputs of a decode step (one query token per sequence), checked as
+    `validate_attention` checks them, in a few vectorized operations: `check` the lengths
+    before staging, `check_staged` the block ids and slots on the staged table."""
+
+    def __init__(self, layout: PagedAttention, max_seqs: int, staged: np.ndarray) -> None:
+        self.dummy, self.nb = layout.dummy_block, layout.num_blocks
+        self.width = w = layout.max_blocks_per_seq
+        self.staged = staged  # the host twin of the block tables, [max_seqs, width]
+        self.flat = staged.reshape(-1)  # a view: the buffer is contiguous
+        self.row_starts = np.arange(max_seqs) * w
+        self.one = np.array(1, dtype=np.int64)
+        self.bs = np.array(layout.block_size, dtype=np.int64)
+        self.cols = np.arange(w)
+        # row k: the columns a sequence whose last block is at column k reads
+        self.used = self.cols[None, :] <= self.cols[:, None]
+        # with the dummy last, one unsigned compare against a per-column ceiling finds a
+        # negative id, an id past the cache and the dummy, in used columns only
+        ceiling = np.where(self.used, self.dummy - 1, np.iinfo(np.uint32).max)
+        one_compare = 0 < self.dummy == self.nb - 1
+        self.ceiling = ceiling.astype(np.uint32) if one_compare else None
+        self.ones = np.ones(max_seqs, dtype=np.int64)  # the query lengths of a decode step
+        self.ones.flags.writeable = False
+        # int32 ids times the block size overflow int32 only in a cache of 2**31 slots
+        self.wide = self.nb * layout.block_size >= 2**31
+
+    def check(self, attn: AttentionInputs, n: int) -> DecodeAttention | None:
+        """A decode step of `n` sequences whose rows hold every sequence's last block."""
+        if n > len(self.ones) or not _all_ones(attn.query_lens, n):
+            return None
+        sl = _int64(attn.seq_lens, strict=False)
+        slots = _int64(attn.slot_mapping, strict=True)
+        got = self._table(attn.block_tables, n)
+        if sl is None or slots is None or got is None or sl.shape != (n,) or slots.size != n:
+            return None
+        pos = sl - self.one
+        last = pos // self.bs
+        if np.count_nonzero(last.view(np.uint64) >= got[1]):  # seq_len >= 1, the row holds it
+            return None
+        return DecodeAttention(sl, slots.reshape(-1), got[0], got[1], last, pos % self.bs)
+
+    def _table(self, given: Any, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(the table, row lengths as in DecodeAttention)."""
+        if type(given) is torch.Tensor:
+            if given.dtype is not torch.int32 or not given.is_cpu or given.requires_grad:
+                return None
+            table = given.numpy()
+        elif type(given) is np.ndarray:
+            table = np.asarray(given, dtype=np.int32)
+        elif type(given) is list and len(given) == n:
+            try:
+                lens = np.fromiter(map(len, given), dtype=np.int64, count=n)
+                flat = np.fromiter(itertools.chain.from_iterable(given), np.int32, lens.sum())
+            except (TypeError, ValueError, OverflowError):
+                return None
+            return (flat, lens.view(np.uint64)) if lens.max() <= self.width else None
+        else:
+            return None
+        if table.ndim != 2 or table.shape[0] != n or table.shape[1] > self.width:
+            return None
+        return table, np.array(table.shape[1], dtype=np.uint64)
+
+    def stage(self, d: DecodeAttention, n: int, tb: int) -> np.ndarray:
+        """Write the table into rows [:tb] of the staged tables (padding: the dummy block)."""
+        rows = self.staged[:tb]
+        if d.table.ndim == 1:  # ragged rows, in row-major order
+            rows[:n] = self.dummy
+            rows[:n][self.cols < d.lens[:, None].view(np.int64)] = d.table
+        else:
+            w = d.table.shape[1]
+            rows[:n, :w] = d.table
+            if w < self.width:
+                rows[:n, w:] = self.dummy
+        if n < tb:
+            rows[n:] = self.dummy
+        return rows[:n]
+
+    def check_staged(self, d: DecodeAttention, n: int) -> bool:
+        """Every block a sequence reads is a real block, and each token's slot is the one its
+        row gives its position."""
+        ids = self.staged[:n].view(np.uint32)
+        if self.ceiling is not None:
+            bad = ids > self.ceiling[d.last]
+        else:
+            bad = ((ids >= self.nb) | (ids == self.dummy)) & self.used[d.last]
+        if np.count_nonzero(bad):
+            return False
+        block = self.flat[self.row_starts[:n] + d.last]
+        if self.wide:
+            block = block.astype(np.int64)
+        return not np.count_nonzero(block * self.bs + d.offset != d.slots)

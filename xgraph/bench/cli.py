@@ -9,7 +9,7 @@ from typing import Any
 
 from ..buckets import vllm_capture_sizes
 from ..interfaces import Backend
-from . import decode, memory, prefill, soak
+from . import decode, host, memory, prefill, soak
 from .report import write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
@@ -30,8 +30,8 @@ def _sizes(text: str | None) -> list[int] | None:
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("bench", help="benchmarks: memory | prefill | decode | all | soak")
-    p.add_argument("which", choices=[*BENCHMARKS, "all", "soak"],
+    p = sub.add_parser("bench", help="benchmarks: memory | prefill | decode | all | soak | host")
+    p.add_argument("which", choices=[*BENCHMARKS, "all", "soak", "host"],
                    help="which benchmark to run (all: memory, prefill and decode)")
     p.add_argument("--backend", default=None,
                    help="backend name (default: XGRAPH_BACKEND, else the best available one)")
@@ -65,6 +65,8 @@ def add_parsers(sub: Any) -> None:
                    help="soak: random steps to run, each checked against eager")
     p.add_argument("--memory", default=None, choices=["shared-physical", "shared-pool", "private"],
                    help="soak: the executor's memory mode (default: the backend's default)")
+    p.add_argument("--forward", default="trivial", choices=["trivial", "model"],
+                   help="host: the forward replayed (trivial: two ops; model: the reference model)")
     p.add_argument("--json", default=None, help="write the results here (bench all: a folder)")
     p.add_argument("--plot", default=None, help="memory: write a PNG plot here")
     p.add_argument("--out", default=None, help="bench all: folder for JSON, PNG and tables")
@@ -111,8 +113,13 @@ def _soak(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -
     return data, soak.summarize(data)
 
 
+def _host(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    data = host.run(backend, args.model, sizes, iters=args.iters, forward=args.forward)
+    return data, host.summarize(data)
+
+
 RUNNERS: dict[str, Runner] = {
-    "memory": _memory, "prefill": _prefill, "decode": _decode, "soak": _soak,
+    "memory": _memory, "prefill": _prefill, "decode": _decode, "soak": _soak, "host": _host,
 }
 
 

@@ -1,0 +1,139 @@
+"""`xgraph bench host`: the executor's host overhead per decode step, phase by phase.
+
+Per batch size, the median host wall time in microseconds of each phase of a graph hit,
+each call made with an idle device (synchronized before it, outside the timed window), the
+phases timed in turn within each iteration so that noise falls on all of them alike:
+
+- `plan`: `StepPlanner.plan`, the whole planning of the step (the copy to the device issued);
+- `validate`, `classify`, `stage`: its three phases on the decode path, called on their own
+  (validate: inputs and lengths; classify: the bucket; stage: the host twin written, block
+  ids and slots checked on it, the one copy issued);
+- `lookup`: the graph cache lookup; `output`: the output views;
+- `replay`: the executor's replay call (runner planning, the graph's state checks) minus
+  `raw_replay`, the backend's own replay of the same graph (its driver call alone);
+- `step`: one whole executor call; `overhead` = step - raw_replay, what xgraph adds to a
+  replay of the same graph.
+
+The forward is `trivial` by default (two ops: a replay costs little, so the subtraction adds
+no noise) or the reference `model`. The workload is the one `bench decode` uses on an
+accelerator: block tables 512 tokens wide (tensors, as engines keep them), contexts up to
+256. The planner's phases are reached through private attributes: this is a measurement of
+the internals, not an example of the API.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..executor import GraphExecutor
+from ..interfaces import Backend
+from ..models import Step, Workload
+from .report import header, table, workload
+
+PHASES = ("plan", "validate", "classify", "stage", "lookup", "replay", "output")
+
+
+def _trivial(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A forward of two ops, [tokens, 1]: the replay it records costs next to nothing."""
+    return (input_ids + positions)[:, None].float()
+
+
+def _calls(ex: GraphExecutor, step: Step) -> dict[str, Callable[[], Any]]:
+    """One callable per measured phase, on a step whose graph is captured."""
+    p = ex.planner
+    inputs = {"input_ids": step.input_ids, "positions": step.positions}
+    attn = step.attn
+    planned = p.plan(inputs, attn)
+    entry = ex._graphs[planned.key]
+    n, key = planned.num_tokens, planned.key
+    calls: dict[str, Callable[[], Any]] = {"plan": lambda: p.plan(inputs, attn)}
+    d = p.decode
+    checked = d.validate(inputs, attn) if d is not None else None
+    if d is not None and checked is not None:
+        bucket = d.bucket(n)
+        assert bucket is not None
+        calls.update(
+            validate=lambda: d.validate(inputs, attn),
+            classify=lambda: d.bucket(n),
+            stage=lambda: d.stage(checked, bucket),
+        )
+    raw = entry.graph.graph._replay  # type: ignore[attr-defined]  # a FullGraph's backend graph
+    calls.update(
+        lookup=lambda: ex._graphs.get(key),
+        replay=lambda: ex._replay(entry, planned, hit=True),
+        raw_replay=raw,
+        output=lambda: ex._outputs(n),
+        step=lambda: ex(**step.kwargs()),
+    )
+    return calls
+
+
+def _medians(backend: Backend, calls: dict[str, Callable[[], Any]], iters: int) -> dict:
+    """Median host seconds of each call, the calls taken in turn within each iteration."""
+    for fn in calls.values():  # warm-up: lazy views, caches, allocator
+        for _ in range(5):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    sync, clock = backend.synchronize, time.perf_counter
+    for _ in range(iters):
+        for k, fn in calls.items():
+            sync()
+            t0 = clock()
+            fn()
+            times[k].append(clock() - t0)
+    sync()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _row(backend: Backend, ex: GraphExecutor, step: Step, iters: int) -> dict[str, Any]:
+    ex(**step.kwargs())  # capture this batch's graph
+    t = _medians(backend, _calls(ex, step), iters)
+    us = {k: v * 1e6 for k, v in t.items()}
+    row: dict[str, Any] = {"batch": step.num_tokens, "decode_path": "validate" in us}
+    row.update({f"{k}_us": us[k] for k in PHASES if k in us and k != "replay"})
+    row["replay_us"] = us["replay"] - us["raw_replay"]
+    row["raw_replay_us"] = us["raw_replay"]
+    row["step_us"] = us["step"]
+    row["overhead_us"] = us["step"] - us["raw_replay"]
+    return row
+
+
+def run(
+    backend: Backend,
+    model: str = "tiny",
+    batches: list[int] | None = None,
+    iters: int | None = None,
+    forward: str = "trivial",
+    seed: int = 0,
+) -> dict[str, Any]:
+    batches = batches or [1, 8, 64, 256]
+    accel = backend.device.type != "cpu"
+    iters = iters or (300 if accel and forward == "model" else 2000)
+    w: Workload = workload(backend, model, max_seqs=max(batches), context=512)
+    fwd = w.model.forward if forward == "model" else _trivial
+    ex = w.executor(fwd, backend=backend, buckets=batches)
+    rng = random.Random(seed)
+    rows = []
+    for b in batches:
+        step = w.decode_step(rng, b, max_context=256)
+        step = step.with_tensor_tables(w.max_blocks, w.cache.dummy_block)
+        rows.append(_row(backend, ex, step, iters))
+    ex.close()
+    data = {**header(backend, model, w), "forward": forward, "iters": iters}
+    return {**data, "timing": "host wall time, idle device, median", "rows": rows}
+
+
+def summarize(data: dict[str, Any]) -> str:
+    cols = ["batch", *(f"{k}_us" for k in PHASES), "raw_replay_us", "step_us", "overhead_us"]
+    rows = [{k: r.get(k, "") for k in cols} for r in data["rows"]]
+    return (
+        f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}), "
+        f"forward: {data['forward']}; host us per decode step, median of {data['iters']}; "
+        "overhead = step - raw_replay\n\n" + table(rows, cols)
+    )

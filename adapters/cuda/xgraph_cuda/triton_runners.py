@@ -143,12 +143,12 @@ class PrefillConfig:
 
 
 def prefill_configs(dtype: torch.dtype, dim: int, planned_m: int) -> list[PrefillConfig]:
-    """Configs to try in order (a later one when the device runs out of shared memory)."""
+    """Configs to try in order (a later one when the device runs out of shared memory).
+    16-bit, dim <= 128: what measured fastest on an H200 (16-row tiles: 32-key steps)."""
     if dtype == torch.float32 or dim > 128:  # 4-byte or wide rows: smaller tiles
-        m = min(planned_m, 64)
-        return [PrefillConfig(m, 32, 4, 2), PrefillConfig(16, 16, 4, 1)]
-    first = PrefillConfig(planned_m, 64, 8 if planned_m >= 128 else 4, 3 if planned_m > 16 else 2)
-    return [first, PrefillConfig(min(planned_m, 64), 32, 4, 2), PrefillConfig(16, 16, 4, 1)]
+        return [PrefillConfig(planned_m, 32, 4, 2), PrefillConfig(16, 16, 4, 1)]
+    first = PrefillConfig(planned_m, 32 if planned_m <= 16 else 64, 4, 2)
+    return [first, PrefillConfig(planned_m, 32, 4, 1), PrefillConfig(16, 16, 4, 1)]
 
 
 class TritonVarlenPrefillRunner(PlannedRunner):

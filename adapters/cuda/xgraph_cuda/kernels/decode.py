@@ -118,7 +118,8 @@ def _merge_kernel(Part, Lse, Out, s_ob, s_oh, s_od,
 
 def paged_decode(q: torch.Tensor, kv_cache: KVCache, seq_lens: torch.Tensor,
                  block_tables: torch.Tensor, out: torch.Tensor, scale: float,
-                 splits: int, block_n: int = 64, num_warps: int = 4) -> None:  # fmt: skip
+                 splits: int, block_n: int = 64, num_warps: int = 4,
+                 num_stages: int = 2) -> None:  # fmt: skip
     """out[b] = attention of q[b] [hq, dim] over the first seq_lens[b] positions of sequence
     b's pages; `splits` programs share each (sequence, kv head)."""
     k_cache, v_cache = kv_cache
@@ -137,7 +138,7 @@ def paged_decode(q: torch.Tensor, kv_cache: KVCache, seq_lens: torch.Tensor,
         GROUP=group, PAGE=k_cache.shape[1], SPLITS=splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         HEAD_DIM=dim, UPCAST=dot_upcast(), PRECISION=dot_precision(k_cache.dtype),
-        num_warps=num_warps, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(b, hq)](

@@ -32,10 +32,6 @@ def tile_table(query_lens: Sequence[int], seq_lens: Sequence[int], block_m: int)
 
 
 def block_m_for(max_query_len: int) -> int:
-    """Query rows per tile: small for decode-like steps, 128 for long prompts (fewer key
-    passes per query, what H100/H200 tensor cores want)."""
-    if max_query_len <= 16:
-        return 16
-    if max_query_len <= 64:
-        return 64
-    return 128
+    """Query rows per tile: 16 for decode-like steps, else 64 (on an H200, 64-row tiles with
+    64-key steps matched dense flash SDPA at 2048 tokens; 128-row tiles were 15% slower)."""
+    return 16 if max_query_len <= 16 else 64

@@ -89,7 +89,8 @@ class StagedBuffers:
             self.offsets[s.name] = total
             total += -(-_nbytes(s) // ALIGN) * ALIGN
         self.nbytes = total
-        self.packed = torch.empty(max(total, ALIGN), dtype=torch.uint8, device=device)
+        # zeros: alignment gaps hold no stale bytes (buffers compare equal byte for byte)
+        self.packed = torch.zeros(max(total, ALIGN), dtype=torch.uint8, device=device)
         self.host_packed = _host_twin(self.packed)
         self.device_views = {s.name: self._view(self.packed, s) for s in specs}
         self.host_views = {s.name: self._view(self.host_packed, s) for s in specs}
@@ -202,6 +203,16 @@ class StagedBuffers:
         self._event.record()
         self._pending = True
 
+    def discard(self, nbytes: int) -> None:
+        """Undo writes to the first `nbytes` of the host twin that will not be sent (a step
+        refused after staging): the twin again holds what the device holds, so a later
+        copy sends no byte of the refused step."""
+        if self._np_packed is not None:
+            dst, src = self._np_packed
+            src[:nbytes] = dst[:nbytes]
+        else:  # the error path: a blocking copy back is fine
+            self.host_packed[:nbytes].copy_(self.packed[:nbytes])
+
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.device_views[name]
 
@@ -234,10 +245,10 @@ def _host_twin(packed: torch.Tensor) -> torch.Tensor:
     asynchronous copy needs it); a plain second buffer on the CPU backend."""
     if packed.device.type != "cpu":
         try:
-            return torch.empty_like(packed, device="cpu", pin_memory=True)
+            return torch.zeros_like(packed, device="cpu", pin_memory=True)
         except RuntimeError:  # no pinned memory on this platform: pageable still works
             pass
-    return torch.empty_like(packed, device="cpu")
+    return torch.zeros_like(packed, device="cpu")
 
 
 def _numel(shape: Sequence[int]) -> int:

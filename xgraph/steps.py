@@ -426,6 +426,7 @@ class DecodePath:
         if d is not None:
             h = self._stage_attention(d, n, b)
             if h is None:
+                self.staged.discard(b.plan.nbytes)
                 return None
             md = self._metadata(d, n, b)
         self.staged.send(b.plan.nbytes)

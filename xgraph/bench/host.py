@@ -52,7 +52,9 @@ def _calls(ex: GraphExecutor, step: Step) -> dict[str, Callable[[], Any]]:
     planned = p.plan(inputs, attn)
     entry = ex._graphs[planned.key]
     n, key = planned.num_tokens, planned.key
-    calls: dict[str, Callable[[], Any]] = {"plan": lambda: p.plan(inputs, attn)}
+    raw = entry.graph.graph._replay  # type: ignore[attr-defined]  # a FullGraph's backend graph
+    # the raw replay first: like the replay inside `step`, it follows the previous step
+    calls: dict[str, Callable[[], Any]] = {"raw_replay": raw, "plan": lambda: p.plan(inputs, attn)}
     d = p.decode
     checked = d.validate(inputs, attn) if d is not None else None
     if d is not None and checked is not None:
@@ -63,11 +65,9 @@ def _calls(ex: GraphExecutor, step: Step) -> dict[str, Callable[[], Any]]:
             classify=lambda: d.bucket(n),
             stage=lambda: d.stage(checked, bucket),
         )
-    raw = entry.graph.graph._replay  # type: ignore[attr-defined]  # a FullGraph's backend graph
     calls.update(
         lookup=lambda: ex._graphs.get(key),
         replay=lambda: ex._replay(entry, planned, hit=True),
-        raw_replay=raw,
         output=lambda: ex._outputs(n),
         step=lambda: ex(**step.kwargs()),
     )

@@ -49,6 +49,14 @@ def hf_parameters(c: Qwen3Config) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def _under_dispatch_mode() -> bool:
+    """Whether eager code runs under a dispatch mode (a host graph recording ops, capture
+    checks). Compiled layers would run eagerly there anyway, and torch 2.13 would also mark
+    their code as never to compile again (pytorch/pytorch#190286), so the forward calls the
+    layers' plain forwards instead."""
+    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() > 0
+
+
 class _Body(nn.Module):
     def __init__(self, c: Qwen3Config) -> None:
         super().__init__()
@@ -144,9 +152,11 @@ class Qwen3Model(nn.Module):
         # layers run one compiled graph
         residual = torch.zeros_like(x)
         cos_sin = self.rotary(positions)  # gathered once for every layer
+        plain = _under_dispatch_mode()
         for layer, kv in zip(self.model.layers, self.kv_cache.layers):
-            x, residual = layer(x, residual, cos_sin, kv)
-        return self.model.norm(x, residual)[0]
+            x, residual = (layer.forward if plain else layer)(x, residual, cos_sin, kv)
+        norm = self.model.norm
+        return (norm.forward if plain else norm)(x, residual)[0]
 
     def compile_layers(self, **options: object) -> Qwen3Model:
         """torch.compile each decoder layer whole (norms, attention block with the attention

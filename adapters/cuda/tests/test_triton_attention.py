@@ -149,12 +149,14 @@ def test_decode_matches_the_reference(heads: tuple[int, int], splits: int | None
     _same_cache(got_cache, want_cache)
 
 
-@pytest.mark.parametrize("dim", [64, 80])
-def test_decode_bf16_and_other_head_dims(dim: int) -> None:
-    case = Case([1] * 3, [9, 2, 17], dim=dim, block_size=8, dtype=torch.bfloat16, pad_tokens=0)
+@pytest.mark.parametrize(
+    "dim,dtype", [(64, torch.bfloat16), (80, torch.bfloat16), (64, torch.float16)]
+)
+def test_decode_16_bit_and_other_head_dims(dim: int, dtype: torch.dtype) -> None:
+    case = Case([1] * 3, [9, 2, 17], dim=dim, block_size=8, dtype=dtype, pad_tokens=0)
     want, want_cache = _run(PagedDecodeRunner(), case)
     got, got_cache = _run(TritonPagedDecodeRunner(2), case)
-    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert got.dtype == dtype and torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
     _same_cache(got_cache, want_cache)
 
@@ -202,12 +204,14 @@ def test_prefill_matches_the_reference(heads: tuple[int, int]) -> None:
     _same_cache(got_cache, want_cache)
 
 
-@pytest.mark.parametrize("dim", [64, 128])
-def test_prefill_bf16(dim: int) -> None:
-    case = Case(*MIXED, dim=dim, block_size=16, dtype=torch.bfloat16, pad_tokens=2)
+@pytest.mark.parametrize(
+    "dim,dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float16)]
+)
+def test_prefill_16_bit(dim: int, dtype: torch.dtype) -> None:
+    case = Case(*MIXED, dim=dim, block_size=16, dtype=dtype, pad_tokens=2)
     want, want_cache = _run(PagedPrefillRunner(), case)
     got, got_cache = _run(TritonVarlenPrefillRunner(), case)
-    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert got.dtype == dtype and torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), **BF16_TOL)
     assert torch.count_nonzero(got[case.num_tokens :]) == 0
     _same_cache(got_cache, want_cache)

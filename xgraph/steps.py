@@ -449,8 +449,7 @@ class DecodePath:
 
     def _metadata(self, d: DecodeAttention, n: int, b: _Bucket) -> AttentionMetadata:
         dev, tb = b.plan.device, b.size
-        return AttentionMetadata(
+        return AttentionMetadata(  # positional: num_tokens, num_seqs, host lengths
             dev["slot_mapping"], dev["seq_lens"], dev["query_start_loc"], dev["block_tables"],
-            num_tokens=tb, num_seqs=tb, query_lens_host=[1] * tb,
-            seq_lens_host=d.seq_lens.tolist() + [1] * (tb - n),
+            tb, tb, [1] * tb, d.seq_lens.tolist() + [1] * (tb - n),
         )  # fmt: skip

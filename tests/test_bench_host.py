@@ -1,0 +1,25 @@
+"""`xgraph bench host` on the CPU backend: every phase reported, the decode path taken."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from xgraph.bench import host
+from xgraph.cli import main
+
+
+def test_host_bench_reports_every_phase(tmp_path: Path) -> None:
+    path = tmp_path / "host.json"
+    assert main(["bench", "host", "--backend", "cpu", "--sizes", "1,4", "--iters", "3",
+                 "--json", str(path)]) == 0  # fmt: skip
+    data = json.loads(path.read_text())
+    assert data["backend"] == "cpu" and data["forward"] == "trivial" and data["iters"] == 3
+    assert [r["batch"] for r in data["rows"]] == [1, 4]
+    for r in data["rows"]:
+        assert r["decode_path"] is True  # the bench measures the path engines hit
+        for phase in host.PHASES:
+            assert r[f"{phase}_us"] > 0 or phase == "replay", (phase, r)
+        assert r["step_us"] > r["raw_replay_us"] > 0
+        assert r["overhead_us"] == r["step_us"] - r["raw_replay_us"]
+    assert "overhead_us" in host.summarize(data)

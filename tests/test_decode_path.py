@@ -204,3 +204,21 @@ def test_a_dummy_block_that_is_not_the_last_one():
         else:
             assert fast.decode.plan(*step) is not None
             assert_same_step(fast, general, fast.plan(*step), general.plan(*step))
+
+
+def test_declarations_the_fast_path_leaves_to_the_general_path():
+    def forward(x, scale):
+        return x[:, None].float() * scale
+
+    x = xgraph.Input("x", torch.int64, ("num_tokens",))
+    scalar = xgraph.Input("scale", torch.float32, ())
+    ex = xgraph.GraphExecutor(forward, inputs=[x, scalar], backend="cpu", buckets=[2, 4])
+    assert ex.planner.decode is None  # a dim-less input
+    out = ex(x=torch.tensor([1, 2, 3]), scale=torch.tensor(2.0))
+    assert out.flatten().tolist() == [2.0, 4.0, 6.0]
+    ex.close()
+    per_token = xgraph.Input("scale", torch.float32, ("num_tokens",))
+    ex = xgraph.GraphExecutor(forward, inputs=[x, per_token], backend="cpu", buckets=[2],
+                              mode="piecewise")  # fmt: skip
+    assert ex.planner.decode is None  # decode runs piecewise: not the full-graph path
+    ex.close()

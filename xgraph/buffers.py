@@ -141,7 +141,7 @@ class StagedBuffers:
             last = sum((e - 1) * st for e, st in zip(extent, host.stride()))
             end = self.offsets[name] + (last + 1) * host.element_size() if all(extent) else 0
             target = _Target(
-                np_view[index] if np_view is not None else None,
+                np_view[(*index, ...)] if np_view is not None else None,  # 0-d: a view too
                 host[index],
                 self.device_view(name, extent),
                 end,

@@ -343,10 +343,11 @@ class DecodePath:
 
     @staticmethod
     def serves(p: StepPlanner) -> bool:
+        """Full-graph decode, and inputs that are [num_tokens, fixed...] of numpy dtypes."""
         return (
             p.mode in (Mode.AUTO, Mode.FULL)
             and list(p.dims) == [NUM_TOKENS]
-            and all(i.shape[0] == NUM_TOKENS and has_numpy_twin(i.dtype) for i in p.inputs)
+            and all(i.shape[:1] == (NUM_TOKENS,) and has_numpy_twin(i.dtype) for i in p.inputs)
             and all(isinstance(d, int) for i in p.inputs for d in i.shape[1:])
         )
 
@@ -443,7 +444,7 @@ class DecodePath:
             sl[n:] = 1
         host["query_start_loc"][:] = b.qsl
         table = check.stage(d, n, tb)
-        if not check.check_staged(d, n):
+        if not check.check_staged(d, table):
             return None
         return StepAttention(check.ones[:n], d.seq_lens, table, d.slots, True)
 

@@ -379,6 +379,7 @@ class DecodeCheck:
         self.one = np.array(1, dtype=np.int64)
         self.bs = np.array(layout.block_size, dtype=np.int64)
         self.cols = np.arange(w)
+        self.widths = [np.array(i, dtype=np.uint64) for i in range(w + 1)]  # row lengths
         # row k: the columns a sequence whose last block is at column k reads
         self.used = self.cols[None, :] <= self.cols[:, None]
         # with the dummy last, one unsigned compare against a per-column ceiling finds a
@@ -404,7 +405,9 @@ class DecodeCheck:
         last = pos // self.bs
         if np.count_nonzero(last.view(np.uint64) >= got[1]):  # seq_len >= 1, the row holds it
             return None
-        return DecodeAttention(sl, slots.reshape(-1), got[0], got[1], last, pos % self.bs)
+        if slots.ndim != 1:
+            slots = slots.reshape(-1)
+        return DecodeAttention(sl, slots, got[0], got[1], last, pos % self.bs)
 
     def _table(self, given: Any, n: int) -> tuple[np.ndarray, np.ndarray] | None:
         """(the table, row lengths as in DecodeAttention)."""
@@ -425,7 +428,7 @@ class DecodeCheck:
             return None
         if table.ndim != 2 or table.shape[0] != n or table.shape[1] > self.width:
             return None
-        return table, np.array(table.shape[1], dtype=np.uint64)
+        return table, self.widths[table.shape[1]]
 
     def stage(self, d: DecodeAttention, n: int, tb: int) -> np.ndarray:
         """Write the table into rows [:tb] of the staged tables (padding: the dummy block)."""
@@ -442,17 +445,17 @@ class DecodeCheck:
             rows[n:] = self.dummy
         return rows[:n]
 
-    def check_staged(self, d: DecodeAttention, n: int) -> bool:
+    def check_staged(self, d: DecodeAttention, rows: np.ndarray) -> bool:
         """Every block a sequence reads is a real block, and each token's slot is the one its
-        row gives its position."""
-        ids = self.staged[:n].view(np.uint32)
+        row gives its position; `rows` are the staged rows of the step's sequences."""
+        ids = rows.view(np.uint32)
         if self.ceiling is not None:  # take gathers whole rows faster than indexing does
             bad = ids > self.ceiling.take(d.last, axis=0)
         else:
             bad = ((ids >= self.nb) | (ids == self.dummy)) & self.used.take(d.last, axis=0)
         if np.count_nonzero(bad):
             return False
-        block = self.flat[self.row_starts[:n] + d.last]
+        block = self.flat[self.row_starts[: len(rows)] + d.last]
         if self.wide:
             block = block.astype(np.int64)
         return not np.count_nonzero(block * self.bs + d.offset != d.slots)

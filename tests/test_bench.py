@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 
 import xgraph
-from xgraph.bench import decode
+from xgraph.bench import decode, memory, prefill
 from xgraph.cli import main
+from xgraph.integrations.transformers.deps import require
+from xgraph.integrations.transformers.errors import MissingExtraError
 
 HOST_TIMING = "host wall time (CPU backend)"
 
@@ -36,27 +38,47 @@ def check_header(data: dict[str, Any]) -> None:
 
 
 def test_decode(tmp_path: Path) -> None:
-    data = bench(tmp_path, "decode", "--sizes", "1,2", "--iters", "2")
+    data = bench(tmp_path, "decode", "--sizes", "1,2", "--iters", "2", "--table-check", "2")
     check_header(data)
     assert data["timing"] == HOST_TIMING
+    assert "partial" not in data  # the final write replaces the checkpoints
+    assert data["bandwidth_bytes_per_s"] > 0 and data["weight_bytes"] > 0
     assert [r["batch"] for r in data["rows"]] == [1, 2]
     for r in data["rows"]:
-        for key in ("eager_s", "xgraph_s", "xgraph_host_s", "eager/xgraph"):
+        for key in ("eager_s", "xgraph_s", "xgraph_host_s", "eager/xgraph", "kv_bytes"):
             assert r[key] > 0, (key, r)
+        # the roofline: the weights' bandwidth-limit time, each variant's fraction of it
+        assert r["roofline_s"] == pytest.approx(
+            data["weight_bytes"] / data["bandwidth_bytes_per_s"]
+        )
+        assert r["roofline_with_kv_s"] > r["roofline_s"]
+        assert r["roofline"]["xgraph"] == pytest.approx(r["roofline_s"] / r["xgraph_s"])
+        assert r["best_xgraph"] == "xgraph" and r["best_xgraph_vs"] == {}
         # the CPU backend has no native graph API: no raw-graph anchor, no columns from it
         assert "raw_graph_s" not in r and "host_overhead_s" not in r
-        assert "compile_s" not in r and "compile_error" not in r  # accelerators only
+        # compiled rows run on accelerators unless asked for
+        assert "reduce_overhead_s" not in r and "xgraph_compiled_s" not in r
+        assert not [k for k in r if k.endswith("_error")], r
+    check = data["table_check"]
+    assert check["batch"] == 2 and check["context"] == 512
+    assert check["width_tokens"] == {"narrow": 512, "wide": 4096}
+    assert check["xgraph_narrow_s"] > 0 and check["xgraph_wide_s"] > 0
+    assert check["xgraph_wide/narrow"] == pytest.approx(
+        check["xgraph_wide_s"] / check["xgraph_narrow_s"]
+    )
 
 
 def test_prefill(tmp_path: Path) -> None:
     # --max-size 32: piecewise memory over 8 sizes instead of the default 22 (up to 256)
-    data = bench(tmp_path, "prefill", "--sizes", "32", "--iters", "1", "--max-size", "32")
+    data = bench(tmp_path, "prefill", "--sizes", "128", "--iters", "1", "--max-size", "32")
     check_header(data)
     assert data["timing"] == HOST_TIMING
-    assert [r["batch"] for r in data["steps"]] == ["1x32", "4x8", "16x2", "mix+ctx"]
+    # 16x8 at 128 tokens: sixteen sequences of eight tokens
+    assert [r["batch"] for r in data["steps"]] == ["1x128", "4x32", "16x8", "mix+ctx"]
     for r in data["steps"]:
-        assert r["num_tokens"] == 32
+        assert r["num_tokens"] == 128
         assert r["eager_s"] > 0 and r["piecewise_s"] > 0 and r["eager/piecewise"] > 0
+        assert "piecewise_compiled_s" not in r  # only with --compile
     assert data["piecewise_stats"]["captures"] >= 1
     assert data["piecewise_stats"]["replays"] >= len(data["steps"])
     assert {(m["mode"], m["order"]) for m in data["memory"]} == {
@@ -68,20 +90,75 @@ def test_prefill(tmp_path: Path) -> None:
     for m in data["memory"]:
         assert m["graphs"] == len(data["memory_sizes"])
         assert m["graph_bytes"] > 0 and m["capture_seconds"] > 0
+        assert "outside_pool_bytes" in m
+
+
+def test_prefill_compiled_column() -> None:
+    """The piecewise executor over the compiled forward (a fast compiler backend here)."""
+    data = prefill.run(xgraph.get_backend("cpu"), "tiny", [16], memory_max=8, iters=1,
+                       compiler="eager")  # fmt: skip
+    compiled = data["piecewise_stats"]["compiled"]
+    assert list(compiled["first_step_s"]) == ["16"] and compiled["captures"] == 1
+    for r in data["steps"]:
+        assert r["piecewise_compiled_s"] > 0
+        assert r["piecewise/piecewise_compiled"] == pytest.approx(
+            r["piecewise_s"] / r["piecewise_compiled_s"]
+        )
+    assert "piecewise over compile ms" in prefill.summarize(data)
+
+
+def _hf_available() -> bool:
+    try:
+        require()
+    except MissingExtraError:
+        return False
+    return True
 
 
 def test_memory(tmp_path: Path) -> None:
-    data = bench(tmp_path, "memory", "--sizes", "1,2,4")
-    check_header(data)
-    assert data["buckets"] == [1, 2, 4]
+    data = bench(tmp_path, "memory", "--sizes", "1,2,4", "--piecewise-max", "8")
+    assert data["backend"] == "cpu" and data["model"] == "tiny"
     assert data["measure"] == "pool bytes (memfd physical) and Pss"
-    assert data["limit_bytes"] > 0
-    runs = {(r["mode"], r["order"]): r for r in data["runs"]}
+    families = ["reference", "hf-llama"] if _hf_available() else ["reference"]
+    sections = {(s["family"], s["kind"]): s for s in data["sections"]}
+    assert list(sections) == [(f, k) for f in families for k in ("full", "piecewise")]
+    if not _hf_available():  # skipped, saying why
+        assert "transformers" in data["skipped"]["hf-llama"]
+    else:
+        assert sections["hf-llama", "full"]["model"] == "tiny-llama"
+    for (_, kind), s in sections.items():
+        assert s["sizes"] == ([1, 2, 4] if kind == "full" else [4, 8])
+        assert s["limit"]["graphs"] == 1 and s["limit"]["pool_bytes"] > 0
+        assert [(r["mode"], r["order"]) for r in s["runs"]] == [
+            ("shared-physical", o) for o in ("ascending", "random", "largest-first")
+        ]
+        for r in s["runs"]:
+            assert r["graphs"] == len(s["sizes"]) and len(r["curve_bytes"]) == len(s["sizes"])
+            assert r["driver_bytes"] is None  # no driver reading on the CPU backend
+            assert "outside_pool_bytes" in r
+            # shared-physical memory: every order holds what the largest size alone holds
+            assert r["pool_bytes"] == s["limit"]["pool_bytes"] and r["x_limit_pool"] == 1.0
+    text = memory.summarize(data)
+    assert "x limit (driver)" in text and "x limit (pool)" in text
+
+
+def test_memory_all_modes_and_a_family_that_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--all-modes adds shared-pool and private; a family that cannot be built is reported
+    and the others still run."""
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("no such model here")
+
+    monkeypatch.setattr(memory.targets, "HFLlama", broken)
+    data = memory.run(xgraph.get_backend("cpu"), "tiny", [1, 2], families=("hf-llama",
+                      "reference"), kinds=("full",), all_modes=True)  # fmt: skip
+    assert "no such model here" in data["skipped"]["hf-llama"]
+    (s,) = data["sections"]
+    runs = {(r["mode"], r["order"]): r for r in s["runs"]}
     assert len(runs) == 9
     for order in ("largest-first", "ascending", "random"):
         physical, private = runs["shared-physical", order], runs["private", order]
-        assert 0 < physical["graph_bytes"] <= private["graph_bytes"], order
-        assert physical["captures"] == 3 and len(physical["curve_bytes"]) == 3
+        assert 0 < physical["pool_bytes"] <= private["pool_bytes"], order
 
 
 class TimedCPU(type(xgraph.get_backend("cpu"))):  # type: ignore[misc]
@@ -104,14 +181,37 @@ class TimedCPU(type(xgraph.get_backend("cpu"))):  # type: ignore[misc]
 
 
 def test_decode_with_device_hooks() -> None:
-    data = decode.run(TimedCPU(), "tiny", [1, 2], iters=2)
+    """The anchors, the compiled rows (a fast compiler backend) and the width check over the
+    compiled twin, each compile built once and reused for both batch sizes."""
+    data = decode.run(TimedCPU(), "tiny", [1, 2], iters=2, compile_batches=[1, 2],
+                      table_check_batch=2, compiler="eager")  # fmt: skip
     assert data["timing"] == "device time (test timer)"
     for r in data["rows"]:
-        for key in ("raw_graph_s", "raw_replay_host_s", "xgraph/raw_graph"):
+        for key in ("raw_graph_s", "raw_replay_host_s", "xgraph/raw_graph", "reduce_overhead_s",
+                    "xgraph_compiled_s", "xgraph_compiled_first_step_s"):  # fmt: skip
             assert r[key] > 0, (key, r)
         assert r["host_overhead_s"] == pytest.approx(r["xgraph_host_s"] - r["raw_replay_host_s"])
+        assert set(r["roofline"]) == set(decode.VARIANTS)
+        assert r["best_xgraph"] in ("xgraph", "xgraph over compile")
+        assert set(r["best_xgraph_vs"]) == {"reduce-overhead", "raw graph"}
+    check = data["table_check"]
+    assert check["xgraph_compiled_narrow_s"] > 0 and check["xgraph_compiled_wide_s"] > 0
     text = decode.summarize(data)
-    assert "raw graph ms" in text and "overhead us" in text
+    for column in ("| raw graph |", "overhead us", "best / reduce-overhead", "% of bandwidth"):
+        assert column in text, column
+    assert "xgraph over compile" in text and "wide/narrow" in text
+
+
+def test_a_failing_row_hides_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any) -> None:
+        raise RuntimeError("the anchor broke")
+
+    monkeypatch.setattr(decode, "native_anchor", broken)
+    data = decode.run(TimedCPU(), "tiny", [1, 2], iters=1, compile_batches=[])
+    for r in data["rows"]:
+        assert r["raw_graph_error"] == "RuntimeError: the anchor broke"
+        assert r["eager_s"] > 0 and r["xgraph_s"] > 0 and "roofline_s" in r
+    assert "failures:" in decode.summarize(data)
 
 
 def test_soak_runs_random_steps_without_a_mismatch(tmp_path):

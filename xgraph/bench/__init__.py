@@ -7,8 +7,11 @@ measure them (`Backend.time_on_device`; CUDA events on CUDA) and host wall times
 `Backend.native_graph` and is left out where the runtime has no graph API of its own.
 
 Modules: `cli` (options and dispatch), `decode`, `prefill`, `memory` (one benchmark each),
-`soak` (random mixed steps checked against eager, memory sampled),
-`timing` (device or host time), `readings` (graph memory), `report` (workload, JSON, tables).
+`soak` (random mixed steps checked against eager, memory sampled), `host` (the executor's
+host overhead by phase), `anchors` (raw graph, reduce-overhead, the compiled twin),
+`roofline` (weight bytes against measured bandwidth), `table_check` (block-table width),
+`targets` (the model families of `memory`), `timing` (device or host time), `readings`
+(graph memory), `report` (workload, JSON, tables, isolated measurements).
 """
 
 from __future__ import annotations

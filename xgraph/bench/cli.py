@@ -7,10 +7,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..buckets import vllm_capture_sizes
+from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..interfaces import Backend
 from . import decode, host, memory, prefill, soak
-from .report import write_json
+from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
 
@@ -27,6 +27,65 @@ def _sizes(text: str | None) -> list[int] | None:
     if any(s < 1 for s in sizes):
         raise argparse.ArgumentTypeError(f"{text!r}: sizes must be positive")
     return sizes
+
+
+def _compile_sizes(text: str) -> list[int]:
+    """--compile's sizes; "none" (or "off") turns the compiled rows off."""
+    if text.strip().lower() in ("none", "off", ""):
+        return []
+    return _sizes(text) or []
+
+
+def _names(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """A comma-separated list of names from `allowed`, as an argparse type."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
+        return names
+
+    return parse
+
+
+def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
+    """Options of `bench decode` (the width check) and `bench memory` (models, kinds, modes)."""
+    p.add_argument(
+        "--table-check",
+        type=int,
+        default=None,
+        metavar="BATCH",
+        help="decode: also run BATCH sequences of 512 tokens with block tables 512 and 4096 "
+        "tokens wide (the step-time ratio of the two)",
+    )
+    p.add_argument(
+        "--models",
+        default="reference,hf-llama",
+        type=_names(memory.targets.FAMILIES),
+        help="memory: model families, comma-separated (reference: the reference model; "
+        "hf-llama: transformers' LlamaForCausalLM through the integration, skipped without "
+        "transformers)",
+    )
+    p.add_argument(
+        "--kinds",
+        default="full,piecewise",
+        type=_names(memory.KINDS),
+        help="memory: graph kinds, comma-separated (full: decode graphs; piecewise: prefill)",
+    )
+    p.add_argument(
+        "--piecewise-max",
+        type=int,
+        default=None,
+        help="memory: piecewise graphs at SGLang-style sizes up to this (default 2048 for the "
+        "reference and 1024 for hf-llama on accelerators, 128 on the CPU backend)",
+    )
+    p.add_argument(
+        "--all-modes",
+        action="store_true",
+        help="memory: also capture into shared-pool and private memory (default: "
+        "shared-physical only)",
+    )
 
 
 def add_parsers(sub: Any) -> None:
@@ -48,17 +107,20 @@ def add_parsers(sub: Any) -> None:
         "--max-size",
         type=int,
         default=None,
-        help="memory: vLLM's capture sizes up to this (default 512 on accelerators, 128 on "
-        "the CPU backend); bench prefill: its piecewise-memory sizes up to this (default "
+        help="memory: full graphs at vLLM's capture sizes up to this (default on "
+        "accelerators 512 for the reference, 256 for hf-llama; 128 and 64 on the CPU "
+        "backend); bench prefill: its piecewise-memory sizes up to this (default "
         "2048 on accelerators, 256 on the CPU backend)",
     )
     p.add_argument(
         "--compile",
         default=None,
-        type=_sizes,
-        help="decode: batch sizes to also run under torch.compile reduce-overhead "
-        "(accelerators only)",
+        type=_compile_sizes,
+        help="decode: batch sizes to also run compiled (torch.compile reduce-overhead, and "
+        "xgraph over the compiled forward; default 1,8,64 on accelerators; none: off); "
+        "prefill: any value adds the piecewise executor over the compiled forward",
     )
+    _add_decode_and_memory_options(p)
     p.add_argument("--iters", type=int, default=None,
                    help="timed repetitions per measurement (default 50 decode, 10 prefill)")
     p.add_argument("--steps", type=int, default=2000,
@@ -73,6 +135,11 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(func=main)
 
 
+def _json_path(args: argparse.Namespace, name: str) -> str | None:
+    """Where `main` writes this benchmark's JSON (partial results go there first)."""
+    return os.path.join(args.out, f"{name}.json") if args.out else args.json
+
+
 # Each runner: (backend, args, sizes given for this benchmark or None) -> (JSON data, table).
 # --sizes only applies when one benchmark runs: its meaning differs between them.
 Result = tuple[dict[str, Any], str]
@@ -82,7 +149,10 @@ Runner = Callable[[Backend, argparse.Namespace, list[int] | None], Result]
 def _memory(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
     if sizes is None and args.max_size:
         sizes = vllm_capture_sizes(args.max_size)
-    data = memory.run(backend, args.model, sizes)
+    pw = sglang_piecewise_sizes(args.piecewise_max) if args.piecewise_max else None
+    data = memory.run(backend, args.model, sizes, pw, families=args.models, kinds=args.kinds,
+                      all_modes=args.all_modes,
+                      checkpoint=Checkpoint(_json_path(args, "memory")))  # fmt: skip
     plot_path = args.plot or (os.path.join(args.out, "memory.png") if args.out else None)
     if plot_path:
         memory.plot(data, plot_path)
@@ -92,7 +162,9 @@ def _memory(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
 def _prefill(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
     # bench all keeps prefill's default memory sizes: --max-size there sizes the memory run
     memory_max = args.max_size if args.which == "prefill" else None
-    data = prefill.run(backend, args.model, sizes, memory_max=memory_max, iters=args.iters or 10)
+    data = prefill.run(backend, args.model, sizes, memory_max=memory_max, iters=args.iters or 10,
+                       compiler="inductor" if args.compile is not None else None,
+                       checkpoint=Checkpoint(_json_path(args, "prefill")))  # fmt: skip
     return data, prefill.summarize(data)
 
 
@@ -103,6 +175,8 @@ def _decode(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
         sizes,
         iters=args.iters or 50,
         compile_batches=args.compile,
+        table_check_batch=args.table_check,
+        checkpoint=Checkpoint(_json_path(args, "decode")),
     )
     return data, decode.summarize(data)
 

@@ -1,121 +1,59 @@
-"""`xgraph bench decode`: decode step time against the anchors, and executor host overhead.
+"""`xgraph bench decode`: decode step time against the anchors, the roofline, host overhead.
 
 Side by side in one process, per batch size: eager, the GraphExecutor step (staging +
-replay), the forward captured by hand with the runtime's own graph API on static buffers
-(`backend.native_graph`; absent where the backend has none) and, optionally on
-accelerators (`--compile` batch sizes), torch.compile(mode="reduce-overhead") and the
-executor over a torch.compile'd forward (Inductor kernels, xgraph's graphs), both slow to
-compile. Times are medians of
-device timings where the backend has a device timer. Host overhead: host wall time of one
-executor step minus that of the native graph's replay call, each measured with an idle
-device (synchronized before the call) so neither waits on earlier work.
+replay) over the eager forward, the forward captured by hand with the runtime's own graph
+API on static buffers (`backend.native_graph`; absent where the backend has none) and, for
+the `--compile` batch sizes (default 1, 8, 64 on accelerators), torch.compile(mode=
+"reduce-overhead") of the forward and the executor over the forward with its layers
+compiled (Inductor's kernels, xgraph's graphs). The compiled variants are built once and
+reused by every batch size; they run after every other measurement, so a slow or failing
+compile cannot cost the rest. Times are medians of device timings where the backend has a
+device timer.
+
+Each step time is also set against the memory roofline (`roofline`): the weight bytes a step
+reads over the bandwidth of the device measured in the same run. Per batch, the best
+executor row (eager or compiled forward) is divided by each anchor (reduce-overhead, raw
+graph). Host overhead: host wall time of one executor step minus that of the native
+graph's replay call, each with an idle device (synchronized before the call).
+`--table-check BATCH` adds the context-width check (`table_check`).
 """
 
 from __future__ import annotations
 
-import copy
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from ..attention import InlineRunner, step_context
 from ..executor import GraphExecutor
-from ..interfaces import AttentionRunner, Backend
-from ..metadata import AttentionMetadata
+from ..interfaces import Backend
 from ..models import Step, Workload
-from ..runners import reference_runners
-from .report import header, table, workload
+from . import roofline, table_check
+from .anchors import ReduceOverhead, compiled_twin, first_step, native_anchor
+from .readings import MiB
+from .report import attempt, header, note, table, workload
 from .timing import Timer, host_time
 
-
-def _static_metadata(w: Workload, step: Step) -> AttentionMetadata:
-    """The step's metadata with block tables as wide as the executor's (the same work)."""
-    dev = w.cache.tensors()[0].device
-    wide = step.with_tensor_tables(w.max_blocks, w.cache.dummy_block)
-    return wide.attn.metadata(dev, fill_block=w.cache.dummy_block)
-
-
-def _decode_runner(backend: Backend) -> AttentionRunner:
-    """A fresh decode runner of the kind the executor picks, so the anchors run the same forward."""
-    return {**reference_runners(), **backend.attention_runners()}["decode"]
-
-
-def _static_inputs(
-    backend: Backend, w: Workload, step: Step
-) -> tuple[torch.Tensor, torch.Tensor, InlineRunner]:
-    """Device token inputs and a runner planned on the step: the anchors' static buffers."""
-    dev = w.cache.tensors()[0].device
-    runner = _decode_runner(backend)
-    runner.plan(_static_metadata(w, step))
-    return step.input_ids.to(dev), step.positions.to(dev), InlineRunner(runner)
+DEFAULT_COMPILE = [1, 8, 64]  # --compile's default on accelerators
+VARIANTS = {  # printed name -> the row's key
+    "eager": "eager_s",
+    "xgraph": "xgraph_s",
+    "raw graph": "raw_graph_s",
+    "reduce-overhead": "reduce_overhead_s",
+    "xgraph over compile": "xgraph_compiled_s",
+}
+XGRAPH = ("xgraph", "xgraph over compile")
+ANCHORS = ("reduce-overhead", "raw graph")
 
 
-def _native_anchor(backend: Backend, w: Workload, step: Step) -> Callable[[], None] | None:
-    """The forward captured with the runtime's own graph API (a replay callable), or None."""
-    ids, pos, ctx = _static_inputs(backend, w, step)
-
-    def forward() -> None:
-        with torch.no_grad(), step_context(ctx):
-            w.model.forward(ids, pos)
-
-    return backend.native_graph(forward)
-
-
-def _compiled(
-    backend: Backend, w: Workload, step: Step, timer: Timer, iters: int
-) -> dict[str, Any]:
-    """torch.compile(mode='reduce-overhead') of the same forward with the decode runner."""
-    ids, pos, ctx = _static_inputs(backend, w, step)
-
-    def fwd(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        with step_context(ctx):
-            return w.model.forward(ids, pos)
-
-    try:
-        t0 = time.perf_counter()
-        compiled = torch.compile(fwd, mode="reduce-overhead")
-        with torch.no_grad():
-            for _ in range(3):
-                compiled(ids, pos)
-        backend.synchronize()
-        compile_s = time.perf_counter() - t0
-
-        def call() -> None:
-            with torch.no_grad():
-                compiled(ids, pos)
-
-        return {"compile_s": timer(call, iters), "compile_warmup_s": compile_s}
-    except Exception as exc:  # the anchor failing must not hide the other numbers
-        return {"compile_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-
-
-def _xgraph_compiled(
-    backend: Backend, w: Workload, step: Step, timer: Timer, iters: int
-) -> dict[str, Any]:
-    """The executor over the reference model with its layers torch.compile'd (Inductor, no
-    graphs of its own): the compiled kernels captured and replayed by xgraph; first step =
-    compile + capture. A second copy of the model is compiled, so the other rows keep the
-    eager kernels."""
-    try:
-        cw = Workload(copy.deepcopy(w.model).compile_layers(), w.max_blocks, w.max_seqs)
-        ex = cw.executor(cw.model.forward, backend=backend, buckets=[step.num_tokens],
-                         compiled=True)  # fmt: skip
-        t0 = time.perf_counter()
-        ex(**step.kwargs())
-        backend.synchronize()
-        first = time.perf_counter() - t0
-        row = {
-            "xgraph_compiled_s": timer(lambda: ex(**step.kwargs()), iters),
-            "xgraph_compiled_first_step_s": first,
-            "xgraph_compiled_capture_s": ex.stats()["capture_seconds"],
-        }
-        ex.close()
-        return row
-    except Exception as exc:  # a compiler failure must not hide the other numbers
-        return {"xgraph_compiled_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+def _raw_graph(backend: Backend, w: Workload, step: Step, timer: Timer, iters: int) -> dict:
+    replay = native_anchor(backend, w, step)
+    if replay is None:  # the runtime has no graph API of its own
+        return {}
+    # the anchor's graph and its pool go when `replay` does, before the next batch's
+    return {
+        "raw_graph_s": timer(replay, iters),
+        "raw_replay_host_s": host_time(backend, replay, iters),
+    }
 
 
 def _measure(
@@ -125,23 +63,107 @@ def _measure(
     executors: tuple[GraphExecutor, GraphExecutor],
     timer: Timer,
     iters: int,
-) -> dict[str, Any]:
-    """One batch's times: eager and executor, then the native-graph anchor where there is one."""
+    row: dict[str, Any],
+) -> None:
+    """Eager, executor and native-graph times of one batch, each isolated from the others."""
     ex, eager = executors
-    row: dict[str, Any] = {
-        "eager_s": timer(lambda: eager(**step.kwargs()), iters),
+    attempt(row, "eager", lambda: {"eager_s": timer(lambda: eager(**step.kwargs()), iters)})
+    attempt(row, "xgraph", lambda: {
         "xgraph_s": timer(lambda: ex(**step.kwargs()), iters),
         "xgraph_host_s": host_time(backend, lambda: ex(**step.kwargs()), iters),
-    }
-    replay = _native_anchor(backend, w, step)
-    if replay is not None:
-        row["raw_graph_s"] = timer(replay, iters)
-        row["raw_replay_host_s"] = host_time(backend, replay, iters)
+    })  # fmt: skip
+    attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters))
+    if "xgraph_host_s" in row and "raw_replay_host_s" in row:
         row["host_overhead_s"] = row["xgraph_host_s"] - row["raw_replay_host_s"]
-        row["xgraph/raw_graph"] = row["xgraph_s"] / row["raw_graph_s"]
-        del replay  # the anchor's graph and its pool go before the next batch's
-    row["eager/xgraph"] = row["eager_s"] / row["xgraph_s"]
-    return row
+
+
+class _Compiled:
+    """The compiled variants, each built at its first use and reused by later batches:
+    one reduce-overhead function, one compiled twin of the model behind one executor."""
+
+    def __init__(self, backend: Backend, w: Workload, batches: list[int], compiler: str) -> None:
+        self.backend, self.w, self.batches, self.compiler = backend, w, batches, compiler
+        self.ro: ReduceOverhead | None = None
+        self.twin: Workload | None = None
+        self.ex: GraphExecutor | None = None
+
+    def reduce_overhead(self, step: Step, timer: Timer, iters: int) -> dict[str, Any]:
+        if self.ro is None:
+            self.ro = ReduceOverhead(self.backend, self.w.model, self.compiler)
+        return self.ro.measure(self.w, step, timer, iters)
+
+    def xgraph(self, step: Step, timer: Timer, iters: int) -> dict[str, Any]:
+        if self.ex is None:
+            model = compiled_twin(self.w.model, self.compiler)
+            self.twin = Workload(model, self.w.max_blocks, self.w.max_seqs)
+            self.ex = self.twin.executor(model.forward, backend=self.backend,
+                                         buckets=self.batches, compiled=True,
+                                         on_capture_error="raise")  # fmt: skip
+        ex = self.ex
+        before = ex.stats()["capture_seconds"]
+        first = first_step(self.backend, lambda: ex(**step.kwargs()))
+        return {
+            "xgraph_compiled_s": timer(lambda: ex(**step.kwargs()), iters),
+            "xgraph_compiled_first_step_s": first,  # compile (first sizes only) + capture
+            "xgraph_compiled_capture_s": ex.stats()["capture_seconds"] - before,
+        }
+
+    def close(self) -> None:
+        if self.ex is not None:
+            self.ex.close()
+
+
+def _finish(row: dict[str, Any], weights: int, bw: float | None) -> None:
+    """Roofline fields and the ratios between rows, from whatever was measured."""
+    roofline.fill(row, VARIANTS, weights, bw)
+    t = {name: row[key] for name, key in VARIANTS.items() if row.get(key)}
+    if "eager" in t and "xgraph" in t:
+        row["eager/xgraph"] = t["eager"] / t["xgraph"]
+    if "xgraph" in t and "raw graph" in t:
+        row["xgraph/raw_graph"] = t["xgraph"] / t["raw graph"]
+    best = min((n for n in XGRAPH if n in t), key=lambda n: t[n], default=None)
+    if best is not None:
+        row["best_xgraph"], row["best_xgraph_s"] = best, t[best]
+        row["best_xgraph_vs"] = {a: t[best] / t[a] for a in ANCHORS if a in t}
+
+
+def _workload(
+    backend: Backend, model: str, batches: list[int], check: int | None, accel: bool
+) -> Workload:
+    """Tables 512 tokens wide for the batches; cache blocks for the width check too."""
+    seqs = max(batches + ([check] if check else []))
+    blocks = table_check.blocks_needed(check, 16) if check else None
+    return workload(backend, model, max_seqs=seqs, context=512 if accel else 64,
+                    num_blocks=blocks)  # fmt: skip
+
+
+def _progress(row: dict[str, Any]) -> None:
+    times = ", ".join(f"{n} {row[k] * 1e3:.3f} ms" for n, k in VARIANTS.items() if k in row)
+    note(f"decode batch {row['batch']}: {times}")
+
+
+def _compiled_rows(
+    compiled: _Compiled,
+    data: dict[str, Any],
+    steps: dict[int, Step],
+    timer: Timer,
+    iters: int,
+    save: Callable[[dict[str, Any]], None],
+) -> None:
+    """The compiled variants of each --compile batch, then the width check over the
+    compiled twin (if the run has a check and the twin was built)."""
+    rows = {r["batch"]: r for r in data["rows"]}
+    for b in compiled.batches:
+        step, row = steps[b], rows[b]
+        attempt(row, "reduce_overhead", lambda s=step: compiled.reduce_overhead(s, timer, iters))
+        attempt(row, "xgraph_compiled", lambda s=step: compiled.xgraph(s, timer, iters))
+        _progress(row)
+        save({**data, "timing": timer.unit})
+    compiled.close()
+    if "table_check" in data and compiled.twin is not None:
+        table_check.run(compiled.backend, data["table_check"], "xgraph_compiled",
+                        compiled.twin.model, timer, iters)  # fmt: skip
+        save({**data, "timing": timer.unit})
 
 
 def run(
@@ -150,62 +172,117 @@ def run(
     batches: list[int] | None = None,
     iters: int = 50,
     compile_batches: list[int] | None = None,
+    table_check_batch: int | None = None,
     seed: int = 0,
+    compiler: str = "inductor",
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
+    """Every row, then the width check, then the compiled rows; `checkpoint` gets the data
+    so far after each stage (a run stopped by a time limit keeps what it measured)."""
     accel = backend.device.type != "cpu"
     batches = batches or ([1, 8, 64, 256] if accel else [1, 8, 32])
-    w = workload(backend, model, max_seqs=max(batches), context=512 if accel else 64)
+    if compile_batches is None:
+        compile_batches = DEFAULT_COMPILE if accel else []
+    w = _workload(backend, model, batches, table_check_batch, accel)
     timer = Timer(backend)
+    data = {**header(backend, model, w), "iters": iters,
+            "weight_bytes": roofline.weight_bytes(w.model)}  # fmt: skip
+    attempt(data, "bandwidth", lambda: roofline.bandwidth(backend, timer))
+    save = checkpoint or (lambda _: None)
     rng = random.Random(seed)
-    ex = w.executor(w.model.forward, backend=backend, buckets=batches)
+    steps = {b: w.decode_step(rng, b, max_context=256 if accel else 64).with_tensor_tables(
+        w.max_blocks, w.cache.dummy_block) for b in batches}  # fmt: skip
+    rows = {b: {"batch": b, "kv_bytes": roofline.kv_bytes(w.cache, steps[b])} for b in batches}
+    data["rows"] = list(rows.values())
+    ex = w.executor(w.model.forward, backend=backend, buckets=batches, on_capture_error="raise")
     eager = w.executor(w.model.forward, backend=backend, buckets=batches, mode="eager")
-    rows = []
     for b in batches:
-        step = w.decode_step(rng, b, max_context=256 if accel else 64).with_tensor_tables(
-            w.max_blocks, w.cache.dummy_block
-        )
-        row = {"batch": b, **_measure(backend, w, step, (ex, eager), timer, iters)}
-        # torch.compile's reduce-overhead mode is a graph runtime of its own: accelerators only
-        if accel and compile_batches and b in compile_batches:
-            row.update(_compiled(backend, w, step, timer, iters))
-            row.update(_xgraph_compiled(backend, w, step, timer, iters))
-        rows.append(row)
+        _measure(backend, w, steps[b], (ex, eager), timer, iters, rows[b])
+        _progress(rows[b])
+        save({**data, "timing": timer.unit})
     ex.close()
     eager.close()
-    return {**header(backend, model, w), "timing": timer.unit, "rows": rows}
+    if table_check_batch:  # the eager forward's part now, the compiled one's with its rows
+        data["table_check"] = check = table_check.start(table_check_batch, seed)
+        table_check.run(backend, check, "xgraph", w.model, timer, iters)
+        save({**data, "timing": timer.unit})
+    _compiled_rows(_Compiled(backend, w, [b for b in batches if b in compile_batches], compiler),
+                   data, steps, timer, iters, save)  # fmt: skip
+    for r in data["rows"]:
+        _finish(r, data["weight_bytes"], data.get("bandwidth_bytes_per_s"))
+    return {**data, "timing": timer.unit}
+
+
+def _ms(row: dict[str, Any], key: str, name: str) -> Any:
+    """Milliseconds of a measured key, "failed" where its attempt failed, else blank."""
+    if key in row:
+        return row[key] * 1e3
+    return "failed" if f"{name}_error" in row else ""
+
+
+ERROR_NAMES = {"eager_s": "eager", "xgraph_s": "xgraph", "raw_graph_s": "raw_graph",
+               "reduce_overhead_s": "reduce_overhead",
+               "xgraph_compiled_s": "xgraph_compiled"}  # fmt: skip
+
+
+def _step_table(data: dict[str, Any]) -> str:
+    """One line per batch and variant: step time and its place against the roofline."""
+    out = []
+    bw = data.get("bandwidth_bytes_per_s")
+    for r in data["rows"]:
+        for name, key in VARIANTS.items():
+            ms = _ms(r, key, ERROR_NAMES[key])
+            if ms == "":
+                continue
+            line: dict[str, Any] = {"batch": r["batch"], "variant": name, "ms": ms}
+            if isinstance(ms, float) and bw:
+                line["weight GB/s"] = data["weight_bytes"] / (ms / 1e3) / 1e9
+                line["% of bandwidth"] = 100 * r["roofline"][name]
+                line["bw-limit ms"] = r["roofline_s"] * 1e3
+            out.append(line)
+    cols = ["batch", "variant", "ms", "weight GB/s", "% of bandwidth", "bw-limit ms"]
+    return table(out, cols if bw else cols[:3])
+
+
+def _batch_table(data: dict[str, Any]) -> str:
+    """Per batch: the best executor row against each anchor, the limits, host overhead."""
+    out = []
+    for r in data["rows"]:
+        line: dict[str, Any] = {"batch": r["batch"], "best xgraph": r.get("best_xgraph", "")}
+        if "best_xgraph_s" in r:
+            line["best ms"] = r["best_xgraph_s"] * 1e3
+        for a, ratio in r.get("best_xgraph_vs", {}).items():
+            line[f"best / {a}"] = ratio
+        if "eager/xgraph" in r:
+            line["eager / xgraph"] = r["eager/xgraph"]
+        if "roofline_s" in r:
+            line["bw-limit ms"] = r["roofline_s"] * 1e3
+            line["bw-limit ms (+kv)"] = r["roofline_with_kv_s"] * 1e3
+        if "host_overhead_s" in r:
+            line["host us/step"] = r["xgraph_host_s"] * 1e6
+            line["raw replay host us"] = r["raw_replay_host_s"] * 1e6
+            line["overhead us"] = r["host_overhead_s"] * 1e6
+        if "xgraph_compiled_first_step_s" in r:
+            line["compile+capture s"] = r["xgraph_compiled_first_step_s"]
+        out.append(line)
+    cols = list(dict.fromkeys(k for line in out for k in line))
+    return table(out, cols)
 
 
 def summarize(data: dict[str, Any]) -> str:
-    rows = []
-    for r in data["rows"]:
-        row = {
-            "batch": r["batch"],
-            "eager ms": r["eager_s"] * 1e3,
-            "xgraph ms": r["xgraph_s"] * 1e3,
-            "eager/xgraph": r["eager/xgraph"],
-        }
-        if "raw_graph_s" in r:  # only where the backend has a native graph API
-            row.update(
-                {
-                    "raw graph ms": r["raw_graph_s"] * 1e3,
-                    "xgraph/raw graph": r["xgraph/raw_graph"],
-                    "host us/step": r["xgraph_host_s"] * 1e6,
-                    "raw replay host us": r["raw_replay_host_s"] * 1e6,
-                    "overhead us": r["host_overhead_s"] * 1e6,
-                }
-            )
-        if "compile_s" in r:
-            row["compile(reduce-overhead) ms"] = r["compile_s"] * 1e3
-        elif "compile_error" in r:
-            row["compile(reduce-overhead) ms"] = "failed"
-        if "xgraph_compiled_s" in r:
-            row["xgraph over compile ms"] = r["xgraph_compiled_s"] * 1e3
-            row["compile+capture s"] = r["xgraph_compiled_first_step_s"]
-        elif "xgraph_compiled_error" in r:
-            row["xgraph over compile ms"] = "failed"
-        rows.append(row)
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    return (
+    bw = data.get("bandwidth_bytes_per_s")
+    measured = f"{bw / 1e9:.0f} GB/s" if bw else f"not measured ({data.get('bandwidth_error')})"
+    head = (
         f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}); "
-        f"times: median {data['timing']}\n\n" + table(rows, cols)
+        f"times: median {data['timing']}; memory bandwidth {measured} (copy of "
+        f"{data.get('bandwidth_copy_bytes', 0) / MiB:.0f} MiB); weights read per step "
+        f"{data['weight_bytes'] / MiB:.1f} MiB (layers + final norm)"
     )
+    parts = [head, _step_table(data), _batch_table(data)]
+    errors = [f"- batch {r['batch']} {k[:-6]}: {v}" for r in data["rows"]
+              for k, v in r.items() if k.endswith("_error")]  # fmt: skip
+    if errors:
+        parts.append("failures:\n" + "\n".join(errors))
+    if "table_check" in data:
+        parts.append(table_check.summarize(data["table_check"]))
+    return "\n\n".join(parts)

@@ -1,28 +1,48 @@
-"""`xgraph bench memory`: graph memory and capture time per memory mode and capture order.
+"""`xgraph bench memory`: graph memory per capture order, full and piecewise, two model families.
 
-For each mode (private, shared-pool, shared-physical) and order (largest-first, ascending,
-random) one fresh executor captures full decode graphs of the reference model for every
-size, in one process. Graph memory is read as `readings` says (the driver's reading minus a
-baseline taken after the model, KV cache and persistent buffers exist, on accelerators that
-report one; the pool's bytes elsewhere, with the process's memory in use beside it). The
-limit is the largest size captured alone into a fresh pool, measured the same way in the
-same run.
+For each model family (`targets`: the reference model; transformers' LlamaForCausalLM through
+the transformers integration) and graph kind (full decode graphs at vLLM's capture sizes;
+piecewise graphs at SGLang-style prefill sizes), in one process:
+
+- the limit: the largest size captured alone into fresh memory, after one throwaway capture
+  of it (one-time costs: library workspaces, kernel compiles, lazy state);
+- one fresh executor per order (ascending, random, largest-first) capturing every size into
+  fresh shared-physical memory (with `all_modes`, also shared-pool and private).
+
+Each run reports graph memory two ways: the driver's reading (memory in use after returning
+cached allocator memory, minus a baseline taken once the model, the KV cache and the
+persistent buffers exist; accelerators that report one) and the pool's own bytes (physical
+chunks in shared-physical memory, native pool segments otherwise); the executor's
+`outside_pool_bytes` (what the captures left in use outside graph memory, e.g. the driver's
+graph executables); the number of graphs; and both readings over the limit's.
+Every section and run is isolated: a failure is recorded where it happened and the rest run.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
-from ..buckets import vllm_capture_sizes
+from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
+from ..integrations.transformers.errors import MissingExtraError
 from ..interfaces import Backend
 from ..memory import GraphMemory
-from ..models import Workload
+from . import targets
 from .readings import MiB, driver_reading, measure, settle
-from .report import header, table, workload
+from .report import attempt, error_text, note, table
 
-MODES = ("private", "shared-pool", "shared-physical")
-ORDERS = ("largest-first", "ascending", "random")
+MODES = ("shared-physical", "shared-pool", "private")
+ORDERS = ("ascending", "random", "largest-first")
+KINDS = ("full", "piecewise")
+LIMIT_MODE = "shared-physical"  # the limit is captured like the runs it is compared with
+# default sizes: (accelerator, CPU) largest full-graph and piecewise sizes per family; the
+# transformers model captures fewer on accelerators (its eager Python forward runs twice per
+# capture, for the warm-up and for the capture itself)
+DEFAULT_MAX = {
+    "reference": {"full": (512, 128), "piecewise": (2048, 128)},
+    "hf-llama": {"full": (256, 64), "piecewise": (1024, 128)},
+}
 
 
 def ordered(sizes: list[int], order: str, seed: int) -> list[int]:
@@ -35,146 +55,199 @@ def ordered(sizes: list[int], order: str, seed: int) -> list[int]:
     raise ValueError(f"unknown order {order!r}")
 
 
-def _measure_capture(
-    backend: Backend, w: Workload, mode: str, sizes: list[int], order_sizes: list[int]
+def default_sizes(family: str, kind: str, accel: bool) -> list[int]:
+    largest = DEFAULT_MAX[family][kind][0 if accel else 1]
+    return vllm_capture_sizes(largest) if kind == "full" else sglang_piecewise_sizes(largest)
+
+
+def _capture(
+    backend: Backend, target: Any, kind: str, mode: str, sizes: list[int], order: list[int]
 ) -> dict[str, Any]:
+    """Capture `order` one size at a time into fresh `mode` memory; readings after each."""
     mem = GraphMemory(backend, mode)
-    ex = w.executor(
-        w.model.forward, backend=backend, buckets=sizes, memory=mem, name=f"bench-{mode}"
-    )
+    ex = target.executor(kind, sizes, mem)
     driver = driver_reading(backend)
-    base = settle(backend)
-    curve, resident = [], []
-    for n in order_sizes:
-        ex.capture([n], progress=False)
-        now = settle(backend)
-        resident.append((now or 0) - (base or 0))
-        curve.append(resident[-1] if driver else mem.graph_bytes())
-    s = ex.stats()
-    result = {
-        "mode": mode,
-        "graph_bytes": curve[-1],
-        "pool_bytes": mem.graph_bytes(),
-        "resident_bytes": resident[-1],
-        "capture_seconds": s["capture_seconds"],
-        "captures": s["captures"],
-        "curve_bytes": curve,
-    }
-    if mem.physical is not None:
-        result["physical"] = mem.physical.stats()
-    ex.close()
-    mem.close()
-    settle(backend)
-    return result
+    try:
+        base = settle(backend)
+        curve, pool_curve = [], []
+        for n in order:
+            ex.capture([n], kind=kind, progress=False)
+            now = settle(backend)
+            curve.append((now or 0) - (base or 0) if driver else mem.graph_bytes())
+            pool_curve.append(mem.graph_bytes())
+        s = ex.stats()
+        out = {
+            "mode": mem.mode.value,
+            "graphs": s["captures"],
+            "driver_bytes": curve[-1] if driver else None,
+            "pool_bytes": pool_curve[-1],
+            "graph_bytes": curve[-1],  # the driver's reading where there is one, else the pool's
+            "outside_pool_bytes": s["outside_pool_bytes"],
+            "capture_seconds": s["capture_seconds"],
+            "curve_bytes": curve,
+            "pool_curve_bytes": pool_curve,
+        }
+        if mem.physical is not None:
+            out["physical"] = mem.physical.stats()
+        return out
+    finally:
+        ex.close()
+        mem.close()
+        settle(backend)
+
+
+def _over_limit(run: dict[str, Any], limit: dict[str, Any]) -> None:
+    if limit.get("graph_bytes"):
+        run["x_limit"] = run["graph_bytes"] / limit["graph_bytes"]
+    if limit.get("pool_bytes"):
+        run["x_limit_pool"] = run["pool_bytes"] / limit["pool_bytes"]
+
+
+def _section(
+    backend: Backend, target: Any, section: dict[str, Any], modes: tuple[str, ...], seed: int,
+    save: Callable[[], None],
+) -> None:  # fmt: skip
+    """The limit, then every mode and order, into `section` (saved after each run)."""
+    kind, sizes = section["kind"], section["sizes"]
+    largest = [max(sizes)]
+    _capture(backend, target, kind, LIMIT_MODE, sizes, largest)  # one-time costs, unmeasured
+    section["limit"] = limit = _capture(backend, target, kind, LIMIT_MODE, sizes, largest)
+    section["runs"] = []
+    for mode in modes:
+        for order in ORDERS:
+            run: dict[str, Any] = {"mode": mode, "order": order}
+            section["runs"].append(run)
+            if attempt(run, "run", lambda m=mode, o=order: _capture(
+                    backend, target, kind, m, sizes, ordered(sizes, o, seed))):  # fmt: skip
+                run["order"] = order
+                _over_limit(run, limit)
+                note(f"memory {section['model']} {kind} {mode} {order}: {run['graphs']} "
+                     f"graphs, {run['graph_bytes'] / MiB:.1f} MiB, "
+                     f"x{run.get('x_limit', float('nan')):.2f} limit")  # fmt: skip
+            save()
+
+
+def _family(
+    backend: Backend, family: str, model: str, sizes: dict[str, list[int]],
+    data: dict[str, Any], modes: tuple[str, ...], seed: int, save: Callable[[], None],
+) -> None:  # fmt: skip
+    """Every kind of one family; a family that cannot be built is listed as skipped."""
+    full_max = max(sizes.get("full", [1]))
+    pw_max = max(sizes.get("piecewise", [1]))
+    try:
+        target = targets.build(family, backend, model, full_max, pw_max)
+    except MissingExtraError as exc:
+        data["skipped"][family] = f"skipped: {exc}"
+        note(f"memory: {family} {data['skipped'][family]}")
+        return
+    except Exception as exc:  # a family failing to build must not hide the other
+        data["skipped"][family] = f"failed to build: {error_text(exc)}"
+        note(f"memory: {family} {data['skipped'][family]}")
+        return
+    try:
+        for kind, ks in sizes.items():
+            section = {"family": family, "model": target.model, "dtype": target.dtype,
+                       "kind": kind, "sizes": ks}  # fmt: skip
+            data["sections"].append(section)
+            attempt(section, "section", lambda s=section: _section(
+                backend, target, s, modes, seed, save))  # fmt: skip
+            save()
+    finally:
+        target.close()
+        settle(backend)
 
 
 def run(
     backend: Backend,
     model: str = "tiny",
     sizes: list[int] | None = None,
-    modes: tuple[str, ...] = MODES,
-    orders: tuple[str, ...] = ORDERS,
+    piecewise_sizes: list[int] | None = None,
+    families: tuple[str, ...] = targets.FAMILIES,
+    kinds: tuple[str, ...] = KINDS,
+    all_modes: bool = False,
     seed: int = 0,
-    context: int = 64,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    sizes = sorted(sizes or vllm_capture_sizes(512 if backend.device.type != "cpu" else 128))
-    w = workload(backend, model, max_seqs=max(sizes), context=context)
-    # one eager step at the largest size first: library workspaces and lazy state are
-    # created outside every measurement
-    warm = w.executor(w.model.forward, backend=backend, buckets=sizes, mode="eager")
-    with backend.warmup_context():  # on the capture stream, like the executor's warm-up
-        warm(**w.decode_step(random.Random(0), max(sizes), max_context=16).kwargs())
-    warm.close()
-    settle(backend)
-    _measure_capture(backend, w, "private", sizes, [max(sizes)])  # one-time costs, unmeasured
-    limit = _measure_capture(backend, w, "private", sizes, [max(sizes)])
-    runs = []
-    for mode in modes:
-        for order in orders:
-            r = _measure_capture(backend, w, mode, sizes, ordered(sizes, order, seed))
-            r["order"] = order
-            runs.append(r)
-    return {
-        **header(backend, model, w),
-        "buckets": sizes,
-        "limit_bytes": limit["graph_bytes"],
-        "limit_resident_bytes": limit["resident_bytes"],
-        "measure": measure(backend),
-        "runs": runs,
-    }
+    """`sizes` (full graphs) and `piecewise_sizes` override each family's defaults."""
+    accel = backend.device.type != "cpu"
+    given = {"full": sizes, "piecewise": piecewise_sizes}
+    modes = MODES if all_modes else (LIMIT_MODE,)
+    data: dict[str, Any] = {
+        "backend": backend.name, "device": backend.device_name(), "model": model,
+        "measure": measure(backend), "modes": list(modes), "orders": list(ORDERS),
+        "sections": [], "skipped": {},
+    }  # fmt: skip
+    save = checkpoint or (lambda _: None)
+    for family in families:
+        fs = {k: sorted(given[k] or default_sizes(family, k, accel)) for k in kinds}
+        _family(backend, family, model, fs, data, modes, seed, lambda: save(data))
+    return data
+
+
+def _cell(v: int | None) -> Any:
+    return v / MiB if v is not None else "n/a"
+
+
+def _section_text(s: dict[str, Any]) -> str:
+    sizes = s["sizes"]
+    head = (f"{s['family']} ({s['model']}, {s.get('dtype', '')}), {s['kind']} graphs, "
+            f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]}")  # fmt: skip
+    if "limit" not in s:
+        return f"{head}: failed: {s.get('section_error')}"
+    lim = s["limit"]
+    head += (f"; limit ({sizes[-1]} alone): driver {_cell(lim['driver_bytes'])} MiB, "
+             f"pool {lim['pool_bytes'] / MiB:.1f} MiB")  # fmt: skip
+    rows = []
+    for r in s["runs"]:
+        row: dict[str, Any] = {"mode": r["mode"], "order": r["order"]}
+        if "run_error" in r:
+            rows.append({**row, "graphs": f"failed: {r['run_error']}"})
+            continue
+        rows.append({**row, "graphs": r["graphs"], "driver MiB": _cell(r["driver_bytes"]),
+                     "pool MiB": r["pool_bytes"] / MiB,
+                     "outside pool MiB": _cell(r["outside_pool_bytes"]),
+                     "x limit (driver)": r["x_limit"] if r["driver_bytes"] is not None else "n/a",
+                     "x limit (pool)": r.get("x_limit_pool", "n/a"),
+                     "capture s": r["capture_seconds"]})  # fmt: skip
+    cols = ["mode", "order", "graphs", "driver MiB", "pool MiB", "outside pool MiB",
+            "x limit (driver)", "x limit (pool)", "capture s"]  # fmt: skip
+    return f"{head}\n\n{table(rows, cols)}"
 
 
 def summarize(data: dict[str, Any]) -> str:
-    limit = data["limit_bytes"]
-    sp_best = next(
-        (
-            r["graph_bytes"]
-            for r in data["runs"]
-            if r["mode"] == "shared-pool" and r["order"] == "largest-first"
-        ),
-        None,
-    )
-    sp_secs = {r["order"]: r["capture_seconds"] for r in data["runs"] if r["mode"] == "shared-pool"}
-    rows = []
-    for r in data["runs"]:
-        rows.append(
-            {
-                "mode": r["mode"],
-                "order": r["order"],
-                "graph MiB": r["graph_bytes"] / MiB,
-                "x limit": r["graph_bytes"] / limit if limit else float("nan"),
-                "x shared-pool best": r["graph_bytes"] / sp_best if sp_best else float("nan"),
-                "capture s": r["capture_seconds"],
-                "x shared-pool s": r["capture_seconds"] / sp_secs[r["order"]]
-                if r["order"] in sp_secs
-                else float("nan"),
-            }
-        )
-    head = (
-        f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}), "
-        f"{len(data['buckets'])} sizes {data['buckets'][0]}..{data['buckets'][-1]}; "
-        f"limit (largest alone) {limit / MiB:.2f} MiB; measure: {data['measure']}"
-    )
-    return (
-        head
-        + "\n\n"
-        + table(
-            rows,
-            [
-                "mode",
-                "order",
-                "graph MiB",
-                "x limit",
-                "x shared-pool best",
-                "capture s",
-                "x shared-pool s",
-            ],
-        )
-    )
+    head = f"{data['backend']} / {data['device']}; measure: {data['measure']}"
+    parts = [head] + [_section_text(s) for s in data["sections"]]
+    parts += [f"{family}: {why}" for family, why in data["skipped"].items()]
+    return "\n\n".join(parts)
 
 
 def plot(data: dict[str, Any], path: str) -> None:
+    """Graph memory against captures made, one panel per family and kind; the driver's
+    reading solid, the pool's dashed, the limit as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    styles = {"private": ":", "shared-pool": "--", "shared-physical": "-"}
-    for r in data["runs"]:
-        ys = [b / MiB for b in r["curve_bytes"]]
-        ax.plot(
-            range(1, len(ys) + 1),
-            ys,
-            styles.get(r["mode"], "-"),
-            label=f"{r['mode']}, {r['order']}",
-        )
-    ax.axhline(data["limit_bytes"] / MiB, color="k", lw=0.8, label="largest bucket alone")
-    ax.set_xlabel("buckets captured")
-    ax.set_ylabel("graph memory (MiB)")
-    ax.set_yscale("log")
-    ax.set_title(f"{data['model']} on {data['device']}: graph memory by mode and order")
-    ax.legend(fontsize=7)
+    sections = [s for s in data["sections"] if s.get("runs")]
+    if not sections:
+        return
+    fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 4.5), squeeze=False)
+    for ax, s in zip(axes[0], sections):
+        for r in s["runs"]:
+            if "curve_bytes" not in r:
+                continue
+            xs = range(1, len(r["curve_bytes"]) + 1)
+            (line,) = ax.plot(xs, [b / MiB for b in r["curve_bytes"]],
+                              label=f"{r['mode']}, {r['order']}")  # fmt: skip
+            ax.plot(xs, [b / MiB for b in r["pool_curve_bytes"]], "--", color=line.get_color(),
+                    lw=0.8)  # fmt: skip
+        ax.axhline(s["limit"]["graph_bytes"] / MiB, color="k", lw=0.8, label="largest alone")
+        ax.set_title(f"{s['model']}: {s['kind']} graphs", fontsize=9)
+        ax.set_xlabel("graphs captured")
+        ax.set_ylabel("graph memory (MiB; dashed: pool)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"graph memory on {data['device']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -3,21 +3,27 @@
 Step times: for each size, several batch compositions (one long chunk, equal chunks, many
 short chunks, a random mix over cached context), the same steps run through an eager
 executor and through a piecewise one (captured once per size, then replayed for every
-composition). Memory: piecewise graphs for SGLang-style sizes up to the largest, captured
-into shared-physical and shared-pool memory (largest first and ascending).
+composition); with `--compile`, also through a piecewise executor over the forward with its
+layers torch.compile'd (`compile_layers`, `compiled=True`: Inductor's kernels in the
+pieces), after the other columns so a slow compile costs nothing else. Memory: piecewise
+graphs for SGLang-style sizes up to the largest, captured into shared-physical and
+shared-pool memory (largest first and ascending).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 from ..buckets import sglang_piecewise_sizes
+from ..executor import GraphExecutor
 from ..interfaces import Backend
 from ..memory import GraphMemory
-from ..models import Workload
+from ..models import Step, Workload
+from .anchors import compiled_twin, first_step
 from .readings import MiB, driver_reading, settle
-from .report import header, table, workload
+from .report import attempt, header, table, workload
 from .timing import Timer
 
 MEMORY_RUNS = (
@@ -40,34 +46,73 @@ def compositions(n: int, rng: random.Random) -> dict[str, tuple[list[int], list[
     }
 
 
-def _step_rows(
-    backend: Backend, w: Workload, sizes: list[int], timer: Timer, iters: int, rng: random.Random
-) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Eager and piecewise time of every composition of every size, and the piecewise counts."""
-    eager = w.executor(w.model.forward, backend=backend, buckets=sizes, mode="eager")
-    pw = w.executor(w.model.forward, backend=backend, buckets=sizes, mode="piecewise")
-    rows = []
+def _steps(w: Workload, sizes: list[int], rng: random.Random) -> list[tuple[dict, Step]]:
+    """Every composition of every size: its row (what it is) and its step."""
+    out = []
     for n in sizes:
         for name, (ql, ctx) in compositions(n, rng).items():
             step = w.prefill_step(rng, ql, ctx).with_tensor_tables(
                 w.max_blocks, w.cache.dummy_block
             )
-            t_eager = timer(lambda step=step: eager(**step.kwargs()), iters)
-            t_pw = timer(lambda step=step: pw(**step.kwargs()), iters)
-            rows.append(
-                {
-                    "num_tokens": n,
-                    "batch": name,
-                    "seqs": len(ql),
-                    "eager_s": t_eager,
-                    "piecewise_s": t_pw,
-                    "eager/piecewise": t_eager / t_pw,
-                }
-            )
+            out.append(({"num_tokens": n, "batch": name, "seqs": len(ql)}, step))
+    return out
+
+
+def _time_all(
+    ex: GraphExecutor, key: str, steps: list[tuple[dict, Step]], timer: Timer, iters: int
+) -> None:
+    """`ex`'s time of every step into its row as `key`, each step isolated from the rest."""
+    for row, step in steps:
+        attempt(row, key[:-2], lambda step=step: {key: timer(lambda: ex(**step.kwargs()), iters)})
+
+
+def _compiled_column(
+    backend: Backend, w: Workload, sizes: list[int], steps: list, timer: Timer, iters: int,
+    compiler: str,
+) -> dict[str, Any]:  # fmt: skip
+    """The piecewise executor over the compiled twin: each size's first step (compile at the
+    first sizes, capture) timed on its own, then every composition like the other columns."""
+    twin = Workload(compiled_twin(w.model, compiler), w.max_blocks, w.max_seqs)
+    ex = twin.executor(twin.model.forward, backend=backend, buckets=sizes, mode="piecewise",
+                       compiled=True, on_capture_error="raise")  # fmt: skip
+    first: dict[str, float] = {}
+    try:
+        for row, step in steps:
+            if str(row["num_tokens"]) not in first:
+                first[str(row["num_tokens"])] = first_step(backend, lambda s=step: ex(**s.kwargs()))
+        _time_all(ex, "piecewise_compiled_s", steps, timer, iters)
+        stats = ex.stats()
+    finally:
+        ex.close()
+    return {"first_step_s": first, "captures": stats["captures"], "replays": stats["replays"]}
+
+
+def _step_rows(
+    backend: Backend, w: Workload, sizes: list[int], timer: Timer, iters: int,
+    rng: random.Random, compiler: str | None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    """Eager and piecewise time of every composition of every size (and the piecewise
+    executor over the compiled forward when `compiler` is given), with the executors' counts."""
+    steps = _steps(w, sizes, rng)
+    eager = w.executor(w.model.forward, backend=backend, buckets=sizes, mode="eager")
+    pw = w.executor(w.model.forward, backend=backend, buckets=sizes, mode="piecewise",
+                    on_capture_error="raise")  # fmt: skip
+    _time_all(eager, "eager_s", steps, timer, iters)
+    _time_all(pw, "piecewise_s", steps, timer, iters)
     stats = pw.stats()
     eager.close()
     pw.close()
-    return rows, {"captures": stats["captures"], "replays": stats["replays"]}
+    counts: dict[str, Any] = {"captures": stats["captures"], "replays": stats["replays"]}
+    if compiler:
+        attempt(counts, "compiled", lambda: {"compiled": _compiled_column(
+            backend, w, sizes, steps, timer, iters, compiler)})  # fmt: skip
+    rows = [row for row, _ in steps]
+    for r in rows:
+        for a, b in (("eager", "piecewise"), ("eager", "piecewise_compiled"),
+                     ("piecewise", "piecewise_compiled")):  # fmt: skip
+            if r.get(f"{a}_s") and r.get(f"{b}_s"):
+                r[f"{a}/{b}"] = r[f"{a}_s"] / r[f"{b}_s"]
+    return rows, counts
 
 
 def _memory_row(backend: Backend, w: Workload, sizes: list[int], mode: str, order: str) -> dict:
@@ -83,6 +128,7 @@ def _memory_row(backend: Backend, w: Workload, sizes: list[int], mode: str, orde
         "order": order,
         "graph_bytes": (now or 0) - (base or 0) if driver_reading(backend) else gm.graph_bytes(),
         "pool_bytes": gm.graph_bytes(),
+        "outside_pool_bytes": stats["outside_pool_bytes"],
         "capture_seconds": stats["capture_seconds"],
         "graphs": stats["captures"],
     }
@@ -99,22 +145,40 @@ def run(
     memory_max: int | None = None,
     iters: int = 10,
     seed: int = 0,
+    compiler: str | None = None,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
+    """Step times (with the compiled column when `compiler` names one: "inductor", or a
+    torch.compile backend), then piecewise memory; `checkpoint` gets the data after each."""
     accel = backend.device.type != "cpu"
     sizes = sizes or ([128, 512, 2048] if accel else [32, 64, 128])
     memory_max = memory_max or (2048 if accel else 256)
     w = workload(backend, model, max_seqs=16, context=2 * max(max(sizes), memory_max))
     timer = Timer(backend)
-    rows, counts = _step_rows(backend, w, sizes, timer, iters, random.Random(seed))
+    rows, counts = _step_rows(backend, w, sizes, timer, iters, random.Random(seed), compiler)
     mem_sizes = sglang_piecewise_sizes(memory_max)
-    return {
+    data = {
         **header(backend, model, w),
         "timing": timer.unit,
         "steps": rows,
         "piecewise_stats": counts,
         "memory_sizes": mem_sizes,
-        "memory": [_memory_row(backend, w, mem_sizes, m, o) for m, o in MEMORY_RUNS],
+        "memory": [],
     }
+    for mode, order in MEMORY_RUNS:
+        (checkpoint or (lambda _: None))(data)
+        row = {"mode": mode, "order": order}
+        if attempt(row, "memory", lambda m=mode, o=order: _memory_row(backend, w, mem_sizes, m, o)):
+            data["memory"].append(row)
+        else:
+            data.setdefault("memory_errors", []).append(row)
+    return data
+
+
+def _ms(row: dict[str, Any], key: str) -> Any:
+    if key in row:
+        return row[key] * 1e3
+    return "failed" if f"{key[:-2]}_error" in row else ""
 
 
 def summarize(data: dict[str, Any]) -> str:
@@ -122,18 +186,35 @@ def summarize(data: dict[str, Any]) -> str:
         f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}); "
         f"times: median {data['timing']}"
     )
+    compiled = "compiled" in data["piecewise_stats"] or "compiled_error" in data["piecewise_stats"]
+    cols = ["num_tokens", "batch", "seqs", "eager ms", "piecewise ms", "eager/piecewise"]
+    if compiled:
+        cols += ["piecewise over compile ms", "eager/piecewise_compiled",
+                 "piecewise/piecewise_compiled"]  # fmt: skip
     t1 = table(
         [
-            {**r, "eager ms": r["eager_s"] * 1e3, "piecewise ms": r["piecewise_s"] * 1e3}
+            {**r, "eager ms": _ms(r, "eager_s"), "piecewise ms": _ms(r, "piecewise_s"),
+             "piecewise over compile ms": _ms(r, "piecewise_compiled_s")}
             for r in data["steps"]
         ],
-        ["num_tokens", "batch", "seqs", "eager ms", "piecewise ms", "eager/piecewise"],
-    )
+        cols,
+    )  # fmt: skip
+    notes = []
+    c = data["piecewise_stats"]
+    if "compiled" in c:
+        firsts = ", ".join(f"{n}: {s:.1f} s" for n, s in c["compiled"]["first_step_s"].items())
+        notes.append(f"piecewise over compile, first step per size (compile + capture): {firsts}")
+    elif "compiled_error" in c:
+        notes.append(f"piecewise over compile failed: {c['compiled_error']}")
     t2 = table(
-        [{**r, "graph MiB": r["graph_bytes"] / MiB} for r in data["memory"]],
-        ["mode", "order", "graphs", "graph MiB", "capture_seconds"],
-    )
-    return (
-        f"{head}\n\n{t1}\n\npiecewise graph memory, {len(data['memory_sizes'])} sizes "
-        f"up to {data['memory_sizes'][-1]}:\n\n{t2}"
-    )
+        [{**r, "graph MiB": r["graph_bytes"] / MiB, "pool MiB": r["pool_bytes"] / MiB,
+          "outside pool MiB": (r.get("outside_pool_bytes") or 0) / MiB}
+         for r in data["memory"]],
+        ["mode", "order", "graphs", "graph MiB", "pool MiB", "outside pool MiB",
+         "capture_seconds"],
+    )  # fmt: skip
+    notes += [f"memory {r['mode']} {r['order']} failed: {r['memory_error']}"
+              for r in data.get("memory_errors", [])]  # fmt: skip
+    mem = (f"piecewise graph memory, {len(data['memory_sizes'])} sizes up to "
+           f"{data['memory_sizes'][-1]}:\n\n{t2}")  # fmt: skip
+    return "\n\n".join([head, t1, *(["\n".join(notes)] if notes else []), mem])

@@ -37,6 +37,17 @@ NAMED = {  # config name -> (config class, fields): random weights in the shape 
                                        num_attention_heads=16, num_key_value_heads=8,
                                        head_dim=128, max_position_embeddings=40_960,
                                        tie_word_embeddings=True)),
+    "tiny-llama": ("LlamaConfig", dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=2048)),
+    # Llama 3.2 1B's shape (its llama3 rope scaling left out: it changes no shape or kernel)
+    "llama-3.2-1b": ("LlamaConfig", dict(vocab_size=128_256, hidden_size=2048,
+                                         intermediate_size=8192, num_hidden_layers=16,
+                                         num_attention_heads=32, num_key_value_heads=8,
+                                         head_dim=64, rms_norm_eps=1e-5, rope_theta=500_000.0,
+                                         max_position_embeddings=131_072,
+                                         tie_word_embeddings=True)),
 }  # fmt: skip
 
 

@@ -24,7 +24,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 
-from xgraph import Buckets, CheckedGraph
+from xgraph import Buckets, CheckedGraph, XGraphError
 from xgraph.attention import eager_attention
 from xgraph.backends.cpu import CPUBackend, HostCachingPool
 from xgraph.models import Qwen3Config, Qwen3Model, Workload
@@ -203,3 +203,12 @@ def test_compiled_captures_leave_the_op_guard_out_unless_the_graph_records_ops(c
             pool.close()
     assert seen == {("stream", True): 1, ("stream", False): 0,
                     ("tape", True): 1, ("tape", False): 1}  # fmt: skip
+
+
+def test_compiled_attention_outside_a_step_says_how_to_call_it():
+    def f(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        return ATTENTION.attention(q * 2, q[:, :2], q[:, 2:], (k_cache, v_cache)) + 1
+
+    q, cache = torch.randn(3, 4, 16), torch.zeros(5, 4, 2, 16)
+    with pytest.raises(XGraphError, match="outside a step"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(q, cache, cache.clone())

@@ -222,3 +222,24 @@ def test_declarations_the_fast_path_leaves_to_the_general_path():
                               mode="piecewise")  # fmt: skip
     assert ex.planner.decode is None  # decode runs piecewise: not the full-graph path
     ex.close()
+
+
+def test_long_lists_stage_the_same_bytes():
+    """Lists of 32 or more ints are packed another way; floats and huge values fall back."""
+    w = Workload.tiny(num_blocks=400, max_blocks=6, max_seqs=64)
+    fast, general = (w.executor(backend="cpu", buckets=[64]).planner for _ in range(2))
+    general.decode = None
+    rng = random.Random(5)
+    for b in [33, 64, 40, 50]:
+        step = w.decode_step(rng, b)
+        a = step.attn
+        inputs = {"input_ids": step.input_ids, "positions": step.positions}
+        as_float = [float(s) for s in a.seq_lens] if b == 40 else list(a.seq_lens)
+        attn = AttentionInputs(list(a.query_lens), as_float, a.block_tables,
+                               a.slot_mapping.tolist())  # fmt: skip
+        assert fast.decode.plan(inputs, attn) is not None
+        assert_same_step(fast, general, fast.plan(inputs, attn), general.plan(inputs, attn))
+    huge = AttentionInputs([1] * 50, [2**40] * 50, a.block_tables, a.slot_mapping)
+    assert fast.decode.plan(inputs, huge) is None
+    with pytest.raises(xgraph.InputError):
+        general.plan(inputs, huge)

@@ -9,6 +9,7 @@ one int32 table) and checked against the paging layout.
 from __future__ import annotations
 
 import itertools
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -341,6 +342,11 @@ def _int64(value: Any, strict: bool) -> np.ndarray | None:
             return None
         return value.numpy().astype(np.int64)
     try:
+        if type(value) is list and len(value) >= 32:
+            try:  # struct packs a list of ints about twice as fast as numpy converts it
+                return np.frombuffer(struct.pack(f"{len(value)}q", *value), dtype=np.int64)
+            except struct.error:  # floats, or out of range: numpy decides, as before
+                pass
         return np.asarray(value, dtype=np.int64)
     except (TypeError, ValueError, OverflowError):
         return None

@@ -241,8 +241,7 @@ class GraphExecutor:
     def _replay(self, entry: _Entry, step: Step, hit: bool) -> None:
         entry.hits += hit
         self._stats.replays += 1
-        runner = self._runner(entry.kind)
-        if runner is not None and step.metadata is not None:
+        if step.metadata is not None and (runner := self._runner(entry.kind)) is not None:
             runner.plan(step.metadata)
         entry.graph.replay()
 

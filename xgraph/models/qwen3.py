@@ -137,8 +137,7 @@ class Qwen3Model(nn.Module):
         tied = self.config.tie_word_embeddings
         if tied:
             state.pop("lm_head.weight", None)
-        with torch.no_grad():
-            missing, unexpected = self.load_state_dict(state, strict=False)
+        missing, unexpected = self.load_state_dict(state, strict=False)
         missing = [m for m in missing if not (m == "lm_head.weight" and tied)]
         if missing or unexpected:
             raise ValueError(

@@ -97,8 +97,8 @@ def test_prefill_compiled_column() -> None:
     """The piecewise executor over the compiled forward (a fast compiler backend here)."""
     data = prefill.run(xgraph.get_backend("cpu"), "tiny", [16], memory_max=8, iters=1,
                        compiler="eager")  # fmt: skip
-    compiled = data["piecewise_stats"]["compiled"]
-    assert list(compiled["first_step_s"]) == ["16"] and compiled["captures"] == 1
+    assert data["piecewise_stats"]["compiled"]["captures"] == 1
+    assert data["steps"][0]["piecewise_compiled_first_step_s"] > 0  # compile + capture
     for r in data["steps"]:
         assert r["piecewise_compiled_s"] > 0
         assert r["piecewise/piecewise_compiled"] == pytest.approx(

@@ -244,8 +244,12 @@ def plot(data: dict[str, Any], path: str) -> None:
     sections = [s for s in data["sections"] if s.get("runs")]
     if not sections:
         return
-    fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 4.5), squeeze=False)
-    for ax, s in zip(axes[0], sections):
+    cols = min(2, len(sections))  # one row per family when both kinds ran
+    rows = -(-len(sections) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(sections) :]:
+        ax.set_visible(False)
+    for ax, s in zip(axes.flat, sections):
         for r in s["runs"]:
             if "curve_bytes" not in r:
                 continue

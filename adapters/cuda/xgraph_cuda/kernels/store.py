@@ -1,4 +1,5 @@
-"""Fused k/v store: a step's k and v rows written at their cache slots in one launch."""
+"""Fused k/v store: a step's k and v rows written at their cache slots in one launch (the
+decode runner's; the prefill kernel stores its rows itself)."""
 
 from __future__ import annotations
 

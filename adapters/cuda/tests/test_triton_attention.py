@@ -42,8 +42,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from xgraph_cuda import triton_runners  # noqa: E402
-from xgraph_cuda.kernels import prefill  # noqa: E402
-from xgraph_cuda.kernels.prefill import PrefillStep, varlen_prefill  # noqa: E402
+from xgraph_cuda.kernels.prefill import varlen_prefill  # noqa: E402
 from xgraph_cuda.kernels.store import store_kv  # noqa: E402
 from xgraph_cuda.kernels.tiles import tile_table  # noqa: E402
 from xgraph_cuda.triton_runners import (  # noqa: E402
@@ -220,154 +219,45 @@ def test_prefill_16_bit(dim: int, dtype: torch.dtype) -> None:
 
 def test_prefill_kernel_with_several_tiles_per_sequence() -> None:
     """16-row tiles over 16-key blocks: whole unmasked key tiles, masked diagonal tiles and
-    tails, chunks after context and a non-power-of-two head dim; the one launch also
-    stores the step's k/v."""
+    tails, chunks after context and a non-power-of-two head dim."""
     case = Case([40, 33, 2], [45, 33, 30], dim=48, block_size=8, num_blocks=24, pad_tokens=17)
-    want, want_cache = _run(PagedPrefillRunner(), case)
-    md = case.md
-    tiles = tile_table(md.query_lens_host, md.seq_lens_host, 16).to(DEVICE)
+    want, _ = _run(PagedPrefillRunner(), case)
+    ref_md = case.md
+    tiles = tile_table(ref_md.query_lens_host, ref_md.seq_lens_host, 16).to(DEVICE)
     assert tiles.shape[0] == 3 + 3 + 1
-    step = PrefillStep(tiles, tiles.shape[0], md.slot_mapping, md.block_tables,
-                       md.block_tables.stride(0), case.num_tokens)  # fmt: skip
     cache = case.cache.clone()
+    store_kv(case.k, case.v, (cache[0], cache[1]), ref_md.slot_mapping, case.num_tokens)
     out = torch.full_like(case.q, 5.0)
-    varlen_prefill(case.q, case.k, case.v, out, (cache[0], cache[1]), step, case.scale, 16, 16)
+    varlen_prefill(case.q, (cache[0], cache[1]), tiles, ref_md.seq_lens, ref_md.block_tables,
+                   out, case.num_tokens, case.scale, 16, 16, 4, 1)  # fmt: skip
     torch.testing.assert_close(out, want, **F32_TOL)
-    _same_cache(cache, want_cache)
 
 
-def test_mixed_step_is_one_launch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_mixed_step_is_one_store_and_one_attention_launch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     calls = {"store": 0, "attend": 0}
 
-    class Spy:
-        def __init__(self, name, fn):  # type: ignore[no-untyped-def]
-            self.name, self.fn = name, fn
+    def spy(name, fn):  # type: ignore[no-untyped-def]
+        def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return fn(*args, **kwargs)
 
-        def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            calls[self.name] += 1
-            return self.fn(*args, **kwargs)
+        return wrapped
 
-        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-            calls[self.name] += 1
-            return self.fn[grid]
-
-    monkeypatch.setattr(triton_runners, "store_kv", Spy("store", triton_runners.store_kv))
-    monkeypatch.setattr(prefill, "_prefill_kernel", Spy("attend", prefill._prefill_kernel))
+    monkeypatch.setattr(triton_runners, "store_kv", spy("store", triton_runners.store_kv))
+    monkeypatch.setattr(
+        triton_runners, "varlen_prefill", spy("attend", triton_runners.varlen_prefill)
+    )
     case = Case([8] * 16, [8 + i for i in range(16)], num_blocks=96, dim=16, pad_tokens=0)
-    got, got_cache = _run(TritonVarlenPrefillRunner(), case)
-    assert calls == {"store": 0, "attend": 1}
-    want, want_cache = _run(PagedPrefillRunner(), case)
-    torch.testing.assert_close(got, want, **F32_TOL)
-    _same_cache(got_cache, want_cache)
+    got, _ = _run(TritonVarlenPrefillRunner(), case)
+    assert calls == {"store": 1, "attend": 1}
+    torch.testing.assert_close(got, _run(PagedPrefillRunner(), case)[0], **F32_TOL)
 
 
 def test_tile_table_rows_heaviest_first() -> None:
     t = tile_table([40, 3, 16], [45, 10, 16], 16).tolist()
-    # (sequence, query start, query length, tile offset, context), by keys visited: 45, 37,
-    # 21, 16, 10
-    assert t == [
-        [0, 0, 40, 32, 5], [0, 0, 40, 16, 5], [0, 0, 40, 0, 5], [2, 43, 16, 0, 0],
-        [1, 40, 3, 0, 7],
-    ]  # fmt: skip
-    assert tile_table([], [], 64).shape == (0, 5)
-    # one tile per sequence (ordered by seq_len); a sequence with no queries has no tile
-    assert tile_table([8, 3, 16], [8, 20, 16], 16).tolist() == [
-        [1, 8, 3, 0, 17], [2, 11, 16, 0, 0], [0, 0, 8, 0, 0],
-    ]  # fmt: skip
-    assert tile_table([3, 0, 5], [10, 2, 5], 16).tolist() == [[0, 0, 3, 0, 7], [2, 3, 5, 0, 0]]
-
-
-# -- the fused store -----------------------------------------------------------------------
-
-
-def _layer(rows: int, bs: int, blocks: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """q, k, v of one layer's step and its NaN-filled [2, blocks, bs, 2, 32] cache."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(rows, h, 32, generator=g).to(DEVICE) for h in (4, 2, 2))
-    return q, k, v, torch.full((2, blocks, bs, 2, 32), float("nan"), device=DEVICE)
-
-
-def test_fused_store_feeds_the_next_chunk_over_layers() -> None:
-    """Two chunked-prefill steps, two layers each, planned once per step like a piecewise
-    replay: what one step stores is the context the next reads, and outputs and caches
-    equal the reference runner's after every call."""
-    bs, blocks = 4, 30
-    free = list(range(blocks))
-    random.Random(3).shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // bs))] for n in (37, 10, 5)]
-    steps = [([20, 9], [20, 9]), ([17, 1, 5], [37, 10, 5])]
-    layers = [_layer(40, bs, blocks + 1, seed) for seed in (0, 1)]
-    caches = {"ref": [c[3].clone() for c in layers], "triton": [c[3].clone() for c in layers]}
-    runners = {"ref": PagedPrefillRunner(), "triton": TritonVarlenPrefillRunner()}
-    for n_step, (qls, sls) in enumerate(steps):
-        rows = [t[: -(-sl // bs)] for t, sl in zip(tables, sls)]
-        slots = [r[p // bs] * bs + p % bs for r, ql, sl in zip(rows, qls, sls)
-                 for p in range(sl - ql, sl)]  # fmt: skip
-        md = AttentionInputs(qls, sls, rows, slots).metadata(DEVICE, fill_block=blocks)
-        outs = {}
-        for name, runner in runners.items():
-            runner.plan(md)
-            for i, (q, k, v, _) in enumerate(layers):
-                q, k, v = (x * (n_step + 1) for x in (q, k, v))  # new tokens each step
-                cache = caches[name][i]
-                outs[name, i] = torch.full_like(q, 5.0)
-                runner.run(q, k, v, outs[name, i], (cache[0], cache[1]), 32**-0.5)
-        for i in range(len(layers)):
-            assert torch.count_nonzero(outs["triton", i][sum(qls) :]) == 0
-            torch.testing.assert_close(outs["triton", i], outs["ref", i], **F32_TOL)
-            _same_cache(caches["triton"][i], caches["ref"][i])
-
-
-def test_padding_rows_are_zeroed_and_never_stored() -> None:
-    """Slots given for the bucket-padding rows point at real (NaN) slots: they stay NaN."""
-    case = Case(*MIXED, pad_tokens=6)
-    spare = [b * 4 + s for b in case.free[:2] for s in range(3)]
-    md = AttentionMetadata(**vars(case.md))
-    md.slot_mapping = torch.cat([md.slot_mapping, torch.tensor(spare, device=DEVICE)])
-    want, want_cache = _run(PagedPrefillRunner(), case, md)
-    got, got_cache = _run(TritonVarlenPrefillRunner(), case, md)
-    assert torch.count_nonzero(got[case.num_tokens :]) == 0
-    torch.testing.assert_close(got, want, **F32_TOL)
-    _same_cache(got_cache, want_cache)
-    assert torch.isnan(got_cache[:, case.free[:2]]).all()
-
-
-def test_slots_outside_the_cache_are_dropped() -> None:
-    """Tokens whose slot lies outside the cache are not stored (nothing is written past its
-    ends); their keys still reach the attention, which reads the step's keys from k/v."""
-    case = Case(*MIXED, pad_tokens=2)
-    want, want_cache = _run(PagedPrefillRunner(), case)
-    md = AttentionMetadata(**vars(case.md))
-    md.slot_mapping = md.slot_mapping.clone()
-    bad = [1, 7]
-    kept = md.slot_mapping[bad].clone()
-    md.slot_mapping[bad] = torch.tensor([case.cache[0].numel() // (2 * 32), -1], device=DEVICE)
-    got, got_cache = _run(TritonVarlenPrefillRunner(), case, md)
-    torch.testing.assert_close(got, want, **F32_TOL)
-    flat_want = want_cache.view(2, -1, 2, 32)
-    flat_want[:, kept] = case.cache.view(2, -1, 2, 32)[:, kept]  # as before the step: NaN
-    _same_cache(got_cache, want_cache)
-
-
-def test_inputs_are_checked_once_per_layout(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The layout verdict outlives steps; the checks of a step (table width, rows) do not."""
-    seen = []
-    real = triton_runners._problem
-    monkeypatch.setattr(triton_runners, "_problem", lambda *a: seen.append(1) or real(*a))
-    runner = TritonVarlenPrefillRunner()
-    for seed in (0, 1):
-        case = Case([3, 2], [5, 2], pad_tokens=1, seed=seed)
-        for _ in range(3):  # three layers
-            got, _ = _run(runner, case)
-        torch.testing.assert_close(got, _run(PagedPrefillRunner(), case)[0], **F32_TOL)
-    assert len(seen) == 1
-    case = Case([3, 2], [5, 2], pad_tokens=1, dtype=torch.bfloat16)
-    _run(runner, case)
-    assert len(seen) == 2
-    narrow = Case([3, 2], [5, 2], pad_tokens=1)
-    md = AttentionMetadata(**{**vars(narrow.md), "block_tables": narrow.md.block_tables[:, :1]})
-    with pytest.raises(AttentionKernelError, match="Widen the table"):
-        _run(runner, narrow, md)
+    # (sequence, query start, query length, tile offset), by keys visited: 45, 37, 21, 16, 10
+    assert t == [[0, 0, 40, 32], [0, 0, 40, 16], [0, 0, 40, 0], [2, 43, 16, 0], [1, 40, 3, 0]]
+    assert tile_table([], [], 64).shape == (0, 4)
 
 
 # -- checks and wiring ---------------------------------------------------------------------

@@ -3,12 +3,9 @@ interpreter on CPU tensors under TRITON_INTERPRET=1).
 
 `TritonPagedDecodeRunner` is graph-safe: its launches depend only on tensor shapes and read
 every per-step value (lengths, block tables, slots) from device, so a full decode graph
-records it (a store launch, then the attention launch). `TritonVarlenPrefillRunner` is
-planned on the host: plan() turns the step's query lengths into one small tile table,
-copied to the device once per step, and each layer is a single launch that stores the
-layer's k/v and attends. Prefill runs eagerly between graph pieces, once per layer, so its
-per-call host work is kept small: inputs are checked once per tensor layout and the launch
-constants of a layout are worked out once.
+records it. `TritonVarlenPrefillRunner` is planned on the host: plan() turns the step's
+query lengths into one small tile table, copied to the device once per step and read by
+every layer's single attention launch. Both store the step's k/v with one fused launch.
 """
 
 from __future__ import annotations
@@ -24,9 +21,9 @@ from xgraph.runners import PlannedRunner
 
 from .kernels import interpreting
 from .kernels.decode import paged_decode
-from .kernels.prefill import PrefillLaunch, PrefillStep
+from .kernels.prefill import varlen_prefill
 from .kernels.store import store_kv
-from .kernels.tiles import TileBuffer, block_m_for
+from .kernels.tiles import block_m_for, tile_table
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SPLITS = 32
@@ -36,44 +33,32 @@ class AttentionKernelError(XGraphError, ValueError):
     """Tensors a Triton attention runner cannot take (shape, dtype, device, layout)."""
 
 
-def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             kv_cache: KVCache) -> str:  # fmt: skip
-    """What does not fit the kernels ('' when everything does)."""
+def check_inputs(runner: str, q: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
+                 kv_cache: KVCache) -> None:  # fmt: skip
+    """Raise AttentionKernelError naming what does not fit the kernels, and what to do."""
     k_cache, v_cache = kv_cache
+    problem = ""
     if q.dim() != 3 or k.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        return (
+        problem = (
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, caches {tuple(k_cache.shape)} / "
             f"{tuple(v_cache.shape)}: expected [tokens, heads, dim] and two equal "
             "[blocks, block_size, kv_heads, dim] caches"
         )
-    if q.shape[-1] != k_cache.shape[-1] or q.shape[1] % k_cache.shape[2]:
-        return (
+    elif q.shape[-1] != k_cache.shape[-1] or q.shape[1] % k_cache.shape[2]:
+        problem = (
             f"q has {q.shape[1]} heads of dim {q.shape[-1]}, the cache {k_cache.shape[2]} "
             f"kv heads of dim {k_cache.shape[-1]}: dims must match and q heads be a multiple "
             "of kv heads"
         )
-    if k.shape[1:] != k_cache.shape[2:] or v.shape != k.shape:
-        return (
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}: expected both [tokens, "
-            f"{k_cache.shape[2]}, {k_cache.shape[3]}] like the cache's kv heads"
-        )
-    if out.shape != q.shape:
-        return f"out {tuple(out.shape)} is not shaped like q {tuple(q.shape)}"
-    if q.dtype not in DTYPES or k_cache.dtype not in DTYPES:
-        return f"dtypes q {q.dtype}, cache {k_cache.dtype}: the kernels take {DTYPES}"
-    tensors = (q, k, v, out, k_cache, v_cache)
-    if not interpreting() and not all(t.is_cuda for t in tensors):
-        return (
+    elif out.shape != q.shape:
+        problem = f"out {tuple(out.shape)} is not shaped like q {tuple(q.shape)}"
+    elif q.dtype not in DTYPES or k_cache.dtype not in DTYPES:
+        problem = f"dtypes q {q.dtype}, cache {k_cache.dtype}: the kernels take {DTYPES}"
+    elif not interpreting() and not (q.is_cuda and k_cache.is_cuda and k.is_cuda):
+        problem = (
             f"tensors on {q.device} / {k_cache.device}: the kernels run on CUDA devices "
             "(or on CPU under TRITON_INTERPRET=1)"
         )
-    return ""
-
-
-def check_inputs(runner: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, kv_cache: KVCache) -> None:  # fmt: skip
-    """Raise AttentionKernelError naming what does not fit the kernels, and what to do."""
-    problem = _problem(q, k, v, out, kv_cache)
     if problem:
         raise AttentionKernelError(
             f"{runner}: {problem}. Pass tensors that fit, or use the reference runners "
@@ -81,24 +66,13 @@ def check_inputs(runner: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         )
 
 
-def layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-           k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:  # fmt: skip
-    """Everything check_inputs and the launch constants depend on: shapes, strides, dtypes
-    and devices (the key their verdicts are kept under)."""
-    return (
-        q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-        v.shape, v.stride(), v.dtype, v.device, out.shape, out.stride(), out.dtype,
-        out.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
-        v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
-    )  # fmt: skip
-
-
-def _too_few_rows(runner: str, md: AttentionMetadata, rows: int, n: int) -> None:
-    if md.slot_mapping.shape[0] < n or rows < n:
+def _stored_rows(runner: str, md: AttentionMetadata, k: torch.Tensor, n: int) -> int:
+    if md.slot_mapping.shape[0] < n or k.shape[0] < n:
         raise AttentionKernelError(
-            f"{runner}: {n} tokens to store, but the inputs have {rows} rows and slot_mapping "
+            f"{runner}: {n} tokens to store, but k has {k.shape[0]} rows and slot_mapping "
             f"{md.slot_mapping.shape[0]} slots. Plan the runner on this step's metadata."
         )
+    return n
 
 
 _SM_COUNT: dict[torch.device, int] = {}
@@ -139,33 +113,23 @@ class TritonPagedDecodeRunner(PlannedRunner):
                 "None (chosen from the shapes)."
             )
         self.num_splits = num_splits
-        self._splits: dict[tuple, tuple[int, int]] = {}  # (table width, layout) -> launch
-
-    def _launch_for(self, key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, kv_cache: KVCache) -> tuple[int, int]:  # fmt: skip
-        """(splits, block_n) of a layout, checked once."""
-        check_inputs(type(self).__name__, q, k, v, out, kv_cache)
-        k_cache = kv_cache[0]
-        block_n = 32 if k_cache.dtype == torch.float32 else 64
-        splits = self.num_splits
-        if splits is None:
-            context = key[0] * k_cache.shape[1]
-            splits = auto_splits(q.shape[0] * k_cache.shape[2], context, sm_count(q.device),
-                                 block_n)  # fmt: skip
-        self._splits[key] = (splits, block_n)
-        return splits, block_n
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             kv_cache: KVCache, scale: float) -> None:  # fmt: skip
         md = self.planned()
-        key = (md.block_tables.shape[1], layout(q, k, v, out, *kv_cache))
-        launch = self._splits.get(key) or self._launch_for(key, q, k, v, out, kv_cache)
+        name = type(self).__name__
+        check_inputs(name, q, k, out, kv_cache)
         # like the reference decode runner: every row (padding too, to the dummy slot)
-        n = k.shape[0]
-        _too_few_rows(type(self).__name__, md, n, n)
-        store_kv(k, v, kv_cache, md.slot_mapping, n)
+        store_kv(k, v, kv_cache, md.slot_mapping, _stored_rows(name, md, k, k.shape[0]))
+        k_cache = kv_cache[0]
         b = q.shape[0]
-        paged_decode(q, kv_cache, md.seq_lens[:b], md.block_tables[:b], out, scale, *launch)
+        block_n = 32 if k_cache.dtype == torch.float32 else 64
+        splits = self.num_splits
+        if splits is None:
+            context = md.block_tables.shape[1] * k_cache.shape[1]
+            splits = auto_splits(b * k_cache.shape[2], context, sm_count(q.device), block_n)
+        tables, seq_lens = md.block_tables[:b], md.seq_lens[:b]
+        paged_decode(q, kv_cache, seq_lens, tables, out, scale, splits, block_n)
 
 
 @dataclass(frozen=True)
@@ -188,18 +152,14 @@ def prefill_configs(dtype: torch.dtype, dim: int, planned_m: int) -> list[Prefil
 
 
 class TritonVarlenPrefillRunner(PlannedRunner):
-    """Prefill / chunked-prefill / mixed attention, k/v store included, in one launch per
-    layer, planned on host."""
+    """Prefill / chunked-prefill / mixed attention in one launch per layer, planned on host."""
 
     graph_safe = False
     _chosen: dict[tuple, PrefillConfig] = {}  # (dtype, dim, planned_m) -> config that ran
 
     def __init__(self) -> None:
         super().__init__()
-        self._launches: dict[tuple, PrefillLaunch] = {}  # (planned_m, layout) -> launch
-        self._buffers: dict[int, TileBuffer] = {}  # block_m -> persistent tile table
-        self._steps: dict[int, PrefillStep] = {}  # block_m -> this step's plan
-        self._checked: PrefillLaunch | None = None  # the launch this step's checks passed
+        self._tables: dict[int, torch.Tensor] = {}
         self._planned_m = 16
         self._max_seq = 0
 
@@ -207,62 +167,43 @@ class TritonVarlenPrefillRunner(PlannedRunner):
         super().plan(metadata)
         self._planned_m = block_m_for(max(metadata.query_lens_host, default=0))
         self._max_seq = max(metadata.seq_lens_host, default=0)
-        self._steps = {}
-        self._checked = None
-        self._step(self._planned_m)  # one host->device copy per step, shared by every layer
+        self._tables = {}
+        self._table(self._planned_m)  # one host->device copy per step, shared by every layer
 
-    def _step(self, block_m: int) -> PrefillStep:
-        step = self._steps.get(block_m)
-        if step is None:
+    def _table(self, block_m: int) -> torch.Tensor:
+        t = self._tables.get(block_m)
+        if t is None:
             md = self.planned()
-            buf = self._buffers.get(block_m)
-            if buf is None:
-                buf = self._buffers[block_m] = TileBuffer(md.block_tables.device)
-            n = buf.build(md.query_lens_host, md.seq_lens_host, block_m)
-            bt = md.block_tables
-            step = PrefillStep(buf.table, n, md.slot_mapping, bt, bt.stride(0), md.num_tokens)
-            self._steps[block_m] = step
-        return step
+            host = tile_table(md.query_lens_host, md.seq_lens_host, block_m)
+            t = self._tables[block_m] = host.to(md.block_tables.device)
+        return t
 
-    def _check_step(self, launch: PrefillLaunch) -> None:
-        """This step against a layout: rows to store, a block table wide enough."""
-        md, name = self.planned(), type(self).__name__
-        _too_few_rows(name, md, min(launch.rows, launch.k_rows), md.num_tokens)
-        if self._max_seq > md.block_tables.shape[1] * launch.page:
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            kv_cache: KVCache, scale: float) -> None:  # fmt: skip
+        md = self.planned()
+        name = type(self).__name__
+        check_inputs(name, q, k, out, kv_cache)
+        n = _stored_rows(name, md, k, md.num_tokens)
+        k_cache = kv_cache[0]
+        if self._max_seq > md.block_tables.shape[1] * k_cache.shape[1]:
             raise AttentionKernelError(
                 f"{name}: a sequence of {self._max_seq} tokens does not fit a block table of "
-                f"{md.block_tables.shape[1]} blocks of {launch.page}. Widen the table."
+                f"{md.block_tables.shape[1]} blocks of {k_cache.shape[1]}. Widen the table."
             )
-        self._checked = launch
-
-    def _first_run(self, key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, kv_cache: KVCache, scale: float) -> None:  # fmt: skip
-        """Check a new layout, then launch the first config the device can run."""
-        check_inputs(type(self).__name__, q, k, v, out, kv_cache)
-        kind = (kv_cache[0].dtype, q.shape[-1], self._planned_m)
-        configs = [self._chosen[kind]] if kind in self._chosen else prefill_configs(*kind)
+        store_kv(k, v, kv_cache, md.slot_mapping, n)
+        key = (k_cache.dtype, q.shape[-1], self._planned_m)
+        configs = prefill_configs(*key)
+        if key in self._chosen:
+            configs = [self._chosen[key]]
         for i, cfg in enumerate(configs):
-            launch = PrefillLaunch(q, k, v, out, kv_cache, cfg.block_m, cfg.block_n,
-                                   cfg.num_warps, cfg.num_stages)  # fmt: skip
-            self._check_step(launch)
             try:
-                launch(q, k, v, out, kv_cache, self._step(cfg.block_m), scale)
+                varlen_prefill(
+                    q, kv_cache, self._table(cfg.block_m), md.seq_lens, md.block_tables, out,
+                    n, scale, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                )  # fmt: skip
             except OutOfResources:
                 if i == len(configs) - 1:
                     raise
                 continue
-            self._chosen[kind] = cfg
-            self._launches[key] = launch
+            self._chosen[key] = cfg
             return
-
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            kv_cache: KVCache, scale: float) -> None:  # fmt: skip
-        self.planned()
-        key = (self._planned_m, layout(q, k, v, out, *kv_cache))
-        launch = self._launches.get(key)
-        if launch is None:
-            self._first_run(key, q, k, v, out, kv_cache, scale)
-            return
-        if launch is not self._checked:
-            self._check_step(launch)
-        launch(q, k, v, out, kv_cache, self._step(launch.block_m), scale)

@@ -1,8 +1,7 @@
 """Triton attention kernels of the CUDA adapter, one idea per module.
 
-`store` writes a step's k/v rows into the paged caches (before `decode`, which attends one
-query token per sequence, graph-safe); `prefill` stores and attends variable-length query
-tiles planned by `tiles` in one launch.
+`store` writes a step's k/v rows into the paged caches, `decode` attends one query token per
+sequence (graph-safe), `prefill` attends variable-length query tiles planned by `tiles`.
 Importing this package loads no Triton; the kernel modules do, so only code that has checked
 for Triton imports them. Under TRITON_INTERPRET=1 the kernels run on CPU tensors.
 """

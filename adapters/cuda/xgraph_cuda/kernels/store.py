@@ -1,5 +1,4 @@
-"""Fused k/v store: a step's k and v rows written at their cache slots in one launch (the
-decode runner's; the prefill kernel stores its rows itself)."""
+"""Fused k/v store: a step's k and v rows written at their cache slots in one launch."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ they should, not anything about speed.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Callable
@@ -207,7 +208,12 @@ def test_a_failing_row_hides_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
         raise RuntimeError("the anchor broke")
 
     monkeypatch.setattr(decode, "native_anchor", broken)
-    data = decode.run(TimedCPU(), "tiny", [1, 2], iters=1, compile_batches=[])
+    saved: list[dict[str, Any]] = []
+    data = decode.run(TimedCPU(), "tiny", [1, 2], iters=1, compile_batches=[],
+                      checkpoint=lambda d: saved.append(copy.deepcopy(d)))  # fmt: skip
+    # a checkpoint after each batch, the first holding the first batch's numbers
+    assert len(saved) == 2 and saved[0]["rows"][0]["xgraph_s"] > 0
+    assert "xgraph_s" not in saved[0]["rows"][1]
     for r in data["rows"]:
         assert r["raw_graph_error"] == "RuntimeError: the anchor broke"
         assert r["eager_s"] > 0 and r["xgraph_s"] > 0 and "roofline_s" in r

@@ -148,7 +148,7 @@ def _compiled_rows(
     steps: dict[int, Step],
     timer: Timer,
     iters: int,
-    save: Callable[[dict[str, Any]], None],
+    save: Callable[[], None],
 ) -> None:
     """The compiled variants of each --compile batch, then the width check over the
     compiled twin (if the run has a check and the twin was built)."""
@@ -158,12 +158,12 @@ def _compiled_rows(
         attempt(row, "reduce_overhead", lambda s=step: compiled.reduce_overhead(s, timer, iters))
         attempt(row, "xgraph_compiled", lambda s=step: compiled.xgraph(s, timer, iters))
         _progress(row)
-        save({**data, "timing": timer.unit})
+        save()
     compiled.close()
     if "table_check" in data and compiled.twin is not None:
         table_check.run(compiled.backend, data["table_check"], "xgraph_compiled",
                         compiled.twin.model, timer, iters)  # fmt: skip
-        save({**data, "timing": timer.unit})
+        save()
 
 
 def run(
@@ -188,7 +188,16 @@ def run(
     data = {**header(backend, model, w), "iters": iters,
             "weight_bytes": roofline.weight_bytes(w.model)}  # fmt: skip
     attempt(data, "bandwidth", lambda: roofline.bandwidth(backend, timer))
-    save = checkpoint or (lambda _: None)
+
+    def snapshot() -> dict[str, Any]:
+        for r in data["rows"]:  # derived fields, recomputed from what is measured so far
+            _finish(r, data["weight_bytes"], data.get("bandwidth_bytes_per_s"))
+        return {**data, "timing": timer.unit}
+
+    def save() -> None:
+        if checkpoint is not None:
+            checkpoint(snapshot())
+
     rng = random.Random(seed)
     steps = {b: w.decode_step(rng, b, max_context=256 if accel else 64).with_tensor_tables(
         w.max_blocks, w.cache.dummy_block) for b in batches}  # fmt: skip
@@ -199,18 +208,16 @@ def run(
     for b in batches:
         _measure(backend, w, steps[b], (ex, eager), timer, iters, rows[b])
         _progress(rows[b])
-        save({**data, "timing": timer.unit})
+        save()
     ex.close()
     eager.close()
     if table_check_batch:  # the eager forward's part now, the compiled one's with its rows
         data["table_check"] = check = table_check.start(table_check_batch, seed)
         table_check.run(backend, check, "xgraph", w.model, timer, iters)
-        save({**data, "timing": timer.unit})
+        save()
     _compiled_rows(_Compiled(backend, w, [b for b in batches if b in compile_batches], compiler),
                    data, steps, timer, iters, save)  # fmt: skip
-    for r in data["rows"]:
-        _finish(r, data["weight_bytes"], data.get("bandwidth_bytes_per_s"))
-    return {**data, "timing": timer.unit}
+    return snapshot()
 
 
 def _ms(row: dict[str, Any], key: str, name: str) -> Any:

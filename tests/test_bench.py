@@ -18,6 +18,7 @@ import pytest
 import xgraph
 from xgraph.bench import decode, memory, prefill
 from xgraph.cli import main
+from xgraph.integrations.transformers import bench_runs
 from xgraph.integrations.transformers.deps import require
 from xgraph.integrations.transformers.errors import MissingExtraError
 
@@ -141,6 +142,20 @@ def test_memory(tmp_path: Path) -> None:
             assert r["pool_bytes"] == s["limit"]["pool_bytes"] and r["x_limit_pool"] == 1.0
     text = memory.summarize(data)
     assert "x limit (driver)" in text and "x limit (pool)" in text
+
+
+def test_memory_without_transformers_skips_the_hf_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing() -> None:
+        raise MissingExtraError("transformers is not installed. Install the extra.")
+
+    monkeypatch.setattr(bench_runs, "require", missing)
+    data = memory.run(xgraph.get_backend("cpu"), "tiny", [1, 2], families=("hf-llama",
+                      "reference"), kinds=("full",))  # fmt: skip
+    assert data["skipped"] == {
+        "hf-llama": "skipped: transformers is not installed. Install the extra."
+    }
+    assert [s["family"] for s in data["sections"]] == ["reference"]
+    assert "hf-llama: skipped: transformers is not installed" in memory.summarize(data)
 
 
 def test_memory_all_modes_and_a_family_that_fails(monkeypatch: pytest.MonkeyPatch) -> None:

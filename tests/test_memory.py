@@ -10,37 +10,52 @@ import xgraph
 from xgraph.bench import memory as bench_memory
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+PIECEWISE = [8, 16, 32, 64]
 
 
 @pytest.fixture(scope="module")
 def data():
-    return bench_memory.run(xgraph.get_backend("cpu"), "tiny", SIZES, seed=3)
+    return bench_memory.run(xgraph.get_backend("cpu"), "tiny", SIZES, PIECEWISE,
+                            families=("reference",), all_modes=True, seed=3)  # fmt: skip
 
 
-def run_of(data, mode, order):
-    return next(r for r in data["runs"] if r["mode"] == mode and r["order"] == order)
+def section(data, kind):
+    return next(s for s in data["sections"] if s["kind"] == kind)
 
 
+def run_of(data, mode, order, kind="full"):
+    return next(r for r in section(data, kind)["runs"]
+                if r["mode"] == mode and r["order"] == order)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["full", "piecewise"])
 @pytest.mark.parametrize("order", ["ascending", "random", "largest-first"])
-def test_shared_physical_equals_the_largest_bucket_alone(data, order):
-    r = run_of(data, "shared-physical", order)
+def test_shared_physical_equals_the_largest_bucket_alone(data, order, kind):
+    sizes = SIZES if kind == "full" else PIECEWISE
+    limit = section(data, kind)["limit"]["graph_bytes"]
+    r = run_of(data, "shared-physical", order, kind)
     chunk = r["physical"]["chunk_size"]
-    assert r["captures"] == len(SIZES)
-    assert abs(r["graph_bytes"] - data["limit_bytes"]) <= chunk, (
-        r["graph_bytes"],
-        data["limit_bytes"],
-    )
+    assert r["graphs"] == len(sizes)
+    assert abs(r["graph_bytes"] - limit) <= chunk, (r["graph_bytes"], limit)
+    assert r["x_limit_pool"] <= 1 + chunk / limit
     # physical memory never exceeded the limit on the way either
-    assert max(r["curve_bytes"]) <= data["limit_bytes"] + chunk
+    assert max(r["curve_bytes"]) <= limit + chunk
     # every capture had its own address range over the same chunks
-    assert r["physical"]["spaces"] == len(SIZES)
+    assert r["physical"]["spaces"] == len(sizes)
+
+
+def test_every_size_is_met_once_before_the_measured_orders(data):
+    for kind, sizes in (("full", SIZES), ("piecewise", PIECEWISE)):
+        first = section(data, kind)["first_pass"]
+        assert first["graphs"] == len(sizes)
+        assert first["pool_bytes"] > 0
 
 
 def test_private_grows_as_the_sum(data):
     r = run_of(data, "private", "ascending")
     curve = r["curve_bytes"]
     assert all(b > a for a, b in itertools.pairwise(curve)), "private memory must grow per capture"
-    assert r["graph_bytes"] > 3 * data["limit_bytes"]
+    assert r["graph_bytes"] > 3 * section(data, "full")["limit"]["graph_bytes"]
 
 
 def test_shared_pool_depends_on_order_and_physical_does_not(data):
@@ -51,12 +66,11 @@ def test_shared_pool_depends_on_order_and_physical_does_not(data):
         assert run_of(data, "shared-physical", order)["graph_bytes"] <= best
 
 
-def test_resident_memory_follows_the_pool(data):
-    """Pss (pages counted once however many spaces map them) stays near the limit."""
-    r = run_of(data, "shared-physical", "ascending")
-    p = run_of(data, "private", "ascending")
-    assert r["resident_bytes"] < p["resident_bytes"]
-    assert r["resident_bytes"] < 2 * data["limit_bytes"] + (8 << 20)
+def test_summary_lists_the_first_pass_and_every_order(data):
+    text = bench_memory.summarize(data)
+    assert "first pass (every size, once per process)" in text
+    for order in bench_memory.ORDERS:
+        assert order in text
 
 
 def test_plot_is_written(data, tmp_path):

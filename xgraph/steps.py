@@ -33,7 +33,6 @@ from .validation import (
     DecodeCheck,
     StepAttention,
     TokenCheck,
-    TokenInputs,
     validate_attention,
     validate_inputs,
 )
@@ -317,6 +316,10 @@ class StepPlanner:
 # -- the decode fast path ------------------------------------------------------------------
 
 
+# (num_tokens, numpy views of the token inputs, the tensors by name, attention arrays)
+Checked = tuple[int, list[np.ndarray], dict[str, torch.Tensor], DecodeAttention | None]
+
+
 @dataclass(frozen=True)
 class _Bucket:
     """One decode bucket's staging, worked out at its first step."""
@@ -368,22 +371,22 @@ class DecodePath:
         checked = self.validate(inputs, attn)
         if checked is None:
             return None
-        bucket = self.bucket(checked[0].num_tokens)
+        bucket = self.bucket(checked[0])
         return None if bucket is None else self.stage(checked, bucket)
 
-    def validate(
-        self, inputs: Mapping[str, Any], attn: AttentionInputs | None
-    ) -> tuple[TokenInputs, DecodeAttention | None] | None:
+    def validate(self, inputs: Mapping[str, Any], attn: AttentionInputs | None) -> Checked | None:
         """The checks that need nothing staged: inputs, lengths, rows long enough."""
         tokens = self.tokens.check(inputs)
         if tokens is None:
             return None
+        n, arrays = tokens
+        tensors = inputs if type(inputs) is dict else dict(inputs)  # checked: names, tensors
         if self.attention is None:
-            return (tokens, None) if attn is None else None
+            return (n, arrays, tensors, None) if attn is None else None
         if type(attn) is not AttentionInputs:
             return None
-        d = self.attention.check(attn, tokens.num_tokens)
-        return None if d is None else (tokens, d)
+        d = self.attention.check(attn, n)
+        return None if d is None else (n, arrays, tensors, d)
 
     def bucket(self, n: int) -> _Bucket | None:
         """The staging of n tokens' bucket; None above the largest (the overflow policy)."""
@@ -414,12 +417,12 @@ class DecodePath:
             qsl=np.arange(tb + 1, dtype=np.int32),
         )  # fmt: skip
 
-    def stage(self, checked: tuple[TokenInputs, DecodeAttention | None], b: _Bucket) -> Step | None:
+    def stage(self, checked: Checked, b: _Bucket) -> Step | None:
         """Write the step into the host twin, check its layout there, send it in one copy."""
-        tokens, d = checked
-        n, tb = tokens.num_tokens, b.size
+        n, arrays, tensors, d = checked
+        tb = b.size
         self.staged.begin()  # the previous step's copy has read the twin
-        for (view, fill), a in zip(b.inputs, tokens.arrays):
+        for (view, fill), a in zip(b.inputs, arrays):
             view[:n] = a
             if n < tb:
                 view[n:] = fill
@@ -429,9 +432,14 @@ class DecodePath:
             if h is None:
                 self.staged.discard(b.plan.nbytes)
                 return None
-            md = self._metadata(d, n, b)
+            dev = b.plan.device
+            md = AttentionMetadata(  # positional: num_tokens, num_seqs, host lengths
+                dev["slot_mapping"], dev["seq_lens"], dev["query_start_loc"],
+                dev["block_tables"], tb, tb, [1] * tb,
+                d.seq_lens.tolist() + [1] * (tb - n) if n < tb else d.seq_lens.tolist(),
+            )  # fmt: skip
         self.staged.send(b.plan.nbytes)
-        return Step(Kind.FULL, tokens.tensors, {NUM_TOKENS: n}, h, b.key, b.padded, b.views, md)
+        return Step(Kind.FULL, tensors, {NUM_TOKENS: n}, h, b.key, b.padded, b.views, md)
 
     def _stage_attention(self, d: DecodeAttention, n: int, b: _Bucket) -> StepAttention | None:
         check, host, tb = self.attention, b.plan.host, b.size
@@ -447,10 +455,3 @@ class DecodePath:
         if not check.check_staged(d, table):
             return None
         return StepAttention(check.ones[:n], d.seq_lens, table, d.slots, True)
-
-    def _metadata(self, d: DecodeAttention, n: int, b: _Bucket) -> AttentionMetadata:
-        dev, tb = b.plan.device, b.size
-        return AttentionMetadata(  # positional: num_tokens, num_seqs, host lengths
-            dev["slot_mapping"], dev["seq_lens"], dev["query_start_loc"], dev["block_tables"],
-            tb, tb, [1] * tb, d.seq_lens.tolist() + [1] * (tb - n),
-        )  # fmt: skip

@@ -284,13 +284,12 @@ class TokenCheck:
             for i in declared
         ]
 
-    def check(self, inputs: Mapping[str, Any]) -> TokenInputs | None:
-        """The step's tokens if every input is a host tensor of its declared dtype and shape
-        with its values within bounds."""
+    def check(self, inputs: Mapping[str, Any]) -> tuple[int, list[np.ndarray]] | None:
+        """(num_tokens, numpy views of the inputs in declaration order) if every input is a
+        host tensor of its declared dtype and shape with its values within bounds."""
         if len(inputs) != self.count:
             return None
         n = -1
-        tensors: dict[str, torch.Tensor] = {}
         arrays: list[np.ndarray] = []
         for name, dtype, ndim, tail, bounds in self.specs:
             v = inputs.get(name)
@@ -310,9 +309,8 @@ class TokenCheck:
                         return None
                 elif np.count_nonzero(a.view(np.uint64) >= bounds):
                     return None
-            tensors[name] = v
             arrays.append(a)
-        return TokenInputs(n, tensors, arrays) if n > 0 else None
+        return (n, arrays) if n > 0 else None
 
 
 def _bounds(bounds: tuple[int, int] | None, dtype: Any) -> Any:
@@ -320,15 +318,6 @@ def _bounds(bounds: tuple[int, int] | None, dtype: Any) -> Any:
     if bounds is not None and bounds[0] == 0 and dtype is torch.int64 and bounds[1] >= 0:
         return np.array(bounds[1], dtype=np.uint64)
     return bounds
-
-
-@dataclass(slots=True)
-class TokenInputs:
-    """A step's token inputs: num_tokens, the tensors by name, their numpy views in order."""
-
-    num_tokens: int
-    tensors: dict[str, torch.Tensor]
-    arrays: list[np.ndarray]
 
 
 def _int64(value: Any, strict: bool) -> np.ndarray | None:

@@ -173,10 +173,11 @@ def test_the_executor_serves_decode_through_the_fast_path_and_matches_eager(monk
     ex.close()
 
 
-def test_a_dummy_block_that_is_not_the_last_one():
+@pytest.mark.parametrize("bs", [4, 3])  # a block size that is not a power of two too
+def test_a_dummy_block_that_is_not_the_last_one(bs):
     """Block 0 reserved: ids are checked with two compares instead of one."""
     layout = xgraph.PagedAttention(max_seqs=8, max_blocks_per_seq=4, dummy_slot=0,
-                                   dummy_block=0, block_size=4, num_blocks=40)  # fmt: skip
+                                   dummy_block=0, block_size=bs, num_blocks=40)  # fmt: skip
     inputs = [xgraph.Input("x", torch.int64, ("num_tokens",))]
     planners = [
         xgraph.GraphExecutor(lambda x: x[:, None].float(), inputs=inputs, backend="cpu",
@@ -190,12 +191,12 @@ def test_a_dummy_block_that_is_not_the_last_one():
         n = rng.randint(1, 8)
         ids = rng.sample(range(1, 40), 4 * n)
         rows = [ids[4 * i : 4 * i + rng.randint(1, 4)] for i in range(n)]
-        sl = [rng.randint(4 * len(r) - 3, 4 * len(r)) for r in rows]
-        slots = [r[(s - 1) // 4] * 4 + (s - 1) % 4 for r, s in zip(rows, sl)]
+        sl = [rng.randint(bs * len(r) - bs + 1, bs * len(r)) for r in rows]
+        slots = [r[(s - 1) // bs] * bs + (s - 1) % bs for r, s in zip(rows, sl)]
         bad = rng.random() < 0.5
         if bad:
             i = rng.randrange(n)
-            rows[i][rng.randrange((sl[i] - 1) // 4 + 1)] = rng.choice([0, 40, -1])
+            rows[i][rng.randrange((sl[i] - 1) // bs + 1)] = rng.choice([0, 40, -1])
         step = ({"x": torch.arange(n)}, AttentionInputs([1] * n, sl, rows, slots))
         if bad:
             assert fast.decode.plan(*step) is None

@@ -378,6 +378,9 @@ class DecodeCheck:
         self.row_starts = np.arange(max_seqs) * w
         self.one = np.array(1, dtype=np.int64)
         self.bs = np.array(layout.block_size, dtype=np.int64)
+        bs = layout.block_size  # a power of two: shift and mask instead of // and %
+        self.shift = np.array(bs.bit_length() - 1, np.int64) if bs & (bs - 1) == 0 else None
+        self.mask = np.array(bs - 1, dtype=np.int64)
         self.cols = np.arange(w)
         self.widths = [np.array(i, dtype=np.uint64) for i in range(w + 1)]  # row lengths
         # row k: the columns a sequence whose last block is at column k reads
@@ -402,12 +405,13 @@ class DecodeCheck:
         if sl is None or slots is None or got is None or sl.shape != (n,) or slots.size != n:
             return None
         pos = sl - self.one
-        last = pos // self.bs
+        last = pos >> self.shift if self.shift is not None else pos // self.bs
         if _count(last.view(np.uint64) >= got[1]):  # seq_len >= 1, the row holds it
             return None
         if slots.ndim != 1:
             slots = slots.reshape(-1)
-        return DecodeAttention(sl, slots, got[0], got[1], last, pos % self.bs)
+        offset = pos & self.mask if self.shift is not None else pos % self.bs
+        return DecodeAttention(sl, slots, got[0], got[1], last, offset)
 
     def _table(self, given: Any, n: int) -> tuple[np.ndarray, np.ndarray] | None:
         """(the table, row lengths as in DecodeAttention)."""

@@ -275,3 +275,23 @@ def test_a_driver_failure_during_teardown_is_reported_and_a_retry_finishes(call)
     assert books(vm) != start  # what the driver refused is still booked, nothing else lost
     ex.memory.close()  # the retry
     assert books(vm) == start
+
+
+# -- block-table columns past a sequence's need --------------------------------------------
+
+
+@pytest.mark.parametrize("junk", [-1, 10**6])
+def test_junk_ids_past_a_rows_need_change_nothing(junk):
+    """Engines pad block-table rows with anything past the blocks a sequence uses; those
+    columns are not validated, so the decode runner must never follow them."""
+    ex_w, ref_w = workloads(seed=5)
+    ex = ex_w.executor(buckets=BUCKETS)
+    step = ex_w.decode_step(random.Random(5), 3, max_context=9)
+    table = step.attn.table(junk, width=ex_w.max_blocks)  # junk in every unused column
+    assert (table == junk).any()
+    attn = xgraph.AttentionInputs(step.attn.query_lens, step.attn.seq_lens, table,
+                                  step.attn.slot_mapping)  # fmt: skip
+    out = ex(input_ids=step.input_ids, positions=step.positions, attn=attn)
+    ref = ref_w.eager(ref_w.padded(step, Buckets(BUCKETS), full=True))[: step.num_tokens]
+    assert torch.equal(out, ref)
+    ex.close()

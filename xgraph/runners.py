@@ -82,7 +82,9 @@ class PagedDecodeRunner(PlannedRunner):
         k_cache, v_cache = kv_cache
         b, hq, d = q.shape
         bs, hkv = k_cache.shape[1], k_cache.shape[2]
-        bt = md.block_tables[:b].long()  # [b, w]
+        # ids past a row's need are not validated (engines pad rows with anything): clamped,
+        # so the gather stays inside the cache; what they point at is masked below
+        bt = md.block_tables[:b].long().clamp(0, k_cache.shape[0] - 1)  # [b, w]
         w = bt.shape[1]
         keys = k_cache[bt].reshape(b, w * bs, hkv, d)
         vals = v_cache[bt].reshape(b, w * bs, hkv, d)

@@ -39,7 +39,7 @@ from .errors import (
     XGraphWarning,
 )
 from .interfaces import AttentionRunner, Backend
-from .memory import GraphMemory, Lease, OutsidePoolMeter
+from .memory import GraphMemory, Lease, OutsidePoolMeter, settle
 from .metadata import AttentionInputs
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
@@ -149,7 +149,6 @@ class GraphExecutor:
         self._eager_keys: dict[tuple, str] = {}
         self._out_bufs: list[torch.Tensor] | None = None
         self._out_spec: Any = None
-        self._out_layout: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self._out_views: dict[int, Any] = {}
         self._stats = ExecutorStats()
         self._closed = False
@@ -272,7 +271,8 @@ class GraphExecutor:
 
     # -- capture ---------------------------------------------------------------------------
 
-    def _ensure_out_buffers(self, result: Any, tb: int) -> None:
+    def _ensure_out_buffers(self, result: Any, tb: int) -> list[tuple] | None:
+        """Check the outputs; the first time, the (shape, dtype, device) of the buffers."""
         flat, spec = tree_flatten(result)
         for t in flat:
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != tb:
@@ -282,16 +282,16 @@ class GraphExecutor:
                     f"{tuple(getattr(t, 'shape', ()))}."
                 )
         if self._out_bufs is None:
-            # allocated by _capture once the warm-up's memory is back (see there)
-            self._out_layout = [(t.shape[1:], t.dtype, t.device) for t in flat]
             self._out_spec = spec
-        elif spec != self._out_spec or any(
+            return [(t.shape[1:], t.dtype, t.device) for t in flat]
+        if spec != self._out_spec or any(
             b.shape[1:] != t.shape[1:] or b.dtype != t.dtype for b, t in zip(self._out_bufs, flat)
         ):
             raise XGraphError(
                 f"{self.name}: the forward's outputs changed structure, shape or dtype between "
                 "buckets; they must stay the same."
             )
+        return None
 
     def _recording(self, kind: Kind, lease: Lease) -> Recording:
         checks = not self.compiled  # per-op checks would make Dynamo run the forward eagerly
@@ -325,14 +325,14 @@ class GraphExecutor:
         # outputs fix the persistent output buffers
         with self.backend.warmup_context():
             warm = self._eager_forward(step.views, step, step.kind)
-        self._ensure_out_buffers(warm, step.padded["num_tokens"])
+        layout = self._ensure_out_buffers(warm, step.padded["num_tokens"])
         del warm
         # the warm-up's activations go back to the device before anything persistent is
         # allocated, so neither the output buffers nor a graph pool pin a warm-up segment
-        if self._out_bufs is None:
-            self._outside.settle()
+        settle(self.backend)
+        if layout is not None:
             self._out_bufs = [torch.empty((self.buckets.max, *shp), dtype=dt, device=dev)
-                              for shp, dt, dev in self._out_layout]  # fmt: skip
+                              for shp, dt, dev in layout]  # fmt: skip
         self._outside.start()
         lease = self.memory.begin()
         graph: Recording | None = None

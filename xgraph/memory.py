@@ -158,11 +158,19 @@ class GraphMemory:
             self.physical.close()
 
 
+def settle(backend: Backend) -> int | None:
+    """Synchronize, return cached free memory to the device, read the memory in use."""
+    backend.synchronize()
+    backend.empty_cache()
+    return backend.memory_in_use()
+
+
 class OutsidePoolMeter:
     """Device memory that captures leave in use outside graph memory, by the backend's reading.
 
     Around each capture: the reading once queued work is done and cached free memory is
-    returned, before and after, minus what graph memory grew by. What remains is the
+    returned (`settle`, which the caller runs right before `start`), before and after,
+    minus what graph memory grew by. What remains is the
     captures' own cost outside any pool (graph executables: the driver keeps each graph's
     nodes in device memory) plus anything else a capture left allocated. None where the
     backend reports no memory in use. Other users of the device in the meantime count too.
@@ -173,18 +181,12 @@ class OutsidePoolMeter:
         self.bytes: int | None = None
         self._before: tuple[int | None, int] = (None, 0)
 
-    def settle(self) -> int | None:
-        """Synchronize, return cached free memory to the device, read memory in use."""
-        backend = self.memory.backend
-        backend.synchronize()
-        backend.empty_cache()
-        return backend.memory_in_use()
-
     def start(self) -> None:
-        self._before = (self.settle(), self.memory.graph_bytes())
+        """Take the reading before a capture; the device must be settled already."""
+        self._before = (self.memory.backend.memory_in_use(), self.memory.graph_bytes())
 
     def stop(self) -> None:
-        after, (before, graph_before) = self.settle(), self._before
+        after, (before, graph_before) = settle(self.memory.backend), self._before
         if before is None or after is None:
             return
         grown = (after - before) - (self.memory.graph_bytes() - graph_before)

@@ -24,6 +24,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slots: torch.T
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots[:n], v)
 
 
+def context_kv(kv_cache: KVCache, blocks: torch.Tensor, seq_len: int) -> KVCache:
+    """A sequence's first seq_len keys and values [seq_len, kv_heads, dim], gathered from
+    its blocks (int64 ids of the blocks that hold them)."""
+    k_cache, v_cache = kv_cache
+    rows = blocks.shape[0] * k_cache.shape[1]
+    return (k_cache[blocks].reshape(rows, *k_cache.shape[2:])[:seq_len],
+            v_cache[blocks].reshape(rows, *v_cache.shape[2:])[:seq_len])  # fmt: skip
+
+
 @dataclass(frozen=True)
 class SeqSpan:
     """One sequence of a step: its query rows [start, start + query_len) and its context."""
@@ -119,15 +128,11 @@ class PagedPrefillRunner(PlannedRunner):
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             kv_cache: KVCache, scale: float) -> None:  # fmt: skip
         n = self.store_step(k, v, kv_cache).num_tokens
-        k_cache, v_cache = kv_cache
-        bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        bs, hkv, d = kv_cache[0].shape[1:]
         hq = q.shape[1]
         for s in self.spans:
             start, ql, sl = s.start, s.query_len, s.seq_len
-            nb = -(-sl // bs)
-            blocks = s.row[:nb].long()
-            keys = k_cache[blocks].reshape(nb * bs, hkv, d)[:sl]
-            vals = v_cache[blocks].reshape(nb * bs, hkv, d)[:sl]
+            keys, vals = context_kv(kv_cache, s.row[: -(-sl // bs)].long(), sl)
             qi = q[start : start + ql].reshape(ql, hkv, hq // hkv, d).float()
             scores = torch.einsum("qhgd,lhd->hgql", qi, keys.float()) * scale
             # query j sits at position sl - ql + j and sees keys at positions <= its own

@@ -331,6 +331,7 @@ class _Bucket:
     inputs: list[tuple[np.ndarray, float | int]]  # (host view, fill) per input, in order
     views: dict[str, torch.Tensor]  # device views of the inputs
     qsl: np.ndarray  # a decode step's query start locations: 0, 1, ..., size
+    query_lens: list[int]  # [1] * size, the host query lengths (never mutated)
 
 
 class DecodePath:
@@ -414,7 +415,7 @@ class DecodePath:
             size=tb, key=(Kind.FULL.value, tb), padded={NUM_TOKENS: tb}, plan=plan,
             inputs=[(plan.host[i.name], plan.fills[i.name]) for i in p.inputs],
             views={i.name: plan.device[i.name] for i in p.inputs},
-            qsl=np.arange(tb + 1, dtype=np.int32),
+            qsl=np.arange(tb + 1, dtype=np.int32), query_lens=[1] * tb,
         )  # fmt: skip
 
     def stage(self, checked: Checked, b: _Bucket) -> Step | None:
@@ -435,7 +436,7 @@ class DecodePath:
             dev = b.plan.device
             md = AttentionMetadata(  # positional: num_tokens, num_seqs, host lengths
                 dev["slot_mapping"], dev["seq_lens"], dev["query_start_loc"],
-                dev["block_tables"], tb, tb, [1] * tb,
+                dev["block_tables"], tb, tb, b.query_lens,
                 d.seq_lens.tolist() + [1] * (tb - n) if n < tb else d.seq_lens.tolist(),
             )  # fmt: skip
         self.staged.send(b.plan.nbytes)

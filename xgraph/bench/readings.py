@@ -9,15 +9,11 @@ memory, with the process's proportional resident size (Pss) read beside it.
 from __future__ import annotations
 
 from ..interfaces import Backend
+from ..memory import settle
+
+__all__ = ["MiB", "driver_reading", "measure", "settle"]
 
 MiB = 1 << 20
-
-
-def settle(backend: Backend) -> int | None:
-    """Synchronize, return cached default-allocator memory, read the driver's memory in use."""
-    backend.synchronize()
-    backend.empty_cache()
-    return backend.memory_in_use()
 
 
 def driver_reading(backend: Backend) -> bool:

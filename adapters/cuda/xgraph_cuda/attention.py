@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from xgraph.errors import XGraphError, XGraphWarning
 from xgraph.interfaces import AttentionRunner
 from xgraph.metadata import AttentionMetadata, KVCache
-from xgraph.runners import PlannedRunner, SeqSpan, sequence_spans
+from xgraph.runners import PlannedRunner, SeqSpan, context_kv, sequence_spans
 
 
 def _sdpa(
@@ -79,15 +79,12 @@ class SDPAPrefillRunner(PlannedRunner):
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             kv_cache: KVCache, scale: float) -> None:  # fmt: skip
         n = self.store_step(k, v, kv_cache).num_tokens
-        k_cache, v_cache = kv_cache
-        bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        bs, hkv = kv_cache[0].shape[1], kv_cache[0].shape[2]
         hq = q.shape[1]
         for i, (s, mask) in enumerate(self._plan):
             start, ql, sl = s.start, s.query_len, s.seq_len
-            ids = self._block_ids(i, s, bs)
-            nb = ids.shape[0]
-            keys = k_cache[ids].reshape(nb * bs, hkv, d)[:sl].transpose(0, 1).unsqueeze(0)
-            vals = v_cache[ids].reshape(nb * bs, hkv, d)[:sl].transpose(0, 1).unsqueeze(0)
+            keys, vals = context_kv(kv_cache, self._block_ids(i, s, bs), sl)
+            keys, vals = keys.transpose(0, 1).unsqueeze(0), vals.transpose(0, 1).unsqueeze(0)
             qi = q[start : start + ql].transpose(0, 1).unsqueeze(0)
             if keys.dtype != qi.dtype:
                 keys, vals = keys.to(qi.dtype), vals.to(qi.dtype)

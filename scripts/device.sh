@@ -61,6 +61,11 @@ has decode && stage decode 120 45 xgraph bench decode --backend cuda --model "$m
   --compile 1,8,64 --table-check 64 --iters 30 --json "$OUT/decode.json"
 has host && stage host 30 20 xgraph bench host --backend cuda --model "$model" \
   --json "$OUT/host.json"
+# the same with the core's torch copy instead of the adapter's driver copier, and the
+# host cost of each call a staged step makes
+has host && stage host-torch-copy 30 12 env XGRAPH_CUDA_STAGING=torch xgraph bench host \
+  --backend cuda --model "$model" --json "$OUT/host-torch-copy.json"
+has host && stage host-costs 30 14 python3 scripts/probe_host_costs.py "$OUT/host-costs.json"
 has prefill && stage prefill 80 30 xgraph bench prefill --backend cuda --model "$model" \
   --iters 5 --compile 128,512,2048 --json "$OUT/prefill.json"
 has memory && stage memory 130 45 xgraph bench memory --backend cuda --model "$model" \

@@ -44,11 +44,11 @@ def test_shared_physical_equals_the_largest_bucket_alone(data, order, kind):
     assert r["physical"]["spaces"] == len(sizes)
 
 
-def test_every_size_is_met_once_before_the_measured_orders(data):
+def test_every_size_runs_once_eagerly_before_the_measured_orders(data):
     for kind, sizes in (("full", SIZES), ("piecewise", PIECEWISE)):
-        first = section(data, kind)["first_pass"]
-        assert first["graphs"] == len(sizes)
-        assert first["pool_bytes"] > 0
+        first = section(data, kind)["first_use"]
+        assert sum(first["steps"].values()) == len(sizes)  # eager steps, no graph
+        assert len(first["curve_bytes"]) == len(sizes)
 
 
 def test_private_grows_as_the_sum(data):
@@ -68,7 +68,7 @@ def test_shared_pool_depends_on_order_and_physical_does_not(data):
 
 def test_summary_lists_the_first_pass_and_every_order(data):
     text = bench_memory.summarize(data)
-    assert "first pass (every size, once per process)" in text
+    assert "first use (every size once, eagerly, before the rest)" in text
     for order in bench_memory.ORDERS:
         assert order in text
 

@@ -4,9 +4,10 @@ Every persistent input (token ids, positions, slot mapping, sequence lengths, bl
 user-declared extras) is a view of one device tensor sized for the largest bucket; graphs
 read slices of those views, so their addresses never change. A step writes its host values
 into the twin views in pinned host memory and then one asynchronous copy moves the touched
-prefix to the device. The CPU backend keeps a twin as well (its copy is a memcpy), so a
-step refused after staging has still written nothing a graph reads. Values already on the
-device are written on the device after that copy.
+prefix to the device, through a `HostCopier`: the backend's own where it has a cheaper one
+(`Backend.host_copier`), else a torch copy and an event. The CPU backend keeps a twin as
+well (its copy is a memcpy), so a step refused after staging has still written nothing a
+graph reads. Values already on the device are written on the device after that copy.
 
 Host writes go through numpy views of the twin: on the per-step path a numpy slice
 assignment costs well under a microsecond where a torch op on a small CPU tensor costs
@@ -16,12 +17,18 @@ bucket's views and its copy, worked out once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from .errors import IncompleteBackendError
+from .interfaces import HostCopier
+
+# the backend's `host_copier`: (device buffer, pinned host buffer) -> a copier, or None
+CopierFactory = Callable[[torch.Tensor, torch.Tensor], HostCopier | None]
 
 ALIGN = 64  # bytes: every view starts on a cache line / vector boundary
 
@@ -80,7 +87,9 @@ class StagingPlan:
 class StagedBuffers:
     """Named views of one device tensor, staged through pinned host memory (see module doc)."""
 
-    def __init__(self, specs: Sequence[BufferSpec], device: torch.device) -> None:
+    def __init__(
+        self, specs: Sequence[BufferSpec], device: torch.device, copier: CopierFactory | None = None
+    ) -> None:
         self.device = device
         self.specs = {s.name: s for s in specs}
         self.offsets: dict[str, int] = {}
@@ -103,13 +112,15 @@ class StagedBuffers:
         # on the host the copy is a memcpy: numpy does it without torch's dispatch
         host = device.type == "cpu"
         self._np_packed = (self.packed.numpy(), self.host_packed.numpy()) if host else None
-        self._event = None if host else torch.Event(device=device)
-        self._pending = False  # a copy from the host twin may still be reading it
+        self._copier = (
+            MemcpyCopier(self.packed, self.host_packed)
+            if host
+            else _copier(copier, self.packed, self.host_packed)
+        )
         self._dirty = 0  # bytes of the host twin written since the last flush
         self._device_writes: list[tuple[torch.Tensor, torch.Tensor, float | int]] = []
         self._extents: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         self._targets: dict[tuple[str, tuple[int, ...]], _Target] = {}
-        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _view(self, packed: torch.Tensor, s: BufferSpec) -> torch.Tensor:
         off = self.offsets[s.name]
@@ -125,10 +136,7 @@ class StagedBuffers:
 
     def begin(self) -> None:
         """Before writing a step: the previous step's copy must have read the host twin."""
-        if self._pending:
-            assert self._event is not None
-            self._event.synchronize()
-            self._pending = False
+        self._copier.wait()
 
     def _target(self, name: str, extent: tuple[int, ...]) -> _Target:
         """Where a write of `extent` goes: made once per (buffer, extent), then looked up."""
@@ -191,17 +199,7 @@ class StagedBuffers:
     def send(self, nbytes: int) -> None:
         """Copy the first `nbytes` of the host twin to the device: one copy, asynchronous on
         an accelerator (the next `begin` waits for it before the twin is written again)."""
-        if self._np_packed is not None:
-            dst, src = self._np_packed
-            dst[:nbytes] = src[:nbytes]
-            return
-        pair = self._copies.get(nbytes)
-        if pair is None:  # slicing costs a microsecond: once per size
-            pair = self._copies[nbytes] = (self.packed[:nbytes], self.host_packed[:nbytes])
-        pair[0].copy_(pair[1], non_blocking=True)
-        assert self._event is not None
-        self._event.record()
-        self._pending = True
+        self._copier.send(nbytes)
 
     def discard(self, nbytes: int) -> None:
         """Undo writes to the first `nbytes` of the host twin that will not be sent (a step
@@ -218,6 +216,56 @@ class StagedBuffers:
 
     def items(self):  # type: ignore[no-untyped-def]
         return self.device_views.items()
+
+
+class MemcpyCopier(HostCopier):
+    """The CPU backend's: the copy is a numpy memcpy, done when `send` returns."""
+
+    def __init__(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        self._dst, self._src = device.numpy(), host.numpy()
+
+    def send(self, nbytes: int) -> None:
+        self._dst[:nbytes] = self._src[:nbytes]
+
+    def wait(self) -> None:
+        return None
+
+
+class TorchCopier(HostCopier):
+    """Any accelerator: a non-blocking torch copy of the prefix, then an event that the next
+    `wait` synchronizes on (only while a copy may still be reading the host buffer)."""
+
+    def __init__(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        self._device, self._host = device, host
+        self._event = torch.Event(device=device.device)
+        self._pending = False
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def send(self, nbytes: int) -> None:
+        pair = self._copies.get(nbytes)
+        if pair is None:  # slicing costs a microsecond: once per size
+            pair = self._copies[nbytes] = (self._device[:nbytes], self._host[:nbytes])
+        pair[0].copy_(pair[1], non_blocking=True)
+        self._event.record()
+        self._pending = True
+
+    def wait(self) -> None:
+        if self._pending:
+            self._event.synchronize()
+            self._pending = False
+
+
+def _copier(factory: CopierFactory | None, device: torch.Tensor, host: torch.Tensor) -> HostCopier:
+    """The backend's copier where it offers one (checked once, here), else a TorchCopier."""
+    made = factory(device, host) if factory is not None else None
+    if made is None:
+        return TorchCopier(device, host)
+    if not isinstance(made, HostCopier):
+        raise IncompleteBackendError(
+            f"host_copier returned {type(made).__name__}, not an xgraph.interfaces.HostCopier. "
+            "Return a HostCopier subclass, or None to use the core's copy."
+        )
+    return made
 
 
 def _write(view: torch.Tensor, value: torch.Tensor, fill: float | int) -> None:

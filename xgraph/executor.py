@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import math
 import threading
 import time
 import warnings
@@ -46,6 +45,7 @@ from .paging import PagedAttention
 from .piecewise import FullGraph, PiecewiseGraph, guarded_storages
 from .plugins import get_backend
 from .pool import SharedPhysicalPool
+from .progress import progress as show_progress
 from .runners import reference_runners
 from .steps import Step, StepPlanner
 
@@ -139,7 +139,7 @@ class GraphExecutor:
         self.decode_runner, self.prefill_runner = self._runners(attention)
         self.planner = StepPlanner(
             name, inputs, dims, self.buckets, attention, self.device, self.mode,
-            Fallback.parse(on_overflow, "on_overflow"),
+            Fallback.parse(on_overflow, "on_overflow"), self.backend.host_copier,
         )  # fmt: skip
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self.memory = GraphMemory.of(self.backend, memory)
@@ -398,11 +398,23 @@ class GraphExecutor:
         k = Kind.parse(kind, "kind")
         if k is Kind.EAGER:
             raise XGraphError("kind='eager': choose 'full' or 'piecewise'.")
+        self._synthetic(sizes, k, k, f"{self.name}: capturing {k.value} graphs", progress, key_dims)
+
+    def warm_up(
+        self, sizes: Iterable[int] | None = None, kind: Kind | str = Kind.FULL, **key_dims: int
+    ) -> None:
+        """Run the synthetic steps `capture` would record, eagerly, recording nothing: kernels
+        compile and load, and libraries set up, before any capture or memory reading."""
+        k = Kind.parse(kind, "kind")
+        self._synthetic(sizes, k, Kind.EAGER, f"{self.name}: warm-up", False, key_dims)
+
+    def _synthetic(self, sizes: Iterable[int] | None, layout: Kind, run: Kind, what: str,
+                   progress: bool, key_dims: dict[str, int]) -> None:  # fmt: skip
         todo = list(sizes) if sizes is not None else sorted(self.buckets.sizes, reverse=True)
-        for n in _progress(todo, f"{self.name}: capturing {k.value} graphs", progress):
-            tensors, attn = self.planner.synthetic(n, k, key_dims)
+        for n in show_progress(todo, what, progress):
+            tensors, attn = self.planner.synthetic(n, layout, key_dims)
             with self._exclusive("capture"):
-                self._run(self.planner.plan(tensors, attn, kind=k, synthetic=True))
+                self._run(self.planner.plan(tensors, attn, kind=run, synthetic=True))
 
     # -- reporting and teardown ------------------------------------------------------------
 
@@ -478,23 +490,3 @@ def _buckets(spec: Buckets | Sequence[int] | None) -> Buckets:
             f"xgraph.default_sizes({spec})."
         )
     return Buckets(spec)
-
-
-def _progress(items: list[int], desc: str, enabled: bool) -> Iterable[int]:
-    """tqdm when installed and wanted; otherwise a log line every tenth of the way."""
-    if enabled:
-        try:
-            from tqdm.auto import tqdm
-
-            return tqdm(items, desc=desc, unit="graph", leave=False)
-        except ImportError:
-            pass
-
-    def logged() -> Iterable[int]:
-        step = max(1, math.ceil(len(items) / 10))
-        for i, n in enumerate(items):
-            if i % step == 0:
-                logger.info("%s: %d/%d", desc, i, len(items))
-            yield n
-
-    return logged()

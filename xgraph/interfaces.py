@@ -244,6 +244,18 @@ class AttentionRunner(ABC):
         """Store k, v at this step's slots, then write attention of q over the cache into out."""
 
 
+class HostCopier(ABC):
+    """Sends prefixes of one pinned host buffer into one device buffer, asynchronously."""
+
+    @abstractmethod
+    def send(self, nbytes: int) -> None:
+        """Queue a copy of the first `nbytes` on the current stream, and return."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Return once every copy queued so far has read the host buffer."""
+
+
 class Backend(ABC):
     """One accelerator family: its graphs, its virtual memory and its native capture pools.
 
@@ -326,8 +338,14 @@ class Backend(ABC):
         """A human-readable name of the device (benchmark reports)."""
         return str(self.device)
 
+    def host_copier(self, device: torch.Tensor, host: torch.Tensor) -> HostCopier | None:
+        """A per-step copier from `host` (pinned) to `device` (uint8, one size) cheaper than
+        the core's (a torch copy and an event), or None."""
+        return None
+
     def time_on_device(self, fn: Callable[[], Any]) -> float | None:
-        """Seconds the device spent on the work `fn` queues, or None if it cannot time it."""
+        """Seconds the device spent on the work `fn` queues (not the host's time to queue
+        it: the device is kept busy until it is queued), or None if it cannot time it."""
         return None
 
     def native_graph(self, fn: Callable[[], Any]) -> Callable[[], None] | None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .buckets import Buckets, Dim, Input
-from .buffers import BufferSpec, StagedBuffers, StagingPlan, has_numpy_twin
+from .buffers import BufferSpec, CopierFactory, StagedBuffers, StagingPlan, has_numpy_twin
 from .errors import BucketOverflowError, InputError, XGraphError, XGraphWarning
 from .metadata import AttentionInputs, AttentionMetadata
 from .options import Fallback, Kind, Mode
@@ -110,6 +110,7 @@ class StepPlanner:
         device: torch.device,
         mode: Mode,
         on_overflow: Fallback,
+        copier: CopierFactory | None = None,
     ) -> None:
         self.name, self.device, self.mode, self.on_overflow = name, device, mode, on_overflow
         self.buckets = buckets
@@ -119,7 +120,7 @@ class StepPlanner:
         self.attention = attention
         self.key_buckets = {n: Buckets(d.buckets) for n, d in self.dims.items() if d.buckets}
         self.max_seqs = max(attention.max_seqs, buckets.max) if attention is not None else 0
-        self.staged = StagedBuffers(self._buffer_specs(), device)
+        self.staged = StagedBuffers(self._buffer_specs(), device, copier)
         self._qsl = np.zeros(self.max_seqs + 1, dtype=np.int32)  # query start locations
         self._warned_overflow = False
         self.decode = DecodePath(self) if DecodePath.serves(self) else None
@@ -189,6 +190,9 @@ class StepPlanner:
 
     def _classify(self, step: Step, forced: Kind | None) -> None:
         """Choose the kind and the key; above the buckets: the overflow policy."""
+        if forced is Kind.EAGER:
+            step.reason = "warm-up"
+            return
         if forced is not None:
             kind = forced
         elif self.mode is Mode.EAGER:

@@ -8,7 +8,8 @@ the `--compile` batch sizes (default 1, 8, 64 on accelerators), torch.compile(mo
 compiled (Inductor's kernels, xgraph's graphs). The compiled variants are built once and
 reused by every batch size; they run after every other measurement, so a slow or failing
 compile cannot cost the rest. Times are medians of device timings where the backend has a
-device timer.
+device timer (the device's work only: the host's time to queue it is kept out); eager rows
+also give the host's wall time per step, queueing included (`eager wall`).
 
 Each step time is also set against the memory roofline (`roofline`): the weight bytes a step
 reads over the bandwidth of the device measured in the same run. Per batch, the best
@@ -31,7 +32,7 @@ from . import roofline, table_check
 from .anchors import ReduceOverhead, compiled_twin, first_step, native_anchor
 from .readings import MiB
 from .report import attempt, header, note, table, workload
-from .timing import Timer, host_time
+from .timing import Timer, host_time, wall_time
 
 DEFAULT_COMPILE = [1, 8, 64]  # --compile's default on accelerators
 VARIANTS = {  # printed name -> the row's key
@@ -67,7 +68,10 @@ def _measure(
 ) -> None:
     """Eager, executor and native-graph times of one batch, each isolated from the others."""
     ex, eager = executors
-    attempt(row, "eager", lambda: {"eager_s": timer(lambda: eager(**step.kwargs()), iters)})
+    attempt(row, "eager", lambda: {
+        "eager_s": timer(lambda: eager(**step.kwargs()), iters),
+        "eager_wall_s": wall_time(backend, lambda: eager(**step.kwargs()), iters),
+    })  # fmt: skip
     attempt(row, "xgraph", lambda: {
         "xgraph_s": timer(lambda: ex(**step.kwargs()), iters),
         "xgraph_host_s": host_time(backend, lambda: ex(**step.kwargs()), iters),
@@ -262,6 +266,8 @@ def _batch_table(data: dict[str, Any]) -> str:
             line[f"best / {a}"] = ratio
         if "eager/xgraph" in r:
             line["eager / xgraph"] = r["eager/xgraph"]
+        if "eager_wall_s" in r:
+            line["eager wall ms"] = r["eager_wall_s"] * 1e3
         if "roofline_s" in r:
             line["bw-limit ms"] = r["roofline_s"] * 1e3
             line["bw-limit ms (+kv)"] = r["roofline_with_kv_s"] * 1e3

@@ -4,9 +4,10 @@ For each model family (`targets`: the reference model; transformers' LlamaForCau
 the transformers integration) and graph kind (full decode graphs at vLLM's capture sizes;
 piecewise graphs at SGLang-style prefill sizes), in one process:
 
-- a first pass capturing every size once (ascending, reported as `first_pass`): what the
-  process spends the first time it meets a shape (library workspaces, kernels compiled or
-  loaded on first use, lazy state) outlives that executor and is paid here, not in an order;
+- a first pass running every size once eagerly, no graph (ascending, reported as `first_use`
+  with its driver reading): what the process spends the first time it meets a shape
+  (kernels compiled or loaded on first use, library workspaces) outlives every executor and
+  an eager engine pays it as well, so it is measured here and charged to no order;
 - the limit: the largest size captured alone into fresh memory;
 - one fresh executor per order (ascending, random, largest-first) capturing every size into
   fresh shared-physical memory (with `all_modes`, also shared-pool and private).
@@ -103,6 +104,21 @@ def _capture(
         settle(backend)
 
 
+def _first_use(backend: Backend, target: Any, kind: str, sizes: list[int]) -> dict[str, Any]:
+    """Every size run once eagerly (ascending) on the layout of `kind`: driver readings."""
+    ex = target.executor(kind, sizes, None, mode="eager")
+    try:
+        base, curve = settle(backend), []
+        for n in sorted(sizes):
+            ex.warm_up([n], kind=kind)
+            now = settle(backend)
+            curve.append(None if now is None or base is None else now - base)
+        return {"steps": ex.stats()["eager"], "driver_bytes": curve[-1], "curve_bytes": curve}
+    finally:
+        ex.close()
+        settle(backend)
+
+
 def _over_limit(run: dict[str, Any], limit: dict[str, Any]) -> None:
     if limit.get("graph_bytes"):
         run["x_limit"] = run["graph_bytes"] / limit["graph_bytes"]
@@ -118,16 +134,13 @@ def _section(
     kind, sizes = section["kind"], section["sizes"]
     largest = [max(sizes)]
 
-    def first_pass() -> dict[str, Any]:
-        # every size once, before anything is measured: what the process spends the first
-        # time it meets a shape (kernels loaded on first use, library state) stays in use
-        # after the executor closes, and would land in whichever order ran first
-        return {"first_pass": _capture(backend, target, kind, LIMIT_MODE, sizes, sorted(sizes))}
+    def first_use() -> dict[str, Any]:
+        return {"first_use": _first_use(backend, target, kind, sizes)}
 
     def limit_capture() -> dict[str, Any]:
         return {"limit": _capture(backend, target, kind, LIMIT_MODE, sizes, largest)}
 
-    attempt(section, "first_pass", first_pass)
+    attempt(section, "first_use", first_use)
     attempt(section, "limit", limit_capture)  # the orders run even if this fails
     limit = section.get("limit", {})
     section["runs"] = []
@@ -216,10 +229,10 @@ def _section_text(s: dict[str, Any]) -> str:
     head += (f"; limit ({sizes[-1]} alone): driver {_cell(lim['driver_bytes'])} MiB, "
              f"pool {lim['pool_bytes'] / MiB:.1f} MiB" if lim else
              f"; limit failed: {s.get('limit_error')}")  # fmt: skip
-    first = s.get("first_pass")
+    first = s.get("first_use")
     if first:
-        head += (f"; first pass (every size, once per process): driver "
-                 f"{_cell(first['driver_bytes'])} MiB, pool {first['pool_bytes'] / MiB:.1f} MiB")
+        head += (f"; first use (every size once, eagerly, before the rest): driver "
+                 f"{_cell(first['driver_bytes'])} MiB")
     rows = []
     for r in s["runs"]:
         row: dict[str, Any] = {"mode": r["mode"], "order": r["order"]}

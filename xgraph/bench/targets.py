@@ -8,7 +8,8 @@
   family is skipped, with the reason.
 
 A target makes fresh executors over one model, KV cache and set of weights, so each
-measured capture pays for graphs only. The layouts are small: captures touch the dummy
+measured capture pays for graphs only (`mode="eager"`: an executor that records nothing).
+The layouts are small: captures touch the dummy
 block alone, and full-graph captures need one sequence per token, piecewise ones as few
 sequences as the block-table width allows.
 """
@@ -35,7 +36,8 @@ FULL_CONTEXT = 64  # tokens per sequence in full-graph layouts (decode captures 
 class Target(Protocol):
     model: str  # the shape's name
 
-    def executor(self, kind: str, sizes: list[int], memory: GraphMemory) -> GraphExecutor: ...
+    def executor(self, kind: str, sizes: list[int], memory: GraphMemory | None,
+                 mode: str | None = None) -> GraphExecutor: ...  # fmt: skip
     def close(self) -> None: ...
 
 
@@ -51,10 +53,12 @@ class Reference:
         self.piecewise = Workload(self.full.model, _blocks(piecewise_max, bs), PIECEWISE_SEQS)
         self.dtype = str(self.full.model.lm_head.weight.dtype)
 
-    def executor(self, kind: str, sizes: list[int], memory: GraphMemory) -> GraphExecutor:
+    def executor(self, kind: str, sizes: list[int], memory: GraphMemory | None,
+                 mode: str | None = None) -> GraphExecutor:  # fmt: skip
         w = self.full if kind == "full" else self.piecewise
         return w.executor(w.model.forward, backend=self.backend, buckets=sizes, memory=memory,
-                          mode=kind, name=f"bench-{kind}", on_capture_error="raise")  # fmt: skip
+                          mode=mode or kind, name=f"bench-{kind}",
+                          on_capture_error="raise")  # fmt: skip
 
     def close(self) -> None:
         pass
@@ -77,12 +81,13 @@ class HFLlama:
                         "piecewise": (PIECEWISE_SEQS, _blocks(piecewise_max, bs))}  # fmt: skip
         self.dtype = str(dtype)
 
-    def executor(self, kind: str, sizes: list[int], memory: GraphMemory) -> GraphExecutor:
+    def executor(self, kind: str, sizes: list[int], memory: GraphMemory | None,
+                 mode: str | None = None) -> GraphExecutor:  # fmt: skip
         seqs, blocks = self.layouts[kind]
         return GraphExecutor(
             self.gm.forward, inputs=self.gm.inputs(), backend=self.backend, buckets=sizes,
             attention=PagedAttention.for_cache(self.gm.cache, seqs, blocks), memory=memory,
-            mode=kind, name=f"bench-hf-{kind}", on_capture_error="raise",
+            mode=mode or kind, name=f"bench-hf-{kind}", on_capture_error="raise",
         )  # fmt: skip
 
     def close(self) -> None:

@@ -1,8 +1,10 @@
 """How the benchmarks time things: device time where the backend can measure it, else host time.
 
-`Timer` asks `backend.time_on_device(fn)` (CUDA: events around the work `fn` queues) and,
+`Timer` asks `backend.time_on_device(fn)` (CUDA: events around the work `fn` queues, behind a
+spin kernel that keeps the device busy while the host queues it, so only device time counts) and,
 where the backend answers None, falls back to host wall time around a synchronized call.
-`host_time` is the host cost of issuing a call, measured with an idle device.
+`host_time` is the host cost of issuing a call, measured with an idle device; `wall_time` the
+host's wait for a call to finish, queueing included (what an eager step costs end to end).
 """
 
 from __future__ import annotations
@@ -66,4 +68,17 @@ def host_time(backend: Backend, fn: Callable[[], Any], iters: int) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     backend.synchronize()
+    return statistics.median(ts)
+
+
+def wall_time(backend: Backend, fn: Callable[[], Any], iters: int) -> float:
+    """Median host wall time from an idle device until `fn`'s work is done: queueing and
+    device time together, the end-to-end cost of a step that is not a graph."""
+    ts = []
+    for _ in range(iters):
+        backend.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        backend.synchronize()
+        ts.append(time.perf_counter() - t0)
     return statistics.median(ts)

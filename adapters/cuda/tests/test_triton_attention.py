@@ -186,6 +186,10 @@ def test_auto_splits_follow_shapes_only() -> None:
     assert triton_runners.auto_splits(programs=8, max_context=512, sms=132, block_n=64) == 4
     assert triton_runners.auto_splits(programs=8, max_context=4096, sms=132, block_n=64) == 32
     assert triton_runners.auto_splits(programs=8, max_context=16, sms=132, block_n=64) == 1
+    # powers of two only: few distinct kernel binaries across the buckets
+    assert triton_runners.auto_splits(programs=64, max_context=4096, sms=132, block_n=64) == 4
+    splits = {triton_runners.auto_splits(8 * b, 4096, 132, 64) for b in range(1, 513)}
+    assert splits == {1, 2, 4, 8, 16, 32}
 
 
 # -- prefill -------------------------------------------------------------------------------

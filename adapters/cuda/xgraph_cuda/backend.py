@@ -15,12 +15,14 @@ from xgraph.interfaces import (
     Availability,
     Backend,
     CapturePool,
+    HostCopier,
     SegmentAllocator,
 )
 
-from . import attention, probe
+from . import attention, probe, staging
 from .graph import CUDAGraph
 from .pool import CUDACapturePool
+from .timing import LeadTimer
 from .vmm import CUDAVirtualMemory
 
 
@@ -55,6 +57,7 @@ class CUDABackend(Backend):
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._stream: torch.cuda.Stream | None = None
         self._stream_lock = threading.Lock()
+        self._timer: LeadTimer | None = None
 
     @classmethod
     def availability(cls) -> Availability:
@@ -110,13 +113,15 @@ class CUDABackend(Backend):
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self._device)
 
+    def host_copier(self, device: torch.Tensor, host: torch.Tensor) -> HostCopier | None:
+        """cuMemcpyHtoDAsync and an event on the current stream, without torch's copy path
+        (`staging`; XGRAPH_CUDA_STAGING=torch uses the core's torch copy)."""
+        return staging.host_copier(device, host)
+
     def time_on_device(self, fn: Callable[[], Any]) -> float | None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        if self._timer is None:
+            self._timer = LeadTimer(self._device)
+        return self._timer(fn)
 
     def native_graph(self, fn: Callable[[], Any]) -> Callable[[], None] | None:
         """`fn` captured with torch.cuda.graph on a pool of its own (the raw-graph anchor)."""

@@ -89,12 +89,15 @@ def sm_count(device: torch.device) -> int:
 
 def auto_splits(programs: int, max_context: int, sms: int, block_n: int) -> int:
     """Splits per (sequence, kv head) from shapes only (so a graph keeps one launch): enough
-    programs for about two waves, each split at least two key tiles of the widest table."""
+    programs for about two waves, each split at least two key tiles of the widest table. A
+    power of two: the split count is compiled into the kernel, and every distinct one is
+    another binary the process compiles and loads (device memory it keeps)."""
     if programs >= sms:
         return 1
     want = -(-2 * sms // programs)
     cap = max(1, -(-max_context // (2 * block_n)))
-    return max(1, min(want, cap, MAX_SPLITS))
+    n = max(1, min(want, cap, MAX_SPLITS))
+    return 1 << (n.bit_length() - 1)
 
 
 class TritonPagedDecodeRunner(PlannedRunner):

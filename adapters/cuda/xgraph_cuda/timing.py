@@ -1,0 +1,61 @@
+"""Device time of queued work, without the host's time to queue it.
+
+Events recorded around `fn()` on an idle device bracket the host's enqueue time as well:
+the start event completes at once, then the device waits for every launch `fn` makes (an
+executor step's planning, an eager forward's Python). A spin kernel queued first keeps the
+device busy while the host queues the work, so the work runs back to back between the
+events. The spin's length follows the slowest enqueue seen so far; a call whose enqueue
+outlasted its spin is run again with a longer one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+MAX_LEAD_S = 0.2  # an enqueue slower than this is timed with the host's part in it
+
+
+class LeadTimer:
+    """Times `fn`'s device work on one device, behind a spin kernel that covers its enqueue."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.lead_s = 1e-3
+        self._cycles_per_s: float | None = None
+
+    def cycles_per_s(self) -> float:
+        """The spin kernel's clock, measured once (torch.cuda._sleep counts SM cycles)."""
+        if self._cycles_per_s is None:
+            cycles = 2_000_000
+            self._time(lambda: torch.cuda._sleep(cycles), 0)  # load the kernel
+            self._cycles_per_s = cycles / self._time(lambda: torch.cuda._sleep(cycles), 0)[0]
+        return self._cycles_per_s
+
+    def _time(self, fn: Callable[[], Any], lead_cycles: int) -> tuple[float, float]:
+        """(device seconds between the events, host seconds `fn` took to return)."""
+        with torch.cuda.device(self.device):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            if lead_cycles:
+                torch.cuda._sleep(lead_cycles)
+            start.record()
+            t0 = time.perf_counter()
+            fn()
+            host = time.perf_counter() - t0
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3, host
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        rate = self.cycles_per_s()
+        while True:
+            lead = self.lead_s
+            device, host = self._time(fn, int(lead * rate))
+            if host < 0.8 * lead or lead >= MAX_LEAD_S:
+                return device
+            # the spin ended before the host had queued everything: longer, and once more
+            self.lead_s = min(2 * host, MAX_LEAD_S)

@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
 # CUDA checks and benchmarks on a GPU machine in one go, each stage under its own time limit.
 #   OUT=out/device bash scripts/device.sh [STAGES] [MODEL]
-# STAGES: comma list of conformance, attention, decode, host, prefill, memory (default
+# STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
 # "all": every one, in that order; "soak" runs only when named). MODEL: the reference shape
-# (default qwen3-0.6b). The limits below add up to 555 s, so with the install a whole run
-# stays under ten minutes; a stage past its limit is killed and the next one starts.
-# Measured on an H200 (fresh machine, cold compile caches): adapters/cuda tests 92 s,
-# conformance 18 s, decode 93 s, host 25 s, prefill 62 s, memory 82 s (before its first
-# pass, about 25 s more); each limit leaves some room over that.
+# (default qwen3-0.6b). A stage past its limit is killed and the next one starts; the
+# limits add up to 705 s, more than one ten-minute device call, so name the stages a call
+# needs (the stages of a run on a fresh H200 took: host 3 x 17 s, conformance 116 s,
+# attention 30 s, decode 93-130 s, prefill 62-90 s, memory 108 s).
 # Output: $OUT/<stage>.json per benchmark (written as it goes, so a stage cut short keeps
 # what it measured), $OUT/memory.png, and $OUT/log.txt holding every stage's whole output
 # (seven files in all); the tail of each stage is printed as it ends.
 # The machine has torch and cuda-bindings but no network: install without dependencies.
 set -uo pipefail
 stages=${1:-all}
-[ "$stages" = all ] && stages=conformance,attention,decode,host,prefill,memory
+[ "$stages" = all ] && stages=host,conformance,attention,decode,prefill,memory
 has() { [[ ",$stages," == *",$1,"* ]]; }
 model=${2:-qwen3-0.6b}
 OUT=${OUT:-out/device}
@@ -55,10 +54,7 @@ conformance() {
 
 export -f conformance
 export model OUT
-has conformance && stage conformance 150 30 bash -c conformance
-has attention && stage attention 45 30 python3 scripts/bench_attention.py --json "$OUT/attention.json"
-has decode && stage decode 120 45 xgraph bench decode --backend cuda --model "$model" \
-  --compile 1,8,64 --table-check 64 --iters 30 --json "$OUT/decode.json"
+# host first, on an idle machine: no compile workers of an earlier stage still running
 has host && stage host 30 20 xgraph bench host --backend cuda --model "$model" \
   --json "$OUT/host.json"
 # the same with the core's torch copy instead of the adapter's driver copier, and the
@@ -66,7 +62,11 @@ has host && stage host 30 20 xgraph bench host --backend cuda --model "$model" \
 has host && stage host-torch-copy 30 12 env XGRAPH_CUDA_STAGING=torch xgraph bench host \
   --backend cuda --model "$model" --json "$OUT/host-torch-copy.json"
 has host && stage host-costs 30 14 python3 scripts/probe_host_costs.py "$OUT/host-costs.json"
-has prefill && stage prefill 80 30 xgraph bench prefill --backend cuda --model "$model" \
+has conformance && stage conformance 150 30 bash -c conformance
+has attention && stage attention 45 30 python3 scripts/bench_attention.py --json "$OUT/attention.json"
+has decode && stage decode 180 45 xgraph bench decode --backend cuda --model "$model" \
+  --compile 1,8,64 --table-check 64 --iters 30 --json "$OUT/decode.json"
+has prefill && stage prefill 110 30 xgraph bench prefill --backend cuda --model "$model" \
   --iters 5 --compile 128,512,2048 --json "$OUT/prefill.json"
 has memory && stage memory 130 45 xgraph bench memory --backend cuda --model "$model" \
   --models reference,hf-llama --json "$OUT/memory.json" --plot "$OUT/memory.png"

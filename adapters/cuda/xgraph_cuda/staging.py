@@ -1,15 +1,18 @@
-"""The CUDA backend's HostCopier: a step's inputs go to the device in two driver calls.
+"""The CUDA backend's HostCopier: a step's inputs go to the device in one driver call.
 
 A torch copy from pinned memory costs a dispatch, a copy-kernel choice and a booking with
-the caching host allocator (an event per copy) before its cudaMemcpyAsync; the executor
-keeps its host twin alive itself and waits on its own event before rewriting it, so none
-of that is needed. `DriverCopier` queues cuMemcpyHtoDAsync and cuEventRecord on the current
-torch stream (the stream the graph then replays on), and `wait` synchronizes that event.
+the caching host allocator (an event per copy) before its cudaMemcpyAsync: about 12 us of
+host time per step on an H200 host (scripts/probe_host_costs.py). The executor keeps its host
+twin alive itself and waits on its own event before rewriting it, so none of that is
+needed. `DriverCopier` calls cuMemcpyHtoDAsync on the current torch stream (the stream the
+graph then replays on) through ctypes, whose call costs far less than cuda-python's
+argument wrapping on this path, then records a torch event that `wait` synchronizes.
 XGRAPH_CUDA_STAGING=torch picks the core's torch copy instead (for comparison).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -20,27 +23,50 @@ from xgraph.interfaces import HostCopier
 
 from .vmm import error_name
 
-_SUCCESS = cu.CUresult.CUDA_SUCCESS
-_NO_CONTEXT = cu.CUresult.CUDA_ERROR_INVALID_CONTEXT
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the calling thread has no context
 
 
 class StagingCopyError(XGraphError, RuntimeError):
     """A driver call of the staging copy failed."""
 
 
-def _check(call: str, err: cu.CUresult) -> None:
-    if err != _SUCCESS:
+def _check(call: str, rc: int) -> None:
+    if rc:
         raise StagingCopyError(
-            f"{call} failed with {error_name(err)} while sending a step's inputs to the "
-            "device. The device may have hit an earlier error (run with CUDA_LAUNCH_BLOCKING=1 "
-            "to find it), or set XGRAPH_CUDA_STAGING=torch to stage through torch's copy."
+            f"{call} failed with {error_name(cu.CUresult(rc))} while sending a step's inputs "
+            "to the device. The device may have hit an earlier error (run with "
+            "CUDA_LAUNCH_BLOCKING=1 to find it), or set XGRAPH_CUDA_STAGING=torch to stage "
+            "through torch's copy."
         )
+
+
+class _Driver:
+    """The three libcuda entry points the copier calls, typed once."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.memcpy = lib.cuMemcpyHtoDAsync_v2
+        self.memcpy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self.memcpy.restype = ctypes.c_int
+        self.ctx_get = lib.cuCtxGetCurrent
+        self.ctx_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self.ctx_get.restype = ctypes.c_int
+        self.ctx_set = lib.cuCtxSetCurrent
+        self.ctx_set.argtypes = [ctypes.c_void_p]
+        self.ctx_set.restype = ctypes.c_int
+
+
+_driver: _Driver | None = None
 
 
 class DriverCopier(HostCopier):
     """cuMemcpyHtoDAsync of a prefix of the pinned twin, and one event, per step."""
 
     def __init__(self, device: torch.Tensor, host: torch.Tensor) -> None:
+        global _driver
+        if _driver is None:
+            _driver = _Driver()
+        self._drv = _driver
         self._buffers = (device, host)  # kept alive: the driver gets raw addresses
         self._dst, self._src = device.data_ptr(), host.data_ptr()
         self._index = device.device.index if device.device.index is not None else 0
@@ -48,34 +74,27 @@ class DriverCopier(HostCopier):
         self._raw_stream = torch._C._cuda_getCurrentRawStream
         with torch.cuda.device(self._index):
             torch.cuda.init()
-            err, self._event = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-            _check("cuEventCreate", err)
-            err, self._context = cu.cuCtxGetCurrent()
-            _check("cuCtxGetCurrent", err)
+            torch.cuda.current_stream().synchronize()  # makes the primary context current
+            ctx = ctypes.c_void_p()
+            _check("cuCtxGetCurrent", self._drv.ctx_get(ctypes.byref(ctx)))
+            self._context = ctx
+            self._event = torch.Event(device=device.device)
         self._pending = False
 
     def send(self, nbytes: int) -> None:
         stream = self._raw_stream(self._index)
-        (err,) = cu.cuMemcpyHtoDAsync(self._dst, self._src, nbytes, stream)
-        if err == _NO_CONTEXT:  # a thread that has made no CUDA call yet: give it ours
-            _check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._context)[0])
-            (err,) = cu.cuMemcpyHtoDAsync(self._dst, self._src, nbytes, stream)
-        _check("cuMemcpyHtoDAsync", err)
-        _check("cuEventRecord", cu.cuEventRecord(self._event, stream)[0])
+        rc = self._drv.memcpy(self._dst, self._src, nbytes, stream)
+        if rc == _INVALID_CONTEXT:  # a thread that has made no CUDA call yet: give it ours
+            _check("cuCtxSetCurrent", self._drv.ctx_set(self._context))
+            rc = self._drv.memcpy(self._dst, self._src, nbytes, stream)
+        _check("cuMemcpyHtoDAsync", rc)
+        self._event.record()  # on the current stream, after the copy
         self._pending = True
 
     def wait(self) -> None:
         if self._pending:
-            _check("cuEventSynchronize", cu.cuEventSynchronize(self._event)[0])
+            self._event.synchronize()
             self._pending = False
-
-    def __del__(self) -> None:
-        event = getattr(self, "_event", None)
-        if event is not None:
-            try:
-                cu.cuEventDestroy(event)  # the driver waits for a pending record itself
-            except Exception:  # interpreter teardown: the context may be gone already
-                pass
 
 
 def host_copier(device: torch.Tensor, host: torch.Tensor) -> HostCopier | None:

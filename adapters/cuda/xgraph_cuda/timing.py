@@ -4,8 +4,10 @@ Events recorded around `fn()` on an idle device bracket the host's enqueue time 
 the start event completes at once, then the device waits for every launch `fn` makes (an
 executor step's planning, an eager forward's Python). A spin kernel queued first keeps the
 device busy while the host queues the work, so the work runs back to back between the
-events. The spin's length follows the slowest enqueue seen so far; a call whose enqueue
-outlasted its spin is run again with a longer one.
+events. The spin's length follows the slowest enqueue seen so far (a call whose enqueue
+outlasted its spin runs once more with a longer one), up to MAX_LEAD_S: a step whose host
+side takes longer than that (an eager forward of thousands of launches, which also fills
+the launch queue) is timed with the device's waits for the host in it, as it runs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-MAX_LEAD_S = 0.2  # an enqueue slower than this is timed with the host's part in it
+MAX_LEAD_S = 0.005  # an enqueue slower than this is timed with the host's part in it
 
 
 class LeadTimer:
@@ -52,10 +54,9 @@ class LeadTimer:
 
     def __call__(self, fn: Callable[[], Any]) -> float:
         rate = self.cycles_per_s()
-        while True:
-            lead = self.lead_s
-            device, host = self._time(fn, int(lead * rate))
-            if host < 0.8 * lead or lead >= MAX_LEAD_S:
-                return device
-            # the spin ended before the host had queued everything: longer, and once more
-            self.lead_s = min(2 * host, MAX_LEAD_S)
+        device, host = self._time(fn, int(self.lead_s * rate))
+        if host < 0.8 * self.lead_s or self.lead_s >= MAX_LEAD_S:
+            return device
+        # the spin ended before the host had queued everything: longer, and once more
+        self.lead_s = min(2 * host, MAX_LEAD_S)
+        return self._time(fn, int(self.lead_s * rate))[0]

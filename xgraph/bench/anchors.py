@@ -7,8 +7,10 @@
   torch's own CUDA graphs).
 - `compiled_twin`: a second module tree over the same weights and KV cache whose decoder
   layers are torch.compile'd (`Qwen3Model.compile_layers`), for executors made with
-  `compiled=True`: Inductor's kernels in xgraph's graphs. The original model keeps its
-  eager kernels for the other rows; nothing large is copied.
+  `compiled=True`: Inductor's kernels in xgraph's graphs. `bench decode` compiles it per
+  batch size (static shapes, as reduce-overhead does: a few decode buckets, each with kernels
+  specialised to it), `bench prefill` once with num_tokens dynamic (many sizes). The
+  original model keeps its eager kernels for the other rows; nothing large is copied.
 """
 
 from __future__ import annotations
@@ -67,15 +69,18 @@ def native_anchor(backend: Backend, w: Workload, step: Step) -> Callable[[], Non
     return backend.native_graph(forward)
 
 
-def compiled_twin(model: Qwen3Model, compiler: str = "inductor") -> Qwen3Model:
+def compiled_twin(
+    model: Qwen3Model, compiler: str = "inductor", dynamic: bool = True
+) -> Qwen3Model:
     """A copy of the module tree sharing the parameters, buffers and KV cache, its layers
-    compiled in place (compile_layers compiles modules, so it needs modules of its own)."""
+    compiled in place (compile_layers compiles modules, so it needs modules of its own);
+    `dynamic=False`: one compile per token count, each specialised to its shape."""
     shared: dict[int, Any] = {
         id(t): t for t in (*model.parameters(), *model.buffers(), *model.kv_cache.tensors())
     }
     shared[id(model.kv_cache)] = model.kv_cache
     twin = copy.deepcopy(model, shared)
-    return twin.compile_layers(**compile_options(compiler))
+    return twin.compile_layers(dynamic=dynamic, **compile_options(compiler))
 
 
 def _cudagraph_skips() -> int:

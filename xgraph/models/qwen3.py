@@ -167,6 +167,9 @@ class Qwen3Model(nn.Module):
         batch 1), instead of a compile per bucket (faster to capture from the third bucket
         on; docs/model-adaptation.md has the numbers). The cache tensors stay static: their
         sizes are fixed, and symbolic ones could be unified with num_tokens by equal values.
+        `dynamic=False` compiles once per token count instead, each specialised to its shape
+        (faster kernels for a few decode buckets; more buckets than
+        torch._dynamo.config.recompile_limit fall back to running uncompiled).
         """
         options.setdefault("dynamic", True)
         self.mark_cache_static()

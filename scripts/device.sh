@@ -2,10 +2,10 @@
 # CUDA checks and benchmarks on a GPU machine in one go, each stage under its own time limit.
 #   OUT=out/device bash scripts/device.sh [STAGES] [MODEL]
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
-# "all": every one, in that order; "soak" runs only when named). MODEL: the reference shape
+# "all": every one, in that order; "host-copy" and "soak" run only when named). MODEL: the reference shape
 # (default qwen3-0.6b). A stage past its limit is killed and the next one starts; the
 # limits add up to 705 s, more than one ten-minute device call, so name the stages a call
-# needs (the stages of a run on a fresh H200 took: host 3 x 17 s, conformance 116 s,
+# needs (the stages of a run on a fresh H200 took: host 17 + 25 s, host-copy 17 + 12 s, conformance 116 s,
 # attention 30 s, decode 93-130 s, prefill 62-90 s, memory 108 s).
 # Output: $OUT/<stage>.json per benchmark (written as it goes, so a stage cut short keeps
 # what it measured), $OUT/memory.png, and $OUT/log.txt holding every stage's whole output
@@ -57,11 +57,15 @@ export model OUT
 # host first, on an idle machine: no compile workers of an earlier stage still running
 has host && stage host 30 20 xgraph bench host --backend cuda --model "$model" \
   --json "$OUT/host.json"
-# the same with the core's torch copy instead of the adapter's driver copier, and the
-# host cost of each call a staged step makes
-has host && stage host-torch-copy 30 12 env XGRAPH_CUDA_STAGING=torch xgraph bench host \
-  --backend cuda --model "$model" --json "$OUT/host-torch-copy.json"
-has host && stage host-costs 30 14 python3 scripts/probe_host_costs.py "$OUT/host-costs.json"
+# the reference model's forward instead of a trivial one (its graph is 849 kernels)
+has host && stage host-model 45 12 xgraph bench host --backend cuda --model "$model" \
+  --forward model --iters 500 --json "$OUT/host-model.json"
+# host-copy: the core's torch copy instead of the adapter's driver copier, and the host
+# cost of each call a staged step makes
+has host-copy && stage host-torch-copy 30 12 env XGRAPH_CUDA_STAGING=torch xgraph bench \
+  host --backend cuda --model "$model" --json "$OUT/host-torch-copy.json"
+has host-copy && stage host-costs 30 14 python3 scripts/probe_host_costs.py \
+  "$OUT/host-costs.json"
 has conformance && stage conformance 150 30 bash -c conformance
 has attention && stage attention 45 30 python3 scripts/bench_attention.py --json "$OUT/attention.json"
 has decode && stage decode 180 45 xgraph bench decode --backend cuda --model "$model" \

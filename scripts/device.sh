@@ -4,7 +4,7 @@
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
 # "all": every one, in that order; "host-copy" and "soak" run only when named). MODEL: the reference shape
 # (default qwen3-0.6b). A stage past its limit is killed and the next one starts; the
-# limits add up to 705 s, more than one ten-minute device call, so name the stages a call
+# limits add up to 690 s, more than one ten-minute device call, so name the stages a call
 # needs (the stages of a run on a fresh H200 took: host 17 + 25 s, host-copy 17 + 12 s, conformance 116 s,
 # attention 30 s, decode 93-130 s, prefill 62-90 s, memory 108 s).
 # Output: $OUT/<stage>.json per benchmark (written as it goes, so a stage cut short keeps

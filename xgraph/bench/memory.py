@@ -16,9 +16,10 @@ piecewise graphs at SGLang-style prefill sizes), in one process:
 
 Each run reports graph memory two ways: the driver's reading (memory in use after returning
 cached allocator memory, minus a baseline taken once the model, the KV cache and the
-persistent input buffers exist, minus the output buffers the first capture allocates;
-accelerators that report one) and the pool's own bytes (physical
-chunks in shared-physical memory, native pool segments otherwise); the executor's
+persistent input buffers exist; accelerators that report one: it includes the output
+buffers the first capture allocates, the same in every run, reported as
+`output_buffer_bytes`) and the pool's own bytes (physical chunks in shared-physical memory,
+native pool segments otherwise); the executor's
 `outside_pool_bytes` (what the captures left in use outside graph memory, e.g. the driver's
 graph executables); the number of graphs; and both readings over the limit's.
 Every section and run is isolated: a failure is recorded where it happened and the rest run.
@@ -86,10 +87,12 @@ def _capture(
         for n in order:
             ex.capture([n], kind=kind, progress=False)
             now = settle(backend)
-            # the output buffers come with the first capture: persistent, not graph memory
-            # (a transformers forward returns logits: [largest size, vocab] of them)
+            # the output buffers come with the first capture (a transformers forward returns
+            # logits: [largest size, vocab] of them); reported, not subtracted: the caching
+            # allocator may place them in segments the baseline already holds, so their size
+            # is not what they add, and every executor here allocates the same ones
             outputs = ex.persistent_bytes() - held
-            curve.append((now or 0) - (base or 0) - outputs if driver else mem.graph_bytes())
+            curve.append((now or 0) - (base or 0) if driver else mem.graph_bytes())
             pool_curve.append(mem.graph_bytes())
         s = ex.stats()
         out = {

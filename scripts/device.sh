@@ -2,7 +2,8 @@
 # CUDA checks and benchmarks on a GPU machine in one go, each stage under its own time limit.
 #   OUT=out/device bash scripts/device.sh [STAGES] [MODEL]
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
-# "all": every one, in that order; "host-copy" and "soak" run only when named). MODEL: the reference shape
+# "all": every one, in that order; "host-copy", "decode-forward" and "soak" run only when
+# named). MODEL: the reference shape
 # (default qwen3-0.6b). A stage past its limit is killed and the next one starts; the
 # limits add up to 690 s, more than one ten-minute device call, so name the stages a call
 # needs (the stages of a run on a fresh H200 took: host 17 + 25 s, host-copy 17 + 12 s, conformance 116 s,
@@ -70,6 +71,10 @@ has conformance && stage conformance 150 30 bash -c conformance
 has attention && stage attention 45 30 python3 scripts/bench_attention.py --json "$OUT/attention.json"
 has decode && stage decode 180 45 xgraph bench decode --backend cuda --model "$model" \
   --compile 1,8,64 --table-check 64 --iters 30 --json "$OUT/decode.json"
+# decode-forward (only when named): the compiled row with the whole forward as one graph
+has decode-forward && stage decode-forward 180 30 xgraph bench decode --backend cuda \
+  --model "$model" --sizes 1,8,64 --compile 1,8,64 --compile-scope forward --iters 30 \
+  --json "$OUT/decode-forward.json"
 has prefill && stage prefill 110 30 xgraph bench prefill --backend cuda --model "$model" \
   --iters 5 --compile 128,512,2048 --json "$OUT/prefill.json"
 has memory && stage memory 130 45 xgraph bench memory --backend cuda --model "$model" \

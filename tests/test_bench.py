@@ -218,6 +218,16 @@ def test_decode_with_device_hooks() -> None:
     assert "xgraph over compile" in text and "wide/narrow" in text
 
 
+def test_decode_compiles_the_whole_forward_when_asked() -> None:
+    """--compile-scope forward: xgraph's compiled row is the whole forward as one graph."""
+    data = decode.run(TimedCPU(), "tiny", [1, 2], iters=2, compile_batches=[1, 2],
+                      compiler="eager", compile_scope="forward")  # fmt: skip
+    assert data["compile_scope"] == "forward"
+    for r in data["rows"]:
+        assert r["xgraph_compiled_s"] > 0 and "xgraph_compiled_error" not in r, r
+    assert "xgraph over compile compiles: forward" in decode.summarize(data)
+
+
 def test_a_failing_row_hides_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*args: Any) -> None:
         raise RuntimeError("the anchor broke")

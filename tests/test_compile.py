@@ -212,3 +212,24 @@ def test_compiled_attention_outside_a_step_says_how_to_call_it():
     q, cache = torch.randn(3, 4, 16), torch.zeros(5, 4, 2, 16)
     with pytest.raises(XGraphError, match="outside a step"):
         torch.compile(f, backend="aot_eager", fullgraph=True)(q, cache, cache.clone())
+
+
+@pytest.mark.parametrize("scope", ["layers", "forward"])
+def test_the_benchs_compiled_twin_equals_eager_through_the_executor(scope):
+    """bench decode's compiled row, either scope, static shapes: full decode graphs on the
+    CPU backend equal the padded eager step bit for bit (the eager compiler backend)."""
+    from xgraph.bench.anchors import compiled_twin
+
+    torch._dynamo.reset()
+    w, ref = workload(), workload()
+    twin = Workload(compiled_twin(w.model, "eager", dynamic=False, scope=scope), 8, 32)
+    ex = twin.executor(twin.model.forward, backend="cpu", buckets=BUCKETS, compiled=True)
+    rng, buckets = random.Random(5), Buckets(BUCKETS)
+    for b in (3, 1, 3):
+        step = twin.decode_step(rng, b)
+        out = ex(**step.kwargs())
+        expected = ref.eager(ref.padded(step, buckets, full=True), forward=ref.model.forward)
+        assert torch.equal(out, expected[:b])
+    assert ex.stats()["eager"] == {}
+    ex.close()
+    torch._dynamo.reset()

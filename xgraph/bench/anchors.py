@@ -70,16 +70,26 @@ def native_anchor(backend: Backend, w: Workload, step: Step) -> Callable[[], Non
 
 
 def compiled_twin(
-    model: Qwen3Model, compiler: str = "inductor", dynamic: bool = True
+    model: Qwen3Model, compiler: str = "inductor", dynamic: bool = True, scope: str = "layers"
 ) -> Qwen3Model:
     """A copy of the module tree sharing the parameters, buffers and KV cache, its layers
     compiled in place (compile_layers compiles modules, so it needs modules of its own);
-    `dynamic=False`: one compile per token count, each specialised to its shape."""
+    `dynamic=False`: one compile per token count, each specialised to its shape.
+    `scope="forward"`: the whole forward compiled as one graph instead (embedding, rotary,
+    every layer, the final norm; the attention op inside it), as reduce-overhead compiles it."""
     shared: dict[int, Any] = {
         id(t): t for t in (*model.parameters(), *model.buffers(), *model.kv_cache.tensors())
     }
     shared[id(model.kv_cache)] = model.kv_cache
     twin = copy.deepcopy(model, shared)
+    if scope == "forward":
+        twin.mark_cache_static()
+        twin.forward = torch.compile(  # type: ignore[method-assign]
+            twin.forward, dynamic=dynamic, **compile_options(compiler)
+        )
+        return twin
+    if scope != "layers":
+        raise ValueError(f"compile scope {scope!r}: choose 'layers' or 'forward'")
     return twin.compile_layers(dynamic=dynamic, **compile_options(compiler))
 
 

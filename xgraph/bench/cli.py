@@ -60,6 +60,13 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
         "tokens wide (the step-time ratio of the two)",
     )
     p.add_argument(
+        "--compile-scope",
+        default="layers",
+        choices=["layers", "forward"],
+        help="decode: what xgraph's compiled row compiles (layers: each decoder layer, one "
+        "graph they share; forward: the whole forward as one graph, as reduce-overhead does)",
+    )
+    p.add_argument(
         "--models",
         default="reference,hf-llama",
         type=_names(memory.targets.FAMILIES),
@@ -177,6 +184,7 @@ def _decode(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
         compile_batches=args.compile,
         table_check_batch=args.table_check,
         checkpoint=Checkpoint(_json_path(args, "decode")),
+        compile_scope=args.compile_scope,
     )
     return data, decode.summarize(data)
 

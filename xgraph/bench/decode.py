@@ -85,8 +85,10 @@ class _Compiled:
     """The compiled variants, each built at its first use and reused by later batches:
     one reduce-overhead function, one compiled twin of the model behind one executor."""
 
-    def __init__(self, backend: Backend, w: Workload, batches: list[int], compiler: str) -> None:
+    def __init__(self, backend: Backend, w: Workload, batches: list[int], compiler: str,
+                 scope: str = "layers") -> None:  # fmt: skip
         self.backend, self.w, self.batches, self.compiler = backend, w, batches, compiler
+        self.scope = scope
         self.ro: ReduceOverhead | None = None
         self.twin: Workload | None = None
         self.ex: GraphExecutor | None = None
@@ -100,7 +102,7 @@ class _Compiled:
         if self.ex is None:
             # static shapes: a compile per decode batch, like reduce-overhead's (the dynamic
             # graph's kernels measured 5-7% slower at batch 8 and 64 on an H200)
-            model = compiled_twin(self.w.model, self.compiler, dynamic=False)
+            model = compiled_twin(self.w.model, self.compiler, dynamic=False, scope=self.scope)
             self.twin = Workload(model, self.w.max_blocks, self.w.max_seqs)
             self.ex = self.twin.executor(model.forward, backend=self.backend,
                                          buckets=self.batches, compiled=True,
@@ -182,16 +184,19 @@ def run(
     seed: int = 0,
     compiler: str = "inductor",
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
+    compile_scope: str = "layers",
 ) -> dict[str, Any]:
     """Every row, then the width check, then the compiled rows; `checkpoint` gets the data
-    so far after each stage (a run stopped by a time limit keeps what it measured)."""
+    so far after each stage (a run stopped by a time limit keeps what it measured).
+    `compile_scope`: what the executor's compiled forward compiles ("layers": each decoder
+    layer, one graph they share; "forward": the whole forward as one graph)."""
     accel = backend.device.type != "cpu"
     batches = batches or ([1, 8, 64, 256] if accel else [1, 8, 32])
     if compile_batches is None:
         compile_batches = DEFAULT_COMPILE if accel else []
     w = _workload(backend, model, batches, table_check_batch, accel)
     timer = Timer(backend)
-    data = {**header(backend, model, w), "iters": iters,
+    data = {**header(backend, model, w), "iters": iters, "compile_scope": compile_scope,
             "weight_bytes": roofline.weight_bytes(w.model)}  # fmt: skip
     attempt(data, "bandwidth", lambda: roofline.bandwidth(backend, timer))
 
@@ -221,8 +226,9 @@ def run(
         data["table_check"] = check = table_check.start(table_check_batch, seed)
         table_check.run(backend, check, "xgraph", w.model, timer, iters)
         save()
-    _compiled_rows(_Compiled(backend, w, [b for b in batches if b in compile_batches], compiler),
-                   data, steps, timer, iters, save)  # fmt: skip
+    chosen = [b for b in batches if b in compile_batches]
+    _compiled_rows(_Compiled(backend, w, chosen, compiler, compile_scope), data, steps, timer,
+                   iters, save)  # fmt: skip
     return snapshot()
 
 
@@ -291,7 +297,8 @@ def summarize(data: dict[str, Any]) -> str:
         f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}); "
         f"times: median {data['timing']}; memory bandwidth {measured} (copy of "
         f"{data.get('bandwidth_copy_bytes', 0) / MiB:.0f} MiB); weights read per step "
-        f"{data['weight_bytes'] / MiB:.1f} MiB (layers + final norm)"
+        f"{data['weight_bytes'] / MiB:.1f} MiB (layers + final norm); xgraph over compile "
+        f"compiles: {data.get('compile_scope', 'layers')}"
     )
     parts = [head, _step_table(data), _batch_table(data)]
     errors = [f"- batch {r['batch']} {k[:-6]}: {v}" for r in data["rows"]

@@ -12,12 +12,14 @@ the launch queue) is timed with the device's waits for the host in it, as it run
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+logger = logging.getLogger("xgraph")
 MAX_LEAD_S = 0.005  # an enqueue slower than this is timed with the host's part in it
 
 
@@ -28,6 +30,7 @@ class LeadTimer:
         self.device = device
         self.lead_s = 1e-3
         self._cycles_per_s: float | None = None
+        self._warned = False
 
     def cycles_per_s(self) -> float:
         """The spin kernel's clock, measured once (torch.cuda._sleep counts SM cycles)."""
@@ -54,6 +57,10 @@ class LeadTimer:
 
     def __call__(self, fn: Callable[[], Any]) -> float:
         if not hasattr(torch.cuda, "_sleep"):  # a torch without the spin kernel: plain events
+            if not self._warned:
+                self._warned = True
+                logger.warning("torch.cuda._sleep is missing: device times include the "
+                               "host's time to queue the work")  # fmt: skip
             return self._time(fn, 0)[0]
         rate = self.cycles_per_s()
         device, host = self._time(fn, int(self.lead_s * rate))

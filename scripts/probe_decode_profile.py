@@ -1,8 +1,10 @@
 """Where a decode step's device time goes (CUDA diagnostic): kernels per step by name, for
 the executor over the compiled forward and for torch.compile(mode="reduce-overhead"), from
-torch.profiler over replays. JSON to argv[1]; argv[2] the batch size (default 1).
+torch.profiler over replays. JSON to argv[1]; argv[2] the batch size (default 1); argv[3]
+what the executor's compiled forward compiles, "layers" (default) or "forward" (the whole
+forward as one graph, static shapes, as `bench decode --compile-scope forward` does).
 
-    python scripts/probe_decode_profile.py out.json [BATCH]
+    python scripts/probe_decode_profile.py out.json [BATCH] [layers|forward]
 """
 
 from __future__ import annotations
@@ -50,14 +52,14 @@ def kernels(fn: Callable[[], Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def main(path: str, batch: int) -> None:
+def main(path: str, batch: int, scope: str = "layers") -> None:
     backend = xgraph.get_backend("cuda")
     w = workload(backend, "qwen3-0.6b", max_seqs=max(batch, 8), context=512)
     step = w.decode_step(random.Random(0), batch, max_context=256).with_tensor_tables(
         w.max_blocks, w.cache.dummy_block
     )
-    out: dict[str, Any] = {"batch": batch, "device": torch.cuda.get_device_name()}
-    twin = compiled_twin(w.model)
+    out: dict[str, Any] = {"batch": batch, "scope": scope, "device": torch.cuda.get_device_name()}
+    twin = compiled_twin(w.model, dynamic=scope == "layers", scope=scope)
     tw = Workload(twin, w.max_blocks, w.max_seqs)
     ex = tw.executor(twin.forward, backend=backend, buckets=[batch], compiled=True)
     out["xgraph over compile"] = kernels(lambda: ex(**step.kwargs()))
@@ -84,4 +86,5 @@ def main(path: str, batch: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1,
+         sys.argv[3] if len(sys.argv) > 3 else "layers")

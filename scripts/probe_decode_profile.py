@@ -2,7 +2,7 @@
 the executor over the compiled forward and for torch.compile(mode="reduce-overhead"), from
 torch.profiler over replays. JSON to argv[1]; argv[2] the batch size (default 1); argv[3]
 what the executor's compiled forward compiles, "layers" (default) or "forward" (the whole
-forward as one graph, static shapes, as `bench decode --compile-scope forward` does).
+forward as one graph); static shapes either way, as `bench decode` compiles.
 
     python scripts/probe_decode_profile.py out.json [BATCH] [layers|forward]
 """
@@ -59,7 +59,7 @@ def main(path: str, batch: int, scope: str = "layers") -> None:
         w.max_blocks, w.cache.dummy_block
     )
     out: dict[str, Any] = {"batch": batch, "scope": scope, "device": torch.cuda.get_device_name()}
-    twin = compiled_twin(w.model, dynamic=scope == "layers", scope=scope)
+    twin = compiled_twin(w.model, dynamic=False, scope=scope)  # as bench decode compiles it
     tw = Workload(twin, w.max_blocks, w.max_seqs)
     ex = tw.executor(twin.forward, backend=backend, buckets=[batch], compiled=True)
     out["xgraph over compile"] = kernels(lambda: ex(**step.kwargs()))

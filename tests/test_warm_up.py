@@ -45,3 +45,9 @@ def test_steps_after_a_warm_up_equal_eager_bitwise(w):
     with w.executor(backend="cpu", buckets=[1, 2, 4, 8], mode="eager") as eager:
         want = eager(**step.kwargs())
     assert torch.equal(got, want)
+
+
+def test_warm_up_asks_for_a_layout(w):
+    with w.executor(backend="cpu", buckets=[1, 2]) as ex:
+        with pytest.raises(xgraph.XGraphError, match="choose the layout, 'full' or 'piecewise'"):
+            ex.warm_up(kind="eager")

@@ -406,6 +406,8 @@ class GraphExecutor:
         """Run the synthetic steps `capture` would record, eagerly, recording nothing: kernels
         compile and load, and libraries set up, before any capture or memory reading."""
         k = Kind.parse(kind, "kind")
+        if k is Kind.EAGER:
+            raise XGraphError("kind='eager': choose the layout, 'full' or 'piecewise'.")
         self._synthetic(sizes, k, Kind.EAGER, f"{self.name}: warm-up", False, key_dims)
 
     def _synthetic(self, sizes: Iterable[int] | None, layout: Kind, run: Kind, what: str,

@@ -233,7 +233,8 @@ class MemcpyCopier(HostCopier):
 
 class TorchCopier(HostCopier):
     """Any accelerator: a non-blocking torch copy of the prefix, then an event that the next
-    `wait` synchronizes on (only while a copy may still be reading the host buffer)."""
+    `wait` synchronizes on (only while a copy may still be reading the host buffer). An
+    adapter with a cheaper copy overrides `_copy` and keeps the event bookkeeping."""
 
     def __init__(self, device: torch.Tensor, host: torch.Tensor) -> None:
         self._device, self._host = device, host
@@ -241,12 +242,16 @@ class TorchCopier(HostCopier):
         self._pending = False
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def send(self, nbytes: int) -> None:
+    def _copy(self, nbytes: int) -> None:
+        """Queue the copy of the first `nbytes` on the current stream."""
         pair = self._copies.get(nbytes)
         if pair is None:  # slicing costs a microsecond: once per size
             pair = self._copies[nbytes] = (self._device[:nbytes], self._host[:nbytes])
         pair[0].copy_(pair[1], non_blocking=True)
-        self._event.record()
+
+    def send(self, nbytes: int) -> None:
+        self._copy(nbytes)
+        self._event.record()  # on the current stream, after the copy
         self._pending = True
 
     def wait(self) -> None:

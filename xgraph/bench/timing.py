@@ -58,14 +58,19 @@ class Timer:
         return f"host wall time, synchronized ({self.backend.name} has no device timer)"
 
 
-def host_time(backend: Backend, fn: Callable[[], Any], iters: int) -> float:
+def host_time(
+    backend: Backend, fn: Callable[[], Any], iters: int, until_done: bool = False
+) -> float:
     """Median host wall time of issuing `fn` with an idle device (synchronized before each call),
-    so the call never waits on earlier work: the host cost alone, not the device's."""
+    so the call never waits on earlier work: the host cost alone, not the device's.
+    `until_done`: up to the end of `fn`'s device work instead (see `wall_time`)."""
     ts = []
     for _ in range(iters):
         backend.synchronize()
         t0 = time.perf_counter()
         fn()
+        if until_done:
+            backend.synchronize()
         ts.append(time.perf_counter() - t0)
     backend.synchronize()
     return statistics.median(ts)
@@ -74,11 +79,4 @@ def host_time(backend: Backend, fn: Callable[[], Any], iters: int) -> float:
 def wall_time(backend: Backend, fn: Callable[[], Any], iters: int) -> float:
     """Median host wall time from an idle device until `fn`'s work is done: queueing and
     device time together, the end-to-end cost of a step that is not a graph."""
-    ts = []
-    for _ in range(iters):
-        backend.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        backend.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return host_time(backend, fn, iters, until_done=True)

@@ -18,6 +18,7 @@ import os
 import torch
 from cuda.bindings import driver as cu
 
+from xgraph.buffers import TorchCopier
 from xgraph.errors import XGraphError
 from xgraph.interfaces import HostCopier
 
@@ -59,16 +60,16 @@ class _Driver:
 _driver: _Driver | None = None
 
 
-class DriverCopier(HostCopier):
-    """cuMemcpyHtoDAsync of a prefix of the pinned twin, and one event, per step."""
+class DriverCopier(TorchCopier):
+    """cuMemcpyHtoDAsync of a prefix of the pinned twin per step; the event and the wait are
+    the core's (TorchCopier)."""
 
     def __init__(self, device: torch.Tensor, host: torch.Tensor) -> None:
         global _driver
         if _driver is None:
             _driver = _Driver()
         self._drv = _driver
-        self._buffers = (device, host)  # kept alive: the driver gets raw addresses
-        self._dst, self._src = device.data_ptr(), host.data_ptr()
+        self._dst, self._src = device.data_ptr(), host.data_ptr()  # the tensors stay alive
         self._index = device.device.index if device.device.index is not None else 0
         # the current stream's handle without a Stream object: what Inductor's code calls
         self._raw_stream = torch._C._cuda_getCurrentRawStream
@@ -78,23 +79,15 @@ class DriverCopier(HostCopier):
             ctx = ctypes.c_void_p()
             _check("cuCtxGetCurrent", self._drv.ctx_get(ctypes.byref(ctx)))
             self._context = ctx
-            self._event = torch.Event(device=device.device)
-        self._pending = False
+            super().__init__(device, host)
 
-    def send(self, nbytes: int) -> None:
+    def _copy(self, nbytes: int) -> None:
         stream = self._raw_stream(self._index)
         rc = self._drv.memcpy(self._dst, self._src, nbytes, stream)
         if rc == _INVALID_CONTEXT:  # a thread that has made no CUDA call yet: give it ours
             _check("cuCtxSetCurrent", self._drv.ctx_set(self._context))
             rc = self._drv.memcpy(self._dst, self._src, nbytes, stream)
         _check("cuMemcpyHtoDAsync", rc)
-        self._event.record()  # on the current stream, after the copy
-        self._pending = True
-
-    def wait(self) -> None:
-        if self._pending:
-            self._event.synchronize()
-            self._pending = False
 
 
 def host_copier(device: torch.Tensor, host: torch.Tensor) -> HostCopier | None:

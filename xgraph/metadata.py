@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [num_blocks, block_size, kv_heads, dim]
@@ -104,7 +105,9 @@ class AttentionMetadata:
     full graph): `slot_mapping` [tokens] int64, the cache slot each token's k/v goes to;
     `seq_lens` [seqs] int32, kv length of each sequence including this step's tokens;
     `query_start_loc` [seqs + 1] int32, cumulative query lengths; `block_tables`
-    [seqs, max_blocks] int32. Host values serve runners that plan on the host.
+    [seqs, max_blocks] int32. Host values serve runners that plan on the host: lists, or
+    (`seq_lens_host` of a full-graph decode step) an int32 array that the next step
+    overwrites, so read it in `plan`, not later.
     """
 
     slot_mapping: torch.Tensor
@@ -114,7 +117,7 @@ class AttentionMetadata:
     num_tokens: int
     num_seqs: int
     query_lens_host: list[int]
-    seq_lens_host: list[int]
+    seq_lens_host: Sequence[int] | np.ndarray
 
     @classmethod
     def build(

@@ -47,7 +47,7 @@ def sequence_spans(md: AttentionMetadata) -> list[SeqSpan]:
     """The step's sequences, from the host copies of its lengths (runners planned on the host)."""
     spans, start = [], 0
     for i, (ql, sl) in enumerate(zip(md.query_lens_host, md.seq_lens_host)):
-        spans.append(SeqSpan(start, ql, sl, md.block_tables[i]))
+        spans.append(SeqSpan(start, ql, int(sl), md.block_tables[i]))  # sl may be np.int32
         start += ql
     return spans
 

@@ -441,7 +441,7 @@ class DecodePath:
             md = AttentionMetadata(  # positional: num_tokens, num_seqs, host lengths
                 dev["slot_mapping"], dev["seq_lens"], dev["query_start_loc"],
                 dev["block_tables"], tb, tb, b.query_lens,
-                d.seq_lens.tolist() + [1] * (tb - n) if n < tb else d.seq_lens.tolist(),
+                b.plan.host["seq_lens"],  # the twin, padded: no list built per step
             )  # fmt: skip
         self.staged.send(b.plan.nbytes)
         return Step(Kind.FULL, tensors, {NUM_TOKENS: n}, h, b.key, b.padded, b.views, md)

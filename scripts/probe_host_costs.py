@@ -33,12 +33,15 @@ def per_call_us(fn: Callable[[], Any], iters: int = 2000) -> float:
 
 
 def main(path: str) -> None:
+    from xgraph_cuda.staging import DriverCopier, GraphCopier
+
     import xgraph
 
-    backend = xgraph.get_backend("cuda")
+    xgraph.get_backend("cuda")
     dev = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
     host = torch.zeros(1 << 16, dtype=torch.uint8, pin_memory=True)
-    driver = backend.host_copier(dev, host)
+    driver = DriverCopier(dev, host)
+    graph_copier = GraphCopier(dev, host)
     torch_copier = TorchCopier(dev, host)
     ev = torch.Event(device=dev.device)
     small = torch.zeros(8, device="cuda")
@@ -57,6 +60,10 @@ def main(path: str) -> None:
     out["us"] = {
         "driver copier wait+send 256 B": per_call_us(cycle(driver, 256)),
         "driver copier wait+send 16 KiB": per_call_us(cycle(driver, 1 << 14)),
+        "graph copier wait+send 256 B": per_call_us(cycle(graph_copier, 256)),
+        "graph copier wait+send 16 KiB": per_call_us(cycle(graph_copier, 1 << 14)),
+        "driver copier send 256 B": per_call_us(lambda: driver._copy(256)),
+        "graph copier send 256 B": per_call_us(lambda: graph_copier._copy(256)),
         "torch copier wait+send 256 B": per_call_us(cycle(torch_copier, 256)),
         "torch copier wait+send 16 KiB": per_call_us(cycle(torch_copier, 1 << 14)),
         "torch copy_ non_blocking 256 B": per_call_us(

@@ -2,7 +2,7 @@
 # CUDA checks and benchmarks on a GPU machine in one go, each stage under its own time limit.
 #   OUT=out/device bash scripts/device.sh [STAGES] [MODEL]
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
-# "all": every one, in that order; "host-copy", "host-graph", "host-costs", "graph-nodes",
+# "all": every one, in that order; "host-copy", "host-costs", "graph-nodes",
 # "decode-forward" and "soak" run only when named; DECODE_SCOPE=forward compiles the decode
 # stage's whole forward instead of its layers). MODEL: the reference shape
 # (default qwen3-0.6b). A stage past its limit is killed and the next one starts; the
@@ -68,9 +68,6 @@ has host-copy && stage host-torch-copy 30 12 env XGRAPH_CUDA_STAGING=torch xgrap
   host --backend cuda --model "$model" --json "$OUT/host-torch-copy.json"
 has host-copy && stage host-costs 30 14 python3 scripts/probe_host_costs.py \
   "$OUT/host-costs.json"
-# host-graph: the graph copier (XGRAPH_CUDA_STAGING=graph) instead of the driver copier
-has host-graph && stage host-graph 30 12 env XGRAPH_CUDA_STAGING=graph xgraph bench host \
-  --backend cuda --model "$model" --json "$OUT/host-graph.json"
 has host-costs && stage host-costs 30 16 python3 scripts/probe_host_costs.py \
   "$OUT/host-costs.json"
 # graph-nodes: the driver's memory per instantiated graph against its kernel nodes
@@ -78,7 +75,7 @@ has graph-nodes && stage graph-nodes 60 12 python3 scripts/probe_graph_nodes.py 
   "$OUT/graph-nodes.json"
 has conformance && stage conformance 150 30 bash -c conformance
 has attention && stage attention 45 30 python3 scripts/bench_attention.py --json "$OUT/attention.json"
-has decode && stage decode 180 45 xgraph bench decode --backend cuda --model "$model" \
+has decode && stage decode 240 45 xgraph bench decode --backend cuda --model "$model" \
   --compile 1,8,64 --table-check 64 --iters 30 --compile-scope "${DECODE_SCOPE:-layers}" \
   --json "$OUT/decode.json"
 # decode-forward (only when named): the compiled row with the whole forward as one graph

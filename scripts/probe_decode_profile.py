@@ -68,7 +68,7 @@ def main(path: str, batch: int, scope: str = "layers") -> None:
     out["xgraph"] = kernels(lambda: eager(**step.kwargs()))
     eager.close()
     ro = ReduceOverhead(backend, w.model)
-    ids, pos, ctx = static_inputs(backend, w, step)
+    ids, pos, ctx, _send = static_inputs(backend, w, step)
 
     def call() -> None:
         torch.compiler.cudagraph_mark_step_begin()

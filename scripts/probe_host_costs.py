@@ -33,7 +33,7 @@ def per_call_us(fn: Callable[[], Any], iters: int = 2000) -> float:
 
 
 def main(path: str) -> None:
-    from xgraph_cuda.staging import DriverCopier, GraphCopier
+    from xgraph_cuda.staging import DriverCopier
 
     import xgraph
 
@@ -41,7 +41,6 @@ def main(path: str) -> None:
     dev = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
     host = torch.zeros(1 << 16, dtype=torch.uint8, pin_memory=True)
     driver = DriverCopier(dev, host)
-    graph_copier = GraphCopier(dev, host)
     torch_copier = TorchCopier(dev, host)
     ev = torch.Event(device=dev.device)
     small = torch.zeros(8, device="cuda")
@@ -60,10 +59,7 @@ def main(path: str) -> None:
     out["us"] = {
         "driver copier wait+send 256 B": per_call_us(cycle(driver, 256)),
         "driver copier wait+send 16 KiB": per_call_us(cycle(driver, 1 << 14)),
-        "graph copier wait+send 256 B": per_call_us(cycle(graph_copier, 256)),
-        "graph copier wait+send 16 KiB": per_call_us(cycle(graph_copier, 1 << 14)),
         "driver copier send 256 B": per_call_us(lambda: driver._copy(256)),
-        "graph copier send 256 B": per_call_us(lambda: graph_copier._copy(256)),
         "torch copier wait+send 256 B": per_call_us(cycle(torch_copier, 256)),
         "torch copier wait+send 16 KiB": per_call_us(cycle(torch_copier, 1 << 14)),
         "torch copy_ non_blocking 256 B": per_call_us(

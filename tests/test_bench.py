@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import xgraph
 from xgraph.bench import decode, memory, prefill
@@ -204,18 +205,41 @@ def test_decode_with_device_hooks() -> None:
     assert data["timing"] == "device time (test timer)"
     for r in data["rows"]:
         for key in ("raw_graph_s", "raw_replay_host_s", "xgraph/raw_graph", "reduce_overhead_s",
+                    "raw_graph_inputs_s", "reduce_overhead_inputs_s",
                     "xgraph_compiled_s", "xgraph_compiled_first_step_s"):  # fmt: skip
             assert r[key] > 0, (key, r)
         assert r["host_overhead_s"] == pytest.approx(r["xgraph_host_s"] - r["raw_replay_host_s"])
         assert set(r["roofline"]) == set(decode.VARIANTS)
         assert r["best_xgraph"] in ("xgraph", "xgraph over compile")
-        assert set(r["best_xgraph_vs"]) == {"reduce-overhead", "raw graph"}
+        assert set(r["best_xgraph_vs"]) == set(decode.ANCHORS)
     check = data["table_check"]
     assert check["xgraph_compiled_narrow_s"] > 0 and check["xgraph_compiled_wide_s"] > 0
     text = decode.summarize(data)
     for column in ("| raw graph |", "overhead us", "best / reduce-overhead", "% of bandwidth"):
         assert column in text, column
     assert "xgraph over compile" in text and "wide/narrow" in text
+
+
+def test_the_anchors_step_sends_every_input_into_the_static_buffers() -> None:
+    """`+ inputs` anchors: the send rewrites the token inputs and all four metadata tensors."""
+    import random
+
+    from xgraph.bench.anchors import static_inputs
+    from xgraph.bench.report import workload
+
+    backend = TimedCPU()
+    w = workload(backend, "tiny", max_seqs=4, context=64)
+    step = w.decode_step(random.Random(0), 3, max_context=40)
+    ids, pos, ctx, send = static_inputs(backend, w, step)
+    md = ctx.runner.md
+    targets = [ids, pos, md.slot_mapping, md.seq_lens, md.query_start_loc, md.block_tables]
+    expected = [t.clone() for t in targets]
+    for t in targets:
+        t.fill_(-7)
+    send()
+    for got, want in zip(targets, expected):
+        assert torch.equal(got, want)
+    assert torch.equal(ids, step.input_ids) and torch.equal(pos, step.positions)
 
 
 def test_decode_compiles_the_whole_forward_when_asked() -> None:

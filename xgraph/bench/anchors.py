@@ -2,6 +2,11 @@
 
 - `native_anchor`: the forward captured with the runtime's own graph API on static buffers
   (`backend.native_graph`), bypassing xgraph: the raw-graph anchor.
+- Each anchor is timed two ways: replaying the same step's static device inputs (a replay,
+  nothing sent), and as a step an engine would run without xgraph (`+ inputs`): the step's
+  token inputs and attention metadata first copied from pinned host tensors into those
+  static buffers, one non-blocking copy per tensor (how engines fill persistent buffers),
+  since an executor step includes sending its inputs.
 - `ReduceOverhead`: torch.compile(mode="reduce-overhead") of the same forward, one compiled
   function for every batch size (static shapes: a recompile per size, each recorded into
   torch's own CUDA graphs).
@@ -48,25 +53,45 @@ def _decode_runner(backend: Backend) -> AttentionRunner:
     return {**reference_runners(), **backend.attention_runners()}["decode"]
 
 
+def _sender(backend: Backend, targets: list[torch.Tensor]) -> Callable[[], None]:
+    """Copies of host twins (pinned on an accelerator) into `targets`, one per tensor."""
+    pin = backend.device.type != "cpu"
+    pairs = [(t, t.cpu().pin_memory() if pin else t.cpu().clone()) for t in targets]
+
+    def send() -> None:
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+
+    return send
+
+
 def static_inputs(
     backend: Backend, w: Workload, step: Step
-) -> tuple[torch.Tensor, torch.Tensor, InlineRunner]:
-    """Device token inputs and a runner planned on the step: the anchors' static buffers."""
+) -> tuple[torch.Tensor, torch.Tensor, InlineRunner, Callable[[], None]]:
+    """Device token inputs and a runner planned on the step: the anchors' static buffers;
+    and a callable that sends the step into them from the host, as an engine would."""
     dev = w.cache.tensors()[0].device
     runner = _decode_runner(backend)
-    runner.plan(_static_metadata(w, step))
-    return step.input_ids.to(dev), step.positions.to(dev), InlineRunner(runner)
+    md = _static_metadata(w, step)
+    runner.plan(md)
+    ids, pos = step.input_ids.to(dev), step.positions.to(dev)
+    tables = [md.slot_mapping, md.seq_lens, md.query_start_loc, md.block_tables]
+    return ids, pos, InlineRunner(runner), _sender(backend, [ids, pos, *tables])
 
 
-def native_anchor(backend: Backend, w: Workload, step: Step) -> Callable[[], None] | None:
-    """The forward captured with the runtime's own graph API (a replay callable), or None."""
-    ids, pos, ctx = static_inputs(backend, w, step)
+def native_anchor(
+    backend: Backend, w: Workload, step: Step
+) -> tuple[Callable[[], None], Callable[[], None]] | None:
+    """The forward captured with the runtime's own graph API (a replay callable, and the
+    sending of the step into its static buffers), or None."""
+    ids, pos, ctx, send = static_inputs(backend, w, step)
 
     def forward() -> None:
         with torch.no_grad(), step_context(ctx):
             w.model.forward(ids, pos)
 
-    return backend.native_graph(forward)
+    replay = backend.native_graph(forward)
+    return None if replay is None else (replay, send)
 
 
 def compiled_twin(
@@ -120,13 +145,17 @@ class ReduceOverhead:
             self.fn = torch.compile(model.forward, backend=compiler, dynamic=False)
 
     def measure(self, w: Workload, step: Step, timer: Timer, iters: int) -> dict[str, Any]:
-        ids, pos, ctx = static_inputs(self.backend, w, step)
+        ids, pos, ctx, send = static_inputs(self.backend, w, step)
         skips = _cudagraph_skips()
 
         def call() -> None:
             torch.compiler.cudagraph_mark_step_begin()  # earlier outputs may be overwritten
             with torch.no_grad(), step_context(ctx):
                 self.fn(ids, pos)
+
+        def step_call() -> None:
+            send()
+            call()
 
         t0 = time.perf_counter()
         for _ in range(3):  # compile, warm-up run, graph recording
@@ -135,6 +164,7 @@ class ReduceOverhead:
         first = time.perf_counter() - t0
         return {
             "reduce_overhead_s": timer(call, iters),
+            "reduce_overhead_inputs_s": timer(step_call, iters),
             "reduce_overhead_first_calls_s": first,
             "reduce_overhead_cudagraph_skips": _cudagraph_skips() - skips,
         }

@@ -39,20 +39,30 @@ VARIANTS = {  # printed name -> the row's key
     "eager": "eager_s",
     "xgraph": "xgraph_s",
     "raw graph": "raw_graph_s",
+    "raw graph + inputs": "raw_graph_inputs_s",
     "reduce-overhead": "reduce_overhead_s",
+    "reduce-overhead + inputs": "reduce_overhead_inputs_s",
     "xgraph over compile": "xgraph_compiled_s",
 }
 XGRAPH = ("xgraph", "xgraph over compile")
-ANCHORS = ("reduce-overhead", "raw graph")
+# replays of static inputs, and the same as engine steps (`+ inputs`: the step sent first)
+ANCHORS = ("reduce-overhead", "raw graph", "reduce-overhead + inputs", "raw graph + inputs")
 
 
 def _raw_graph(backend: Backend, w: Workload, step: Step, timer: Timer, iters: int) -> dict:
-    replay = native_anchor(backend, w, step)
-    if replay is None:  # the runtime has no graph API of its own
+    anchor = native_anchor(backend, w, step)
+    if anchor is None:  # the runtime has no graph API of its own
         return {}
+    replay, send = anchor
+
+    def step_call() -> None:
+        send()
+        replay()
+
     # the anchor's graph and its pool go when `replay` does, before the next batch's
     return {
         "raw_graph_s": timer(replay, iters),
+        "raw_graph_inputs_s": timer(step_call, iters),
         "raw_replay_host_s": host_time(backend, replay, iters),
     }
 
@@ -240,7 +250,8 @@ def _ms(row: dict[str, Any], key: str, name: str) -> Any:
 
 
 ERROR_NAMES = {"eager_s": "eager", "xgraph_s": "xgraph", "raw_graph_s": "raw_graph",
-               "reduce_overhead_s": "reduce_overhead",
+               "raw_graph_inputs_s": "raw_graph", "reduce_overhead_s": "reduce_overhead",
+               "reduce_overhead_inputs_s": "reduce_overhead",
                "xgraph_compiled_s": "xgraph_compiled"}  # fmt: skip
 
 

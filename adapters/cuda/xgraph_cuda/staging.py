@@ -8,18 +8,12 @@ needed. `DriverCopier` calls cuMemcpyHtoDAsync on the current torch stream (the 
 graph then replays on) through ctypes, whose call costs far less than cuda-python's
 argument wrapping on this path, then records a torch event that `wait` synchronizes.
 XGRAPH_CUDA_STAGING=torch picks the core's torch copy instead (for comparison).
-
-XGRAPH_CUDA_STAGING=graph picks `GraphCopier`: the same copy as a one-node CUDA graph per
-copy size, built once with the driver's graph API, so a step launches a graph instead of
-issuing a memcpy. Which of the two costs the host less is measured, not assumed
-(scripts/probe_host_costs.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any
 
 import torch
 from cuda.bindings import driver as cu
@@ -61,9 +55,6 @@ class _Driver:
         self.ctx_set = lib.cuCtxSetCurrent
         self.ctx_set.argtypes = [ctypes.c_void_p]
         self.ctx_set.restype = ctypes.c_int
-        self.launch = lib.cuGraphLaunch
-        self.launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        self.launch.restype = ctypes.c_int
 
 
 _driver: _Driver | None = None
@@ -99,67 +90,15 @@ class DriverCopier(TorchCopier):
         _check("cuMemcpyHtoDAsync", rc)
 
 
-class GraphCopier(DriverCopier):
-    """The copy of each prefix size as a one-node graph (a memcpy node from the pinned twin),
-    launched on the current stream; the executables live as long as the copier."""
-
-    def __init__(self, device: torch.Tensor, host: torch.Tensor) -> None:
-        super().__init__(device, host)
-        self._execs: dict[int, tuple[Any, int]] = {}  # nbytes -> (CUgraphExec, its handle)
-
-    def _build(self, nbytes: int) -> int:
-        p = cu.CUDA_MEMCPY3D()
-        p.srcMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_HOST
-        p.srcHost = self._src
-        p.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
-        p.dstDevice = self._dst
-        p.WidthInBytes, p.Height, p.Depth = nbytes, 1, 1
-        p.srcPitch = p.dstPitch = nbytes
-        p.srcHeight = p.dstHeight = 1
-        rc, graph = cu.cuGraphCreate(0)
-        _check("cuGraphCreate", int(rc))
-        try:
-            ctx = cu.CUcontext(self._context.value)
-            rc, _node = cu.cuGraphAddMemcpyNode(graph, None, 0, p, ctx)
-            _check("cuGraphAddMemcpyNode", int(rc))
-            rc, exe = cu.cuGraphInstantiate(graph, 0)
-            _check("cuGraphInstantiate", int(rc))
-        finally:
-            cu.cuGraphDestroy(graph)
-        self._execs[nbytes] = (exe, int(exe))
-        return int(exe)
-
-    def _copy(self, nbytes: int) -> None:
-        got = self._execs.get(nbytes)
-        handle = got[1] if got is not None else self._build(nbytes)
-        stream = self._raw_stream(self._index)
-        rc = self._drv.launch(handle, stream)
-        if rc == _INVALID_CONTEXT:  # a thread that has made no CUDA call yet: give it ours
-            _check("cuCtxSetCurrent", self._drv.ctx_set(self._context))
-            rc = self._drv.launch(handle, stream)
-        _check("cuGraphLaunch", rc)
-
-    def __del__(self) -> None:
-        # a queued launch keeps its executable alive in the driver, so no synchronize here
-        for exe, _ in getattr(self, "_execs", {}).values():
-            try:
-                cu.cuGraphExecDestroy(exe)
-            except Exception:  # interpreter shutdown: the driver may already be gone
-                pass
-
-
-_COPIERS = {"driver": DriverCopier, "graph": GraphCopier}
-
-
 def host_copier(device: torch.Tensor, host: torch.Tensor) -> HostCopier | None:
     """The copier the CUDA backend offers (None under XGRAPH_CUDA_STAGING=torch)."""
     choice = os.environ.get("XGRAPH_CUDA_STAGING", "driver")
     if choice == "torch":
         return None
-    if choice not in _COPIERS:
+    if choice != "driver":
         raise XGraphError(
-            f"XGRAPH_CUDA_STAGING={choice!r}: choose 'driver' (the default), 'graph' or 'torch'."
+            f"XGRAPH_CUDA_STAGING={choice!r}: choose 'driver' (the default) or 'torch'."
         )
     if not host.is_pinned():  # a pageable twin: torch's copy handles it (synchronously)
         return None
-    return _COPIERS[choice](device, host)
+    return DriverCopier(device, host)

@@ -2,9 +2,10 @@
 the executor over the compiled forward and for torch.compile(mode="reduce-overhead"), from
 torch.profiler over replays. JSON to argv[1]; argv[2] the batch size (default 1); argv[3]
 what the executor's compiled forward compiles, "layers" (default) or "forward" (the whole
-forward as one graph); static shapes either way, as `bench decode` compiles.
+forward as one graph); static shapes either way, as `bench decode` compiles; argv[4] the
+executor's memory mode (default shared-physical; "private": torch's own graph pool).
 
-    python scripts/probe_decode_profile.py out.json [BATCH] [layers|forward]
+    python scripts/probe_decode_profile.py out.json [BATCH] [layers|forward] [MEMORY]
 """
 
 from __future__ import annotations
@@ -52,16 +53,18 @@ def kernels(fn: Callable[[], Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def main(path: str, batch: int, scope: str = "layers") -> None:
+def main(path: str, batch: int, scope: str = "layers", memory: str = "shared-physical") -> None:
     backend = xgraph.get_backend("cuda")
     w = workload(backend, "qwen3-0.6b", max_seqs=max(batch, 8), context=512)
     step = w.decode_step(random.Random(0), batch, max_context=256).with_tensor_tables(
         w.max_blocks, w.cache.dummy_block
     )
-    out: dict[str, Any] = {"batch": batch, "scope": scope, "device": torch.cuda.get_device_name()}
+    out: dict[str, Any] = {"batch": batch, "scope": scope, "memory": memory,
+                           "device": torch.cuda.get_device_name()}
     twin = compiled_twin(w.model, dynamic=False, scope=scope)  # as bench decode compiles it
     tw = Workload(twin, w.max_blocks, w.max_seqs)
-    ex = tw.executor(twin.forward, backend=backend, buckets=[batch], compiled=True)
+    ex = tw.executor(twin.forward, backend=backend, buckets=[batch], compiled=True,
+                     memory=memory)
     out["xgraph over compile"] = kernels(lambda: ex(**step.kwargs()))
     ex.close()
     eager = w.executor(w.model.forward, backend=backend, buckets=[batch])
@@ -87,4 +90,5 @@ def main(path: str, batch: int, scope: str = "layers") -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1,
-         sys.argv[3] if len(sys.argv) > 3 else "layers")
+         sys.argv[3] if len(sys.argv) > 3 else "layers",
+         sys.argv[4] if len(sys.argv) > 4 else "shared-physical")

@@ -8,7 +8,8 @@
 # (default qwen3-0.6b). A stage past its limit is killed and the next one starts; the
 # limits add up to 690 s, more than one ten-minute device call, so name the stages a call
 # needs (the stages of a run on a fresh H200 took: host 17 + 25 s, host-copy 17 + 12 s, conformance 116 s,
-# attention 30 s, decode 93-130 s, prefill 62-90 s, memory 108 s).
+# attention 30 s, decode 93-130 s (190 s with DECODE_SCOPE=forward), prefill 62-90 s, memory
+# 104-108 s, host-costs 8 s, graph-nodes 6 s).
 # Output: $OUT/<stage>.json per benchmark (written as it goes, so a stage cut short keeps
 # what it measured), $OUT/memory.png, and $OUT/log.txt holding every stage's whole output
 # (seven files in all); the tail of each stage is printed as it ends.

@@ -29,6 +29,18 @@ from xgraph.models import Workload
 STEPS = 20
 
 
+def _last_step(prof: Any, n: int) -> list[list[Any]]:
+    """The last step's first 40 device activities in order: [name, us, us idle before it]."""
+    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)[-n:]  # fmt: skip
+    out, end = [], None
+    for e in evs[:40]:
+        gap = 0.0 if end is None else e.time_range.start - end
+        out.append([e.name[:70], round(e.device_time, 2), round(gap, 2)])
+        end = e.time_range.end
+    return out
+
+
 def kernels(fn: Callable[[], Any]) -> dict[str, Any]:
     for _ in range(3):
         fn()
@@ -46,6 +58,7 @@ def kernels(fn: Callable[[], Any]) -> dict[str, Any]:
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
     total = sum(v[1] for _, v in rows) / STEPS
     return {
+        "last_step": _last_step(prof, round(sum(v[0] for _, v in rows) / STEPS)),
         "kernels_per_step": sum(v[0] for _, v in rows) / STEPS,
         "busy_us_per_step": total,
         "top": [{"name": n, "per_step": c / STEPS, "us_per_step": t / STEPS}
@@ -84,6 +97,8 @@ def main(path: str, batch: int, scope: str = "layers", memory: str = "shared-phy
         print(f"== {name}: {r['kernels_per_step']:.0f} kernels, {r['busy_us_per_step']:.0f} us")
         for t in r["top"][:12]:
             print(f"   {t['per_step']:6.1f} x {t['us_per_step']:8.1f} us  {t['name']}")
+        for name, us, gap in r["last_step"][:28]:
+            print(f"      {us:7.2f} us (+{gap:5.2f} idle)  {name}")
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
 

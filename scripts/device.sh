@@ -67,10 +67,8 @@ has host && stage host-model 45 12 xgraph bench host --backend cuda --model "$mo
 # cost of each call a staged step makes
 has host-copy && stage host-torch-copy 30 12 env XGRAPH_CUDA_STAGING=torch xgraph bench \
   host --backend cuda --model "$model" --json "$OUT/host-torch-copy.json"
-has host-copy && stage host-costs 30 14 python3 scripts/probe_host_costs.py \
-  "$OUT/host-costs.json"
-has host-costs && stage host-costs 30 16 python3 scripts/probe_host_costs.py \
-  "$OUT/host-costs.json"
+{ has host-copy || has host-costs; } && stage host-costs 30 16 python3 \
+  scripts/probe_host_costs.py "$OUT/host-costs.json"
 # graph-nodes: the driver's memory per instantiated graph against its kernel nodes
 has graph-nodes && stage graph-nodes 60 12 python3 scripts/probe_graph_nodes.py \
   "$OUT/graph-nodes.json"

@@ -33,14 +33,12 @@ def per_call_us(fn: Callable[[], Any], iters: int = 2000) -> float:
 
 
 def main(path: str) -> None:
-    from xgraph_cuda.staging import DriverCopier
-
     import xgraph
 
-    xgraph.get_backend("cuda")
+    backend = xgraph.get_backend("cuda")
     dev = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
     host = torch.zeros(1 << 16, dtype=torch.uint8, pin_memory=True)
-    driver = DriverCopier(dev, host)
+    driver = backend.host_copier(dev, host)
     torch_copier = TorchCopier(dev, host)
     ev = torch.Event(device=dev.device)
     small = torch.zeros(8, device="cuda")

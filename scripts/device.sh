@@ -2,9 +2,9 @@
 # CUDA checks and benchmarks on a GPU machine in one go, each stage under its own time limit.
 #   OUT=out/device bash scripts/device.sh [STAGES] [MODEL]
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
-# "all": every one, in that order; "host-copy", "host-costs", "graph-nodes",
-# "decode-forward" and "soak" run only when named; DECODE_SCOPE=forward compiles the decode
-# stage's whole forward instead of its layers). MODEL: the reference shape
+# "all": every one, in that order; "host-copy", "host-costs", "graph-nodes", "skinny",
+# "decode-cublas", "decode-forward" and "soak" run only when named; DECODE_SCOPE=forward
+# compiles the decode stage's whole forward instead of its layers). MODEL: the reference shape
 # (default qwen3-0.6b). A stage past its limit is killed and the next one starts; the
 # limits add up to 690 s, more than one ten-minute device call, so name the stages a call
 # needs (the stages of a run on a fresh H200 took: host 17 + 25 s, host-copy 17 + 12 s, conformance 116 s,
@@ -77,6 +77,13 @@ has attention && stage attention 45 30 python3 scripts/bench_attention.py --json
 has decode && stage decode 240 45 xgraph bench decode --backend cuda --model "$model" \
   --compile 1,8,64 --table-check 64 --iters 30 --compile-scope "${DECODE_SCOPE:-layers}" \
   --json "$OUT/decode.json"
+# decode-cublas (only when named): batch 1 with cuBLAS for every projection (no skinny
+# kernel), the same-run comparison for the skinny linear kernel
+has decode-cublas && stage decode-cublas 150 20 env XGRAPH_CUDA_LINEAR=torch xgraph bench \
+  decode --backend cuda --model "$model" --sizes 1 --compile 1 --iters 30 \
+  --compile-scope "${DECODE_SCOPE:-layers}" --json "$OUT/decode-cublas.json"
+# skinny (only when named): the skinny linear kernel against cuBLAS, projection by projection
+has skinny && stage skinny 120 30 python3 scripts/probe_skinny_linear.py "$OUT/skinny.json"
 # decode-forward (only when named): the compiled row with the whole forward as one graph
 has decode-forward && stage decode-forward 180 30 xgraph bench decode --backend cuda \
   --model "$model" --sizes 1,8,64 --compile 1,8,64 --compile-scope forward --iters 30 \

@@ -334,6 +334,11 @@ class Backend(ABC):
         runners fill in any role left out."""
         return {}
 
+    def linear_kernel(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
+        """A faster x @ w.T for `xgraph.linear` on this device, answering None for calls it
+        does not serve (F.linear runs them); None: no kernel of its own."""
+        return None
+
     def device_name(self) -> str:
         """A human-readable name of the device (benchmark reports)."""
         return str(self.device)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pluggy
 
-from . import safety
+from . import linear, safety
 from .backends.cpu import plugin as cpu_plugin
 from .contract import check_backend_class
 from .errors import (
@@ -229,6 +229,7 @@ class Registry:
                 )
             cls = self._backend_class(spec)  # incomplete adapters fail here, loudly
             backend = cls()
+            install_kernels(backend)
             self._instances[name] = backend
             logger.info("xgraph backend %r selected (%s)", name, source)
             return backend
@@ -256,8 +257,14 @@ def get_backend(name: str | Backend | None = None) -> Backend:
     An explicit choice that cannot be honoured raises (never a silent fallback).
     """
     if isinstance(name, Backend):
+        install_kernels(name)
         return name
     return registry.get(name)
+
+
+def install_kernels(backend: Backend) -> None:
+    """Make the backend's kernels for the core's ops (`xgraph.linear`) the ones in use."""
+    linear.install(backend.device.type, backend.linear_kernel(), backend.name)
 
 
 def list_backends(refresh: bool = False, hidden: bool = False) -> list[BackendInfo]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import attention
+from ..linear import linear
 from ..metadata import KVCache
 from .qwen3_config import Qwen3Config
 
@@ -105,12 +106,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         t, hq, hkv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, d)
+        qkv = linear(x, self.qkv_proj.weight).view(t, hq + 2 * hkv, d)
         # per-head norm weights: q's for the first hq heads, k's for the next hkv
         w = torch.cat([self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)])
         qk = apply_rotary(rms_norm(qkv[:, : hq + hkv], w, self.q_norm.eps), cos_sin)
         o = attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kv_cache, scale=self.scale)
-        return self.o_proj(o.reshape(t, hq * d))
+        return linear(o.reshape(t, hq * d), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -123,8 +124,8 @@ class MLP(nn.Module):
         _merge_on_load(self, "gate_up_proj", ("gate_proj", "up_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up_proj.weight).chunk(2, -1)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):

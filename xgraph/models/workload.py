@@ -44,10 +44,12 @@ class Step:
         return {"input_ids": self.input_ids, "positions": self.positions, "attn": self.attn}
 
     def with_tensor_tables(self, width: int, fill: int) -> Step:
-        """The same step with block tables as one int32 tensor, the way engines keep them."""
+        """The same step with block tables as one int32 tensor and sequence lengths as an
+        int32 tensor, the way engines keep them (slots are an int64 tensor already)."""
         a = self.attn
+        seq_lens = torch.as_tensor(a.seq_lens, dtype=torch.int32)
         return Step(self.input_ids, self.positions,
-                    AttentionInputs(a.query_lens, a.seq_lens, a.table(fill, width),
+                    AttentionInputs(a.query_lens, seq_lens, a.table(fill, width),  # type: ignore[arg-type]
                                     a.slot_mapping))
 
 

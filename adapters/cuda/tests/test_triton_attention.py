@@ -1,16 +1,15 @@
 """The Triton attention runners against the reference runners (xgraph.runners).
 
 On a GPU the kernels run natively; without one they run in Triton's CPU interpreter
-(TRITON_INTERPRET=1, set here before anything imports the kernels), so every numeric test
-runs on CPU CI machines that have triton installed; without triton the module is skipped.
+(TRITON_INTERPRET=1, set by conftest.py before anything imports the kernels), so every
+numeric test runs on CPU CI machines that have triton installed; without triton the module
+is skipped.
 Shapes are kept small: the interpreter runs each program in numpy.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import pytest
 import torch
@@ -20,32 +19,13 @@ from xgraph.errors import XGraphError
 from xgraph.metadata import AttentionInputs, AttentionMetadata
 from xgraph.runners import PagedDecodeRunner, PagedPrefillRunner
 
-
-def _use_the_interpreter() -> None:
-    """TRITON_INTERPRET=1 for a fresh import of triton. Triton makes its language functions
-    interpreted when it is imported, and torch may have imported it already (torch._dynamo
-    probes for it), so its Python modules (not its native ones, which cannot load twice) and
-    any kernels defined over them are dropped and imported again."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    stale = ("triton.", "xgraph_cuda.kernels", "xgraph_cuda.triton_runners")
-    for name in list(sys.modules):
-        if (name == "triton" or name.startswith(stale)) and not name.startswith("triton._C"):
-            del sys.modules[name]
-    for name in ("kernels", "triton_runners"):  # `from xgraph_cuda import x` reads these
-        xc = sys.modules.get("xgraph_cuda")
-        if xc is not None and hasattr(xc, name):
-            delattr(xc, name)
-
-
-if not torch.cuda.is_available():
-    _use_the_interpreter()
 pytest.importorskip("triton")
 
-from xgraph_cuda import triton_runners  # noqa: E402
-from xgraph_cuda.kernels.prefill import varlen_prefill  # noqa: E402
-from xgraph_cuda.kernels.store import store_kv  # noqa: E402
-from xgraph_cuda.kernels.tiles import tile_table  # noqa: E402
-from xgraph_cuda.triton_runners import (  # noqa: E402
+from xgraph_cuda import triton_runners
+from xgraph_cuda.kernels.prefill import varlen_prefill
+from xgraph_cuda.kernels.store import store_kv
+from xgraph_cuda.kernels.tiles import tile_table
+from xgraph_cuda.triton_runners import (
     AttentionKernelError,
     TritonPagedDecodeRunner,
     TritonVarlenPrefillRunner,

@@ -19,7 +19,7 @@ from xgraph.interfaces import (
     SegmentAllocator,
 )
 
-from . import attention, probe, staging
+from . import attention, linear, probe, staging
 from .graph import CUDAGraph
 from .pool import CUDACapturePool
 from .timing import LeadTimer
@@ -109,6 +109,11 @@ class CUDABackend(Backend):
         """Triton decode and prefill runners when triton imports, else SDPA prefill and the
         core's graph-safe reference decode (XGRAPH_CUDA_ATTENTION=triton|torch forces one)."""
         return attention.attention_runners()
+
+    def linear_kernel(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
+        """The skinny Triton kernel for decode's few-row projections (`xgraph_cuda.linear`;
+        XGRAPH_CUDA_LINEAR=torch: cuBLAS for every call)."""
+        return linear.linear_kernel()
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self._device)

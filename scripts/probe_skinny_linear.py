@@ -1,0 +1,116 @@
+"""Skinny linear against cuBLAS, inside CUDA graphs, on the reference model's projections.
+
+    python scripts/probe_skinny_linear.py out.json [model]
+
+For each projection of the reference shape (qkv, o, gate_up, down) and each row count
+1, 2, 4, 8: 28 distinct weights (one per layer, so nothing stays in L2) are applied in one
+captured graph, cuBLAS (F.linear) against the skinny Triton kernel with its picked tiles
+and with every tile configuration of a sweep. Device time per call from CUDA events over
+graph replays. A last section replays a whole step's projections (the four per layer, in
+layer order) both ways. Also checks the results against F.linear (bf16 tolerance).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from xgraph_cuda.kernels import skinny
+
+from xgraph.models.qwen3_config import Qwen3Config
+
+LAYERS, REPS = 28, 20
+
+
+def graph_us(fn: Callable[[], None], calls: int) -> float:
+    """Device us per call of `fn` (which makes `calls` calls), replayed in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(REPS):
+        g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / (REPS * calls)
+
+
+def each(fn: Callable, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+    """A callable applying fn(x, w) to every pair in turn."""
+    return lambda: [fn(x, w) for x, w in pairs]  # type: ignore[func-returns-value]
+
+
+def sweep_configs(m: int) -> list[skinny.Config]:
+    bm = 1 << (m - 1).bit_length()
+    out = []
+    for bn, bk, warps, stages in itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8), (2, 4)):
+        if bm * bn * bk <= 16384:
+            out.append(skinny.Config(bn, bk, warps, stages))
+    return out
+
+
+def main() -> None:
+    path = sys.argv[1]
+    c = Qwen3Config.named(sys.argv[2] if len(sys.argv) > 2 else "qwen3-0.6b")
+    dt, dev = torch.bfloat16, torch.device("cuda")
+    h, d = c.hidden_size, c.head_dim
+    shapes = {
+        "qkv": ((c.num_heads + 2 * c.num_kv_heads) * d, h),
+        "o": (h, c.num_heads * d),
+        "gate_up": (2 * c.intermediate_size, h),
+        "down": (h, c.intermediate_size),
+    }
+    weights = {s: [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
+               for s, (n, k) in shapes.items()}  # fmt: skip
+    out: dict = {"device": torch.cuda.get_device_name(), "rows": []}
+    for m in (1, 2, 4, 8):
+        for s, (n, k) in shapes.items():
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            ws = weights[s]
+            err = (skinny.skinny_linear(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs()
+            row: dict = {"m": m, "shape": s, "n": n, "k": k, "max_abs_err": err.max().item()}
+            pairs = [(x, w) for w in ws]
+            row["cublas_us"] = graph_us(each(F.linear, pairs), LAYERS)
+            row["picked"] = list(skinny.pick(m, n, k))
+            row["picked_us"] = graph_us(each(skinny.skinny_linear, pairs), LAYERS)
+            timed = []
+            for cfg in sweep_configs(m):
+                tiled = functools.partial(skinny.skinny_linear, config=cfg)
+                timed.append((graph_us(each(tiled, pairs), LAYERS), list(cfg)))
+            timed.sort()
+            row["best"] = timed[:5]
+            out["rows"].append(row)
+            print(f"m={m} {s:8s} cublas {row['cublas_us']:6.2f} picked {row['picked_us']:6.2f} "
+                  f"best {timed[0][0]:6.2f} {timed[0][1]} err {row['max_abs_err']:.3g}",
+                  flush=True)  # fmt: skip
+            with open(path, "w") as f:
+                json.dump(out, f, indent=1)
+    steps = {}
+    for m in (1, 2, 4, 8):
+        xs = {s: torch.randn(m, k, device=dev, dtype=dt) for s, (n, k) in shapes.items()}
+        pairs = [(xs[s], weights[s][i]) for i, s in itertools.product(range(LAYERS), shapes)]
+        steps[m] = {
+            "cublas_us": graph_us(each(F.linear, pairs), 1),
+            "skinny_us": graph_us(each(skinny.skinny_linear, pairs), 1),
+        }
+        print(f"step m={m}: {steps[m]}", flush=True)
+    out["step"] = steps
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 """The layers of the reference Qwen3 decoder, written for few kernels eager and for fusion.
 
-Projections are merged (one `qkv_proj`, one `gate_up_proj` GEMM); the residual add is
+Projections are merged (one `qkv_proj`, one `gate_up_proj` GEMM) and run through
+`xgraph.linear.linear` (the backend's kernel where it has a faster one); the residual add is
 folded into the next RMSNorm (vLLM-style `norm(x, residual) -> (normed, residual)`); QK-norm
 and neox rotary run once over the q and k heads together. Math stays in float32 and is cast
 back to the model dtype where the unfused model casts, so an fp32 model matches it to

@@ -23,7 +23,10 @@ NARROW = 2048  # from 2 rows on, only outputs this narrow gain (cuBLAS idles SMs
 @triton.jit
 def _skinny_kernel(X, W, Y, M, N, K, s_xm, s_wn, s_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr):  # fmt: skip
+                   EVEN_K: tl.constexpr, VARIANT: tl.constexpr):  # fmt: skip
+    # VARIANT 0: reduce each K step's products; 1: keep them per K lane and reduce once at
+    # the end (fewer cross-thread sums, more registers); 2: tensor-core dot (BLOCK_M, BLOCK_N
+    # and BLOCK_K of at least 16)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -32,7 +35,10 @@ def _skinny_kernel(X, W, Y, M, N, K, s_xm, s_wn, s_ym,
     m_ok = rm < M
     w_ptr = W + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
     x_ptr = X + rm[:, None] * s_xm + rk[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if VARIANT == 1:
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptr, mask=n_ok[:, None], other=0.0)
@@ -41,10 +47,16 @@ def _skinny_kernel(X, W, Y, M, N, K, s_xm, s_wn, s_ym,
             k_ok = (k0 + rk) < K
             w = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        acc += tl.sum(prod, axis=2)
+        if VARIANT == 2:
+            acc = tl.dot(x, tl.trans(w), acc)
+        elif VARIANT == 1:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         w_ptr += BLOCK_K
         x_ptr += BLOCK_K
+    if VARIANT == 1:
+        acc = tl.sum(acc3, axis=2)
     y = Y + rm[:, None] * s_ym + rn[None, :]
     tl.store(y, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -54,6 +66,7 @@ class Config(NamedTuple):
     block_k: int
     warps: int
     stages: int
+    variant: int = 0  # 0: sum per K step, 1: one sum at the end, 2: tensor-core dot
 
 
 def pick(m: int, n: int, k: int) -> Config:
@@ -95,9 +108,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, config: Config | None = None
     n = w.shape[0]
     c = config or pick(m, n, k)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m = max(16, triton.next_power_of_2(m)) if c.variant == 2 else triton.next_power_of_2(m)
     _skinny_kernel[(triton.cdiv(n, c.block_n),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        EVEN_K=k % c.block_k == 0, num_warps=c.warps, num_stages=c.stages,
+        BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        EVEN_K=k % c.block_k == 0, VARIANT=c.variant, num_warps=c.warps, num_stages=c.stages,
     )  # fmt: skip
     return y

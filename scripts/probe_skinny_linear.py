@@ -1,6 +1,6 @@
 """Skinny linear against cuBLAS, inside CUDA graphs, on the reference model's projections.
 
-    python scripts/probe_skinny_linear.py out.json [model]
+    python scripts/probe_skinny_linear.py out.json [sweep,step,chain] [model]
 
 For each projection of the reference shape (qkv, o, gate_up, down) and each row count
 1, 4, 8, 16: 28 distinct weights (one per layer, so nothing stays in L2) are applied in one
@@ -8,7 +8,9 @@ captured graph, cuBLAS (F.linear) against the skinny Triton kernel with its pick
 and with every tile configuration of a sweep. Device time per call from CUDA events over
 graph replays. A last section replays a whole step's projections (the four per layer, in
 layer order): cuBLAS, the kernel's picked tiles, and the sweep's best tiles per projection.
-Each row also records the kernel's largest error against F.linear (bf16).
+Each row also records the kernel's largest error against F.linear (bf16). The `chain`
+section runs the projections as a dependent chain with torch's norm and SwiGLU kernels
+between them, the kernel launched plainly and as a programmatic dependent (PDL).
 """
 
 from __future__ import annotations
@@ -62,41 +64,31 @@ def each_own(fns: list[Callable], pairs: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def sweep_configs(m: int) -> list[skinny.Config]:
-    """Tiles of each variant: 0 (a sum per K step), 1 (one sum at the end, per-lane
-    accumulators of at most 4096 float32 a program), 2 (tensor-core dot, rows padded to 16)."""
+    """Tiles: columns a program, K a step, pipeline stages; product tiles of at most 16384
+    float32 values. (The variants swept at commit b7d6868, one sum at the end and a
+    tensor-core dot, won nothing: docs/benchmarks.md.)"""
     bm = 1 << (m - 1).bit_length()
-    out = [skinny.Config(bn, bk, 4, st, 0)
-           for bn, bk, st in itertools.product((2, 4, 8), (512, 1024), (2, 4))
-           if bm * bn * bk <= 16384]  # fmt: skip
-    out += [skinny.Config(bn, bk, 4, st, 1)
-            for bn, bk, st in itertools.product((2, 4, 8), (64, 128, 256), (2, 4))
-            if bm * bn * bk <= 4096]  # fmt: skip
-    if m > 1:
-        out += [
-            skinny.Config(bn, bk, 4, st, 2)
-            for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (2, 3, 4))
-        ]
-    return out
+    return [skinny.Config(bn, bk, 4, st)
+            for bn, bk, st in itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4))
+            if bm * bn * bk <= 16384]  # fmt: skip
 
 
-def main() -> None:
-    path = sys.argv[1]
-    c = Qwen3Config.named(sys.argv[2] if len(sys.argv) > 2 else "qwen3-0.6b")
-    dt, dev = torch.bfloat16, torch.device("cuda")
+def projections(c: Qwen3Config) -> dict[str, tuple[int, int]]:
     h, d = c.hidden_size, c.head_dim
-    shapes = {
+    return {
         "qkv": ((c.num_heads + 2 * c.num_kv_heads) * d, h),
         "o": (h, c.num_heads * d),
         "gate_up": (2 * c.intermediate_size, h),
         "down": (h, c.intermediate_size),
     }
-    weights = {s: [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(LAYERS)]
-               for s, (n, k) in shapes.items()}  # fmt: skip
-    out: dict = {"device": torch.cuda.get_device_name(), "rows": []}
+
+
+def sweep(out: dict, path: str, shapes: dict, weights: dict) -> dict:
+    """Per row count and projection: cuBLAS, picked tiles, every swept tile; the best."""
     best: dict[tuple[int, str], skinny.Config] = {}
     for m in ROWS:
         for s, (n, k) in shapes.items():
-            x = torch.randn(m, k, device=dev, dtype=dt)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ws = weights[s]
             err = (skinny.skinny_linear(x, ws[0]).float() - F.linear(x, ws[0]).float()).abs()
             row: dict = {"m": m, "shape": s, "n": n, "k": k, "max_abs_err": err.max().item()}
@@ -120,9 +112,15 @@ def main() -> None:
                   flush=True)  # fmt: skip
             with open(path, "w") as f:
                 json.dump(out, f, indent=1)
+    return best
+
+
+def step(shapes: dict, weights: dict, best: dict) -> dict:
+    """A step's projections (four per layer, independent inputs): cuBLAS, picked, best."""
     steps = {}
     for m in ROWS:
-        xs = {s: torch.randn(m, k, device=dev, dtype=dt) for s, (n, k) in shapes.items()}
+        xs = {s: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+              for s, (n, k) in shapes.items()}  # fmt: skip
         order = list(itertools.product(range(LAYERS), shapes))
         pairs = [(xs[s], weights[s][i]) for i, s in order]
         tuned = [functools.partial(skinny.skinny_linear, config=best[m, s]) for _, s in order]
@@ -132,7 +130,71 @@ def main() -> None:
             "best_us": graph_us(each_own(tuned, pairs), 1),
         }
         print(f"step m={m}: {steps[m]}", flush=True)
-    out["step"] = steps
+    return steps
+
+
+def served(pdl: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The kernel where it serves the call (launched as a PDL dependent if asked), else cuBLAS."""
+
+    def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if skinny.serves(x, w):
+            return skinny.skinny_linear(x, w, pdl=pdl)
+        return F.linear(x, w)
+
+    return lin
+
+
+def layers(lin: Callable, h0: torch.Tensor, weights: dict, c: Qwen3Config) -> torch.Tensor:
+    """The projections of every layer as a dependent chain, with torch's norm and SwiGLU
+    kernels between them, as in the model (attention left out: q's first half goes to o)."""
+    h = h0
+    q = c.num_heads * c.head_dim
+    for i in range(LAYERS):
+        a = F.rms_norm(h, (h.shape[-1],))
+        o = lin(lin(a, weights["qkv"][i])[:, :q], weights["o"][i])
+        g = lin(F.rms_norm(o + h, (h.shape[-1],)), weights["gate_up"][i])
+        h = lin(F.silu(g[:, : c.intermediate_size]) * g[:, c.intermediate_size :],
+                weights["down"][i])  # fmt: skip
+    return h
+
+
+def chain(weights: dict, c: Qwen3Config) -> dict:
+    """The dependent chain per row count: cuBLAS, the kernel, the kernel launched with PDL;
+    the PDL result must equal the plain kernel's bit for bit."""
+    res = {}
+    for m in (1, 4):
+        h0 = torch.randn(m, c.hidden_size, device="cuda", dtype=torch.bfloat16)
+        row = {}
+        for name, lin in (("cublas", F.linear), ("skinny", served(False)),
+                          ("skinny_pdl", served(True))):  # fmt: skip
+            run = functools.partial(layers, lin, h0, weights, c)
+            try:
+                row[f"{name}_us"] = graph_us(run, 1)
+            except Exception as exc:  # a Triton without PDL launches: say so, go on
+                row[f"{name}_error"] = repr(exc)[:300]
+        if "skinny_pdl_us" in row:
+            row["pdl_equals_plain"] = torch.equal(
+                layers(served(True), h0, weights, c), layers(served(False), h0, weights, c)
+            )
+        res[m] = row
+        print(f"chain m={m}: {row}", flush=True)
+    return res
+
+
+def main() -> None:
+    path = sys.argv[1]
+    sections = (sys.argv[2] if len(sys.argv) > 2 else "sweep,step,chain").split(",")
+    c = Qwen3Config.named(sys.argv[3] if len(sys.argv) > 3 else "qwen3-0.6b")
+    shapes = projections(c)
+    weights = {s: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                   for _ in range(LAYERS)] for s, (n, k) in shapes.items()}  # fmt: skip
+    out: dict = {"device": torch.cuda.get_device_name(), "rows": []}
+    if "sweep" in sections:
+        best = sweep(out, path, shapes, weights)
+        if "step" in sections:
+            out["step"] = step(shapes, weights, best)
+    if "chain" in sections:
+        out["chain"] = chain(weights, c)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
 

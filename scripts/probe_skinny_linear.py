@@ -10,7 +10,7 @@ graph replays. A last section replays a whole step's projections (the four per l
 layer order): cuBLAS, the kernel's picked tiles, and the sweep's best tiles per projection.
 Each row also records the kernel's largest error against F.linear (bf16). The `chain`
 section runs the projections as a dependent chain with torch's norm and SwiGLU kernels
-between them, the kernel launched plainly and as a programmatic dependent (PDL).
+between them.
 """
 
 from __future__ import annotations
@@ -133,15 +133,10 @@ def step(shapes: dict, weights: dict, best: dict) -> dict:
     return steps
 
 
-def served(pdl: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The kernel where it serves the call (launched as a PDL dependent if asked), else cuBLAS."""
-
-    def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if skinny.serves(x, w):
-            return skinny.skinny_linear(x, w, pdl=pdl)
-        return F.linear(x, w)
-
-    return lin
+def served(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The kernel where it serves the call, else cuBLAS (what `xgraph.linear` does)."""
+    y = skinny.linear(x, w)
+    return F.linear(x, w) if y is None else y
 
 
 def layers(lin: Callable, h0: torch.Tensor, weights: dict, c: Qwen3Config) -> torch.Tensor:
@@ -159,23 +154,15 @@ def layers(lin: Callable, h0: torch.Tensor, weights: dict, c: Qwen3Config) -> to
 
 
 def chain(weights: dict, c: Qwen3Config) -> dict:
-    """The dependent chain per row count: cuBLAS, the kernel, the kernel launched with PDL;
-    the PDL result must equal the plain kernel's bit for bit."""
+    """The dependent chain per row count, cuBLAS against the kernel where it serves.
+    (Launching the kernel as a programmatic dependent, PDL, was measured at commit 646ce63:
+    slower, docs/benchmarks.md.)"""
     res = {}
     for m in (1, 4):
         h0 = torch.randn(m, c.hidden_size, device="cuda", dtype=torch.bfloat16)
         row = {}
-        for name, lin in (("cublas", F.linear), ("skinny", served(False)),
-                          ("skinny_pdl", served(True))):  # fmt: skip
-            run = functools.partial(layers, lin, h0, weights, c)
-            try:
-                row[f"{name}_us"] = graph_us(run, 1)
-            except Exception as exc:  # a Triton without PDL launches: say so, go on
-                row[f"{name}_error"] = repr(exc)[:300]
-        if "skinny_pdl_us" in row:
-            row["pdl_equals_plain"] = torch.equal(
-                layers(served(True), h0, weights, c), layers(served(False), h0, weights, c)
-            )
+        for name, lin in (("cublas", F.linear), ("skinny", served)):
+            row[f"{name}_us"] = graph_us(functools.partial(layers, lin, h0, weights, c), 1)
         res[m] = row
         print(f"chain m={m}: {row}", flush=True)
     return res

@@ -23,7 +23,7 @@ NARROW = 2048  # from 2 rows on, only outputs this narrow gain (cuBLAS idles SMs
 @triton.jit
 def _skinny_kernel(X, W, Y, M, N, K, s_xm, s_wn, s_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                   EVEN_K: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -32,19 +32,8 @@ def _skinny_kernel(X, W, Y, M, N, K, s_xm, s_wn, s_ym,
     m_ok = rm < M
     w_ptr = W + rn.to(tl.int64)[:, None] * s_wn + rk[None, :]
     x_ptr = X + rm[:, None] * s_xm + rk[None, :]
-    k_ok = rk < K
-    # the first weight tile depends on no earlier kernel: with PDL it is read while the
-    # previous kernel finishes; x (its output) only after griddepcontrol.wait, which
-    # returns once that kernel has completed and its writes are visible
-    w = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    x = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    acc = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        w_ptr += BLOCK_K
-        x_ptr += BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptr, mask=n_ok[:, None], other=0.0)
             x = tl.load(x_ptr, mask=m_ok[:, None], other=0.0)
@@ -52,7 +41,10 @@ def _skinny_kernel(X, W, Y, M, N, K, s_xm, s_wn, s_ym,
             k_ok = (k0 + rk) < K
             w = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc += tl.sum(prod, axis=2)
+        w_ptr += BLOCK_K
+        x_ptr += BLOCK_K
     y = Y + rm[:, None] * s_ym + rn[None, :]
     tl.store(y, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -96,20 +88,16 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     return skinny_linear(x, w) if serves(x, w) else None
 
 
-def skinny_linear(
-    x: torch.Tensor, w: torch.Tensor, config: Config | None = None, pdl: bool = False
-) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, config: Config | None = None) -> torch.Tensor:
     """x [m, k] @ w[n, k].T -> [m, n] in x's dtype, for any m (the tiles hold all m rows:
-    past MAX_ROWS it is slow, not wrong); strides as `serves` asks. `pdl`: launched as a
-    programmatic dependent (Hopper and later; see `pdl_supported`)."""
+    past MAX_ROWS it is slow, not wrong); strides as `serves` asks."""
     m, k = x.shape
     n = w.shape[0]
     c = config or pick(m, n, k)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    extra = {"launch_pdl": True} if pdl else {}
     _skinny_kernel[(triton.cdiv(n, c.block_n),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        EVEN_K=k % c.block_k == 0, PDL=pdl, num_warps=c.warps, num_stages=c.stages, **extra,
+        EVEN_K=k % c.block_k == 0, num_warps=c.warps, num_stages=c.stages,
     )  # fmt: skip
     return y

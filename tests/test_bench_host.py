@@ -22,4 +22,6 @@ def test_host_bench_reports_every_phase(tmp_path: Path) -> None:
             assert r[f"{phase}_us"] > 0 or phase == "replay", (phase, r)
         assert r["step_us"] > r["raw_replay_us"] > 0
         assert r["overhead_us"] == r["step_us"] - r["raw_replay_us"]
-    assert "overhead_us" in host.summarize(data)
+        assert r["engine_step_us"] > r["raw_replay_us"]  # the anchor sends six tensors first
+    assert data["cpu"]
+    assert "overhead_us" in host.summarize(data) and "engine_step_us" in host.summarize(data)

@@ -53,7 +53,7 @@ def _decode_runner(backend: Backend) -> AttentionRunner:
     return {**reference_runners(), **backend.attention_runners()}["decode"]
 
 
-def _sender(backend: Backend, targets: list[torch.Tensor]) -> Callable[[], None]:
+def sender(backend: Backend, targets: list[torch.Tensor]) -> Callable[[], None]:
     """Copies of host twins (pinned on an accelerator) into `targets`, one per tensor."""
     pin = backend.device.type != "cpu"
     pairs = [(t, t.cpu().pin_memory() if pin else t.cpu().clone()) for t in targets]
@@ -86,7 +86,7 @@ def static_inputs(
     runner.plan(md)
     ids, pos = step.input_ids.to(dev), step.positions.to(dev)
     tables = [md.slot_mapping, md.seq_lens, md.query_start_loc, md.block_tables]
-    return ids, pos, InlineRunner(runner), _sender(backend, [ids, pos, *tables])
+    return ids, pos, InlineRunner(runner), sender(backend, [ids, pos, *tables])
 
 
 def native_anchor(

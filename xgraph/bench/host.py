@@ -12,7 +12,12 @@ phases timed in turn within each iteration so that noise falls on all of them al
 - `replay`: the executor's replay call (runner planning, the graph's state checks) minus
   `raw_replay`, the backend's own replay of the same graph (its driver call alone);
 - `step`: one whole executor call; `overhead` = step - raw_replay, what xgraph adds to a
-  replay of the same graph.
+  replay of the same graph;
+- `engine_step`: the anchor measured in the same run, an engine's own step without xgraph:
+  the step's six input tensors (token ids, positions, slots, lengths, query starts, block
+  tables) copied from pinned host tensors into static device tensors, one copy each, then
+  the same raw replay. It validates nothing, so it is a floor; it also shows how fast this
+  host runs such code (host speed moved the overhead by 2x between machines of one kind).
 
 The forward is `trivial` by default (two ops: a replay costs little, so the subtraction adds
 no noise) or the reference `model`. The workload is the one `bench decode` uses on an
@@ -23,6 +28,7 @@ the internals, not an example of the API.
 
 from __future__ import annotations
 
+import platform
 import random
 import statistics
 import time
@@ -34,6 +40,7 @@ import torch
 from ..executor import GraphExecutor
 from ..interfaces import Backend
 from ..models import Step, Workload
+from .anchors import as_step, sender
 from .report import header, table, workload
 
 PHASES = ("plan", "validate", "classify", "stage", "lookup", "replay", "output")
@@ -70,8 +77,18 @@ def _calls(ex: GraphExecutor, step: Step) -> dict[str, Callable[[], Any]]:
         replay=lambda: ex._replay(entry, planned, hit=True),
         output=lambda: ex._outputs(n),
         step=lambda: ex(**step.kwargs()),
+        engine_step=as_step(_engine_send(ex, step), raw),
     )
     return calls
+
+
+def _engine_send(ex: GraphExecutor, step: Step) -> Callable[[], None]:
+    """The anchor's send: each of the step's inputs copied into a static device tensor."""
+    a, dev = step.attn, ex.planner.device
+    qsl = torch.arange(step.num_tokens + 1, dtype=torch.int32)  # a decode step's starts
+    host = [step.input_ids, step.positions, a.slots(), torch.as_tensor(a.seq_lens), qsl,
+            a.table(0)]  # fmt: skip
+    return sender(ex.backend, [t.to(dev) for t in host])
 
 
 def _medians(backend: Backend, calls: dict[str, Callable[[], Any]], iters: int) -> dict:
@@ -101,6 +118,7 @@ def _row(backend: Backend, ex: GraphExecutor, step: Step, iters: int) -> dict[st
     row["raw_replay_us"] = us["raw_replay"]
     row["step_us"] = us["step"]
     row["overhead_us"] = us["step"] - us["raw_replay"]
+    row["engine_step_us"] = us["engine_step"]
     return row
 
 
@@ -125,15 +143,29 @@ def run(
         step = step.with_tensor_tables(w.max_blocks, w.cache.dummy_block)
         rows.append(_row(backend, ex, step, iters))
     ex.close()
-    data = {**header(backend, model, w), "forward": forward, "iters": iters}
+    data = {**header(backend, model, w), "forward": forward, "iters": iters, "cpu": cpu_name()}
     return {**data, "timing": "host wall time, idle device, median", "rows": rows}
 
 
+def cpu_name() -> str:
+    """The host CPU's model name (Linux), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def summarize(data: dict[str, Any]) -> str:
-    cols = ["batch", *(f"{k}_us" for k in PHASES), "raw_replay_us", "step_us", "overhead_us"]
+    cols = ["batch", *(f"{k}_us" for k in PHASES), "raw_replay_us", "step_us", "overhead_us",
+            "engine_step_us"]  # fmt: skip
     rows = [{k: r.get(k, "") for k in cols} for r in data["rows"]]
     return (
         f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}), "
         f"forward: {data['forward']}; host us per decode step, median of {data['iters']}; "
-        "overhead = step - raw_replay\n\n" + table(rows, cols)
+        "overhead = step - raw_replay; engine_step: six pinned copies + the raw replay "
+        f"(no xgraph); cpu: {data.get('cpu', '?')}\n\n" + table(rows, cols)
     )

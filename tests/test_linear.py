@@ -17,6 +17,7 @@ import xgraph
 from xgraph import linear as core_linear
 from xgraph.backends.cpu.backend import CPUBackend
 from xgraph.models import Workload
+from xgraph.testing.kernels import KernelTests
 
 
 class Recorder:
@@ -111,3 +112,31 @@ def test_selecting_a_backend_installs_its_kernel_and_a_bad_one_is_refused() -> N
         assert core_linear.installed("cpu") is None
     finally:
         core_linear.install("cpu", None, "test")
+
+
+def _answer_one_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    return F.linear(x, w) if x.shape[0] == 1 else None
+
+
+class _CPUWithKernel(CPUBackend):
+    def linear_kernel(self):  # type: ignore[no-untyped-def]
+        return _answer_one_row
+
+
+class TestKernelConformanceOnCPU(KernelTests):
+    """The conformance class on the CPU backend given a (correct) kernel of its own."""
+
+    @pytest.fixture
+    def backend(self) -> Iterator[CPUBackend]:  # type: ignore[override]
+        b = _CPUWithKernel()
+        xgraph.get_backend(b)  # selection installs the kernel
+        try:
+            yield b
+        finally:
+            core_linear.install("cpu", None, "test")
+
+
+def test_the_kernel_conformance_fails_a_wrong_kernel() -> None:
+    wrong = lambda x, w: F.linear(x, w) + 1  # noqa: E731
+    with pytest.raises(AssertionError):
+        KernelTests().test_answers_match_f_linear_or_decline(CPUBackend(), wrong, torch.float32)

@@ -15,6 +15,7 @@ from .base import BackendTests, capture, small_mlp
 from .discovery import PluginTests
 from .executor import ExecutorTests
 from .graph import GraphTests
+from .kernels import KernelTests
 from .piecewise import PiecewiseTests
 from .pool import PoolTests
 from .suite import ConformanceSuite
@@ -27,6 +28,7 @@ __all__ = [
     "ConformanceSuite",
     "ExecutorTests",
     "GraphTests",
+    "KernelTests",
     "PiecewiseTests",
     "PluginTests",
     "PoolTests",

@@ -17,12 +17,19 @@ from __future__ import annotations
 from .discovery import PluginTests
 from .executor import ExecutorTests
 from .graph import GraphTests
+from .kernels import KernelTests
 from .piecewise import PiecewiseTests
 from .pool import PoolTests
 from .vmm import VirtualMemoryTests
 
 
 class ConformanceSuite(
-    PluginTests, GraphTests, VirtualMemoryTests, ExecutorTests, PoolTests, PiecewiseTests
+    PluginTests,
+    GraphTests,
+    VirtualMemoryTests,
+    ExecutorTests,
+    PoolTests,
+    PiecewiseTests,
+    KernelTests,
 ):
     """Every conformance test; subclass it once per backend."""

@@ -19,21 +19,13 @@ import numpy as np
 
 import xgraph
 import xgraph.validation as V
-from xgraph.bench.host import _trivial
+from xgraph.bench.host import _trivial, cpu_name
 from xgraph.bench.report import workload
 
 
 def us(fn: Callable[[], Any], n: int = 2000) -> float:
     """Best of five means of n calls, in microseconds (the floor of each piece)."""
     return min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def pieces(ex: Any, step: Any, n: int) -> dict[str, float]:
@@ -71,7 +63,7 @@ def main(path: str, backend_name: str | None) -> None:
                  max_seqs=256, context=512)  # fmt: skip
     ex = w.executor(_trivial, backend=backend, buckets=[1, 8, 64, 256])
     rng = random.Random(0)
-    out: dict[str, Any] = {"backend": backend.name, "cpu": _cpu(), "numpy": np.__version__,
+    out: dict[str, Any] = {"backend": backend.name, "cpu": cpu_name(), "numpy": np.__version__,
                            "python": platform.python_version(), "us": {}}  # fmt: skip
     for n in (1, 256):
         step = w.decode_step(rng, n, max_context=256).with_tensor_tables(

@@ -45,8 +45,8 @@ def installed(device_type: str) -> LinearKernel | None:
     return _kernels.get(device_type)
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    kernel = _kernels.get(x.device.type)
+def _answer(kernel: LinearKernel | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's answer, or F.linear where there is no kernel or it declines."""
     y = kernel(x, weight) if kernel is not None else None
     return F.linear(x, weight) if y is None else y
 
@@ -54,7 +54,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("xgraph::linear", mutates_args=())
 def linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`xgraph::linear`: the projection as compiled code sees it, one opaque op."""
-    return _run(x, weight)
+    return _answer(_kernels.get(x.device.type), x, weight)
 
 
 @linear_op.register_fake
@@ -64,10 +64,9 @@ def _linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T (no bias), by the installed kernel of x's device where it serves."""
-    if x.device.type not in _kernels or (
-        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    ):
+    kernel = _kernels.get(x.device.type)
+    if kernel is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight)
     if torch.compiler.is_compiling():
         return linear_op(x, weight)
-    return _run(x, weight)  # eager: no op dispatch on the host path
+    return _answer(kernel, x, weight)  # eager: no op dispatch on the host path

@@ -110,8 +110,9 @@ def time_host(fn: Callable[[], Any], iters: int) -> float:
 # -- steps ---------------------------------------------------------------------------------
 
 
-def paged_step(query_lens: list[int], seq_lens: list[int], width_tokens: int, seed: int = 0
-               ) -> tuple[AttentionMetadata, tuple[torch.Tensor, ...], torch.Tensor]:  # fmt: skip
+def paged_step(
+    query_lens: list[int], seq_lens: list[int], width_tokens: int, seed: int = 0
+) -> tuple[AttentionMetadata, tuple[torch.Tensor, ...], torch.Tensor]:
     """A step's metadata, (q, k, v) and a [2, blocks + 1, BLOCK, HKV, DIM] cache on the GPU:
     blocks shuffled, table columns past each context pointing at the last (dummy) block."""
     g = torch.Generator().manual_seed(seed)
@@ -133,8 +134,9 @@ def paged_step(query_lens: list[int], seq_lens: list[int], width_tokens: int, se
     return md, qkv, cache
 
 
-def runner_call(runner: Any, md: AttentionMetadata, qkv: tuple[torch.Tensor, ...],
-                cache: torch.Tensor) -> tuple[Callable[[], None], torch.Tensor]:  # fmt: skip
+def runner_call(
+    runner: Any, md: AttentionMetadata, qkv: tuple[torch.Tensor, ...], cache: torch.Tensor
+) -> tuple[Callable[[], None], torch.Tensor]:
     """A zero-argument call of `runner` on the planned step, and the tensor it writes."""
     q, k, v = qkv
     out = torch.empty_like(q)
@@ -250,8 +252,14 @@ def run_row(row: Row, args: argparse.Namespace) -> None:
 
 def sticky(error: str | None) -> bool:
     """Whether the CUDA context is lost after this error (later kernels would all fail)."""
-    words = ("illegal memory access", "unspecified launch failure", "device-side assert",
-             "illegal instruction", "misaligned address", "CUDA error: an illegal")  # fmt: skip
+    words = (
+        "illegal memory access",
+        "unspecified launch failure",
+        "device-side assert",
+        "illegal instruction",
+        "misaligned address",
+        "CUDA error: an illegal",
+    )
     return bool(error) and any(w in error for w in words)  # type: ignore[operator]
 
 
@@ -259,8 +267,19 @@ def run_isolated(row: Row, args: argparse.Namespace) -> Row:
     """Measure one row in a fresh process (after the context was lost here)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "row.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--only", row.id, "--json", path,
-               "--warmup", str(args.warmup), "--iters", str(args.iters), "--quiet"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--only",
+            row.id,
+            "--json",
+            path,
+            "--warmup",
+            str(args.warmup),
+            "--iters",
+            str(args.iters),
+            "--quiet",
+        ]
         try:
             subprocess.run(cmd, timeout=args.row_timeout, check=False)
             with open(path) as f:
@@ -279,8 +298,14 @@ def environment() -> dict[str, Any]:
     except Exception as exc:
         env["triton"] = f"unavailable: {exc}"
     env["device"] = torch.cuda.get_device_name()
-    env["shapes"] = {"q_heads": HQ, "kv_heads": HKV, "head_dim": DIM, "block_size": BLOCK,
-                     "dtype": str(DTYPE), "graph_calls": GRAPH_CALLS}  # fmt: skip
+    env["shapes"] = {
+        "q_heads": HQ,
+        "kv_heads": HKV,
+        "head_dim": DIM,
+        "block_size": BLOCK,
+        "dtype": str(DTYPE),
+        "graph_calls": GRAPH_CALLS,
+    }
     return env
 
 
@@ -294,8 +319,10 @@ def print_table(rows: list[Row]) -> None:
     order = {r.id: i for i, r in enumerate(canonical_rows())}
     for r in sorted(rows, key=lambda r: order.get(r.id, 0)):
         note = r.error or ""
-        print(f"{r.kind:8} {r.case:28} {r.runner:15} {fmt(r.eager_us):>10} {fmt(r.graph_us):>10} "
-              f"{fmt(r.plan_us):>9} {fmt(r.max_abs_err, 4):>9}  {note}")  # fmt: skip
+        print(
+            f"{r.kind:8} {r.case:28} {r.runner:15} {fmt(r.eager_us):>10} {fmt(r.graph_us):>10} "
+            f"{fmt(r.plan_us):>9} {fmt(r.max_abs_err, 4):>9}  {note}"
+        )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -325,15 +352,19 @@ def main(argv: list[str] | None = None) -> int:
             lost = sticky(row.error)
         if not args.quiet:
             r = rows[i]
-            print(f"  {r.id}: eager {fmt(r.eager_us)} us, graph {fmt(r.graph_us)} us"
-                  + (f"  [{r.error}]" if r.error else ""), flush=True)  # fmt: skip
+            print(
+                f"  {r.id}: eager {fmt(r.eager_us)} us, graph {fmt(r.graph_us)} us"
+                + (f"  [{r.error}]" if r.error else ""),
+                flush=True,
+            )
     if not args.quiet:
         print_table(rows)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "rows": [asdict(r) for r in rows]}, f,
-                      indent=2)  # fmt: skip
+            json.dump(
+                {"environment": environment(), "rows": [asdict(r) for r in rows]}, f, indent=2
+            )
     return 0
 
 

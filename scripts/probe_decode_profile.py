@@ -31,8 +31,10 @@ STEPS = 20
 
 def _last_step(prof: Any, n: int) -> list[list[Any]]:
     """The last step's first 40 device activities in order: [name, us, us idle before it]."""
-    evs = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)[-n:]  # fmt: skip
+    evs = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )[-n:]
     out, end = [], None
     for e in evs[:40]:
         gap = 0.0 if end is None else e.time_range.start - end
@@ -61,9 +63,10 @@ def kernels(fn: Callable[[], Any]) -> dict[str, Any]:
         "last_step": _last_step(prof, round(sum(v[0] for _, v in rows) / STEPS)),
         "kernels_per_step": sum(v[0] for _, v in rows) / STEPS,
         "busy_us_per_step": total,
-        "top": [{"name": n, "per_step": c / STEPS, "us_per_step": t / STEPS}
-                for n, (c, t) in rows[:25]],
-    }  # fmt: skip
+        "top": [
+            {"name": n, "per_step": c / STEPS, "us_per_step": t / STEPS} for n, (c, t) in rows[:25]
+        ],
+    }
 
 
 def main(path: str, batch: int, scope: str = "layers", memory: str = "shared-physical") -> None:
@@ -72,12 +75,15 @@ def main(path: str, batch: int, scope: str = "layers", memory: str = "shared-phy
     step = w.decode_step(random.Random(0), batch, max_context=256).with_tensor_tables(
         w.max_blocks, w.cache.dummy_block
     )
-    out: dict[str, Any] = {"batch": batch, "scope": scope, "memory": memory,
-                           "device": torch.cuda.get_device_name()}
+    out: dict[str, Any] = {
+        "batch": batch,
+        "scope": scope,
+        "memory": memory,
+        "device": torch.cuda.get_device_name(),
+    }
     twin = compiled_twin(w.model, dynamic=False, scope=scope)  # as bench decode compiles it
     tw = Workload(twin, w.max_blocks, w.max_seqs)
-    ex = tw.executor(twin.forward, backend=backend, buckets=[batch], compiled=True,
-                     memory=memory)
+    ex = tw.executor(twin.forward, backend=backend, buckets=[batch], compiled=True, memory=memory)
     out["xgraph over compile"] = kernels(lambda: ex(**step.kwargs()))
     ex.close()
     eager = w.executor(w.model.forward, backend=backend, buckets=[batch])
@@ -104,6 +110,9 @@ def main(path: str, batch: int, scope: str = "layers", memory: str = "shared-phy
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1,
-         sys.argv[3] if len(sys.argv) > 3 else "layers",
-         sys.argv[4] if len(sys.argv) > 4 else "shared-physical")
+    main(
+        sys.argv[1],
+        int(sys.argv[2]) if len(sys.argv) > 2 else 1,
+        sys.argv[3] if len(sys.argv) > 3 else "layers",
+        sys.argv[4] if len(sys.argv) > 4 else "shared-physical",
+    )

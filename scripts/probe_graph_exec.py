@@ -43,17 +43,30 @@ def _nodes(ex: Any) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def _run(backend: Any, w: Workload, forward: Any, sizes: list[int], compiled: bool,
-         order: list[int]) -> dict[str, Any]:  # fmt: skip
+def _run(
+    backend: Any, w: Workload, forward: Any, sizes: list[int], compiled: bool, order: list[int]
+) -> dict[str, Any]:
     gm = xgraph.GraphMemory(backend, "shared-physical")
-    ex = w.executor(forward, backend=backend, buckets=sizes, memory=gm, mode="full",
-                    compiled=compiled, on_capture_error="raise")  # fmt: skip
+    ex = w.executor(
+        forward,
+        backend=backend,
+        buckets=sizes,
+        memory=gm,
+        mode="full",
+        compiled=compiled,
+        on_capture_error="raise",
+    )
     base = settle(backend)
     ex.capture(order, kind="full", progress=False)
     grown = settle(backend) - base
     pool = gm.graph_bytes()
-    out = {"graphs": len(order), "driver_mib": grown / MiB, "pool_mib": pool / MiB,
-           "outside_mib": (grown - pool) / MiB, "nodes": _nodes(ex)}  # fmt: skip
+    out = {
+        "graphs": len(order),
+        "driver_mib": grown / MiB,
+        "pool_mib": pool / MiB,
+        "outside_mib": (grown - pool) / MiB,
+        "nodes": _nodes(ex),
+    }
     out["outside_bytes_per_node"] = (grown - pool) / max(out["nodes"], 1)
     ex.close()
     gm.close()
@@ -67,19 +80,25 @@ def main(path: str, variant: str) -> None:
     model = compiled_twin(w.model) if variant == "compiled" else w.model
     tw = Workload(model, w.max_blocks, w.max_seqs)
     sizes = vllm_capture_sizes(512)
-    with tw.executor(model.forward, backend=backend, buckets=sizes, mode="eager",
-                     compiled=variant == "compiled") as first:  # fmt: skip
+    with tw.executor(
+        model.forward, backend=backend, buckets=sizes, mode="eager", compiled=variant == "compiled"
+    ) as first:
         first.warm_up(sizes)  # kernels loaded and compiled before anything is measured
     settle(backend)
     result: dict[str, Any] = {"variant": variant, "sizes": sizes}
     result["one"] = _run(backend, tw, model.forward, sizes, variant == "compiled", [max(sizes)])
-    result["ascending"] = _run(backend, tw, model.forward, sizes, variant == "compiled",
-                               sorted(sizes))  # fmt: skip
-    result["largest_first"] = _run(backend, tw, model.forward, sizes, variant == "compiled",
-                                   sorted(sizes, reverse=True))  # fmt: skip
+    result["ascending"] = _run(
+        backend, tw, model.forward, sizes, variant == "compiled", sorted(sizes)
+    )
+    result["largest_first"] = _run(
+        backend, tw, model.forward, sizes, variant == "compiled", sorted(sizes, reverse=True)
+    )
     for k in ("one", "ascending", "largest_first"):
-        print(variant, k, {a: round(b, 2) if isinstance(b, float) else b
-                           for a, b in result[k].items()})  # fmt: skip
+        print(
+            variant,
+            k,
+            {a: round(b, 2) if isinstance(b, float) else b for a, b in result[k].items()},
+        )
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
 

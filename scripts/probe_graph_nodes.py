@@ -60,27 +60,38 @@ def main(path: str) -> None:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     base, stack0 = used(), stack_limit()
     first = [graph_of(x, 1, pool)]
-    out["first_graph"] = {"mib": (used() - base) / MiB, "stack_before": stack0,
-                          "stack_after": stack_limit()}  # fmt: skip
+    out["first_graph"] = {
+        "mib": (used() - base) / MiB,
+        "stack_before": stack0,
+        "stack_after": stack_limit(),
+    }
     graphs: list[torch.cuda.CUDAGraph] = []
     rows = []
     for k in NODES:
         before = used()
         graphs += [graph_of(x, k, pool) for _ in range(PER_SIZE)]
         grown = used() - before
-        rows.append({"nodes_per_graph": k, "graphs": PER_SIZE, "mib": grown / MiB,
-                     "bytes_per_graph": grown / PER_SIZE,
-                     "bytes_per_node": grown / (PER_SIZE * k)})  # fmt: skip
+        rows.append(
+            {
+                "nodes_per_graph": k,
+                "graphs": PER_SIZE,
+                "mib": grown / MiB,
+                "bytes_per_graph": grown / PER_SIZE,
+                "bytes_per_node": grown / (PER_SIZE * k),
+            }
+        )
         print(rows[-1], flush=True)
     out["sweep"] = rows
     held = used()
     del graphs, first
     after_destroy = used()
     (err,) = rt.cudaDeviceGraphMemTrim(torch.cuda.current_device())
-    out["after_destroy"] = {"mib_freed": (held - after_destroy) / MiB,
-                            "mib_still_over_base": (after_destroy - base) / MiB,
-                            "trim_error": int(err),
-                            "mib_over_base_after_trim": (used() - base) / MiB}  # fmt: skip
+    out["after_destroy"] = {
+        "mib_freed": (held - after_destroy) / MiB,
+        "mib_still_over_base": (after_destroy - base) / MiB,
+        "trim_error": int(err),
+        "mib_over_base_after_trim": (used() - base) / MiB,
+    }
     before = used()
     again = [graph_of(x, NODES[-1], pool) for _ in range(PER_SIZE)]
     out["again_largest"] = {"graphs": len(again), "mib": (used() - before) / MiB}

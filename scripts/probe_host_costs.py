@@ -61,13 +61,14 @@ def main(path: str) -> None:
         "torch copier wait+send 256 B": per_call_us(cycle(torch_copier, 256)),
         "torch copier wait+send 16 KiB": per_call_us(cycle(torch_copier, 1 << 14)),
         "torch copy_ non_blocking 256 B": per_call_us(
-            lambda: dev[:256].copy_(host[:256], non_blocking=True)),
+            lambda: dev[:256].copy_(host[:256], non_blocking=True)
+        ),
         "torch.Event.record": per_call_us(ev.record),
         "torch.Event.synchronize (done)": per_call_us(ev.synchronize),
         "torch.cuda.current_stream()": per_call_us(torch.cuda.current_stream),
         "_cuda_getCurrentRawStream": per_call_us(lambda: torch._C._cuda_getCurrentRawStream(0)),
         "CUDAGraph.replay (1 kernel)": per_call_us(g.replay),
-    }  # fmt: skip
+    }
     for k, v in out["us"].items():
         print(f"{k:40s} {v:8.2f} us")
     with open(path, "w") as f:

@@ -52,13 +52,21 @@ def _stuck_segments(limit: int = 12) -> list[dict[str, Any]]:
         live = [b for b in seg["blocks"] if b["state"] == "active_allocated"]
         frames = []
         for b in live[:4]:
-            fr = [f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}"
-                  for f in b.get("frames", []) if f["filename"].endswith(".py")][:10]  # fmt: skip
+            fr = [
+                f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}"
+                for f in b.get("frames", [])
+                if f["filename"].endswith(".py")
+            ][:10]
             frames.append({"size": b["size"], "frames": fr})
-        out.append({"segment_mib": seg["total_size"] / MiB,
-                    "allocated_mib": seg["allocated_size"] / MiB,
-                    "stream": seg.get("stream"), "live_blocks": len(live),
-                    "blocks": frames})  # fmt: skip
+        out.append(
+            {
+                "segment_mib": seg["total_size"] / MiB,
+                "allocated_mib": seg["allocated_size"] / MiB,
+                "stream": seg.get("stream"),
+                "live_blocks": len(live),
+                "blocks": frames,
+            }
+        )
     out.sort(key=lambda s: -s["segment_mib"])
     return out[:limit]
 
@@ -67,8 +75,9 @@ def _executor(case: str, backend: Any, gm: xgraph.GraphMemory) -> tuple[Any, lis
     if case == "reference-piecewise":
         w = workload(backend, "qwen3-0.6b", max_seqs=16, context=4096)
         sizes = sglang_piecewise_sizes(2048)
-        ex = w.executor(w.model.forward, backend=backend, buckets=sizes, memory=gm,
-                        mode="piecewise")  # fmt: skip
+        ex = w.executor(
+            w.model.forward, backend=backend, buckets=sizes, memory=gm, mode="piecewise"
+        )
         return ex, sizes, "piecewise"
     from xgraph.integrations.transformers.bench_runs import build_named
     from xgraph.integrations.transformers.model import GraphModel
@@ -76,9 +85,16 @@ def _executor(case: str, backend: Any, gm: xgraph.GraphMemory) -> tuple[Any, lis
     model = build_named("qwen3-0.6b", torch.bfloat16, backend.device)
     full = case == "hf-full"
     sizes = vllm_capture_sizes(256) if full else sglang_piecewise_sizes(1024)
-    gmodel = GraphModel(model, backend=backend, buckets=sizes, memory=gm,
-                        mode="full" if full else "piecewise", max_seqs=256,
-                        max_model_len=2048, num_blocks=2048)  # fmt: skip
+    gmodel = GraphModel(
+        model,
+        backend=backend,
+        buckets=sizes,
+        memory=gm,
+        mode="full" if full else "piecewise",
+        max_seqs=256,
+        max_model_len=2048,
+        num_blocks=2048,
+    )
     return gmodel.executor, sizes, "full" if full else "piecewise"
 
 

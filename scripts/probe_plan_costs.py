@@ -59,15 +59,22 @@ def pieces(ex: Any, step: Any, n: int) -> dict[str, float]:
 
 def main(path: str, backend_name: str | None) -> None:
     backend = xgraph.get_backend(backend_name)
-    w = workload(backend, "qwen3-0.6b" if backend.device.type != "cpu" else "tiny",
-                 max_seqs=256, context=512)  # fmt: skip
+    w = workload(
+        backend, "qwen3-0.6b" if backend.device.type != "cpu" else "tiny", max_seqs=256, context=512
+    )
     ex = w.executor(_trivial, backend=backend, buckets=[1, 8, 64, 256])
     rng = random.Random(0)
-    out: dict[str, Any] = {"backend": backend.name, "cpu": cpu_name(), "numpy": np.__version__,
-                           "python": platform.python_version(), "us": {}}  # fmt: skip
+    out: dict[str, Any] = {
+        "backend": backend.name,
+        "cpu": cpu_name(),
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "us": {},
+    }
     for n in (1, 256):
         step = w.decode_step(rng, n, max_context=256).with_tensor_tables(
-            w.max_blocks, w.cache.dummy_block)  # fmt: skip
+            w.max_blocks, w.cache.dummy_block
+        )
         ex(**step.kwargs())
         backend.synchronize()
         out["us"][n] = pieces(ex, step, n)
@@ -80,5 +87,7 @@ def main(path: str, backend_name: str | None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "plan-costs.json",
-         sys.argv[2] if len(sys.argv) > 2 else None)
+    main(
+        sys.argv[1] if len(sys.argv) > 1 else "plan-costs.json",
+        sys.argv[2] if len(sys.argv) > 2 else None,
+    )

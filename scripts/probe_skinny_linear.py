@@ -68,9 +68,11 @@ def sweep_configs(m: int) -> list[skinny.Config]:
     float32 values. (The variants swept at commit b7d6868, one sum at the end and a
     tensor-core dot, won nothing: docs/benchmarks.md.)"""
     bm = 1 << (m - 1).bit_length()
-    return [skinny.Config(bn, bk, 4, st)
-            for bn, bk, st in itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4))
-            if bm * bn * bk <= 16384]  # fmt: skip
+    return [
+        skinny.Config(bn, bk, 4, st)
+        for bn, bk, st in itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4))
+        if bm * bn * bk <= 16384
+    ]
 
 
 def projections(c: Qwen3Config) -> dict[str, tuple[int, int]]:
@@ -107,9 +109,11 @@ def sweep(out: dict, path: str, shapes: dict, weights: dict) -> dict:
             row["best"] = timed[:5]
             best[m, s] = skinny.Config(*timed[0][1])
             out["rows"].append(row)
-            print(f"m={m} {s:8s} cublas {row['cublas_us']:6.2f} picked {row['picked_us']:6.2f} "
-                  f"best {timed[0][0]:6.2f} {timed[0][1]} err {row['max_abs_err']:.3g}",
-                  flush=True)  # fmt: skip
+            print(
+                f"m={m} {s:8s} cublas {row['cublas_us']:6.2f} picked {row['picked_us']:6.2f} "
+                f"best {timed[0][0]:6.2f} {timed[0][1]} err {row['max_abs_err']:.3g}",
+                flush=True,
+            )
             with open(path, "w") as f:
                 json.dump(out, f, indent=1)
     return best
@@ -119,8 +123,10 @@ def step(shapes: dict, weights: dict, best: dict) -> dict:
     """A step's projections (four per layer, independent inputs): cuBLAS, picked, best."""
     steps = {}
     for m in ROWS:
-        xs = {s: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-              for s, (n, k) in shapes.items()}  # fmt: skip
+        xs = {
+            s: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for s, (n, k) in shapes.items()
+        }
         order = list(itertools.product(range(LAYERS), shapes))
         pairs = [(xs[s], weights[s][i]) for i, s in order]
         tuned = [functools.partial(skinny.skinny_linear, config=best[m, s]) for _, s in order]
@@ -148,8 +154,9 @@ def layers(lin: Callable, h0: torch.Tensor, weights: dict, c: Qwen3Config) -> to
         a = F.rms_norm(h, (h.shape[-1],))
         o = lin(lin(a, weights["qkv"][i])[:, :q], weights["o"][i])
         g = lin(F.rms_norm(o + h, (h.shape[-1],)), weights["gate_up"][i])
-        h = lin(F.silu(g[:, : c.intermediate_size]) * g[:, c.intermediate_size :],
-                weights["down"][i])  # fmt: skip
+        h = lin(
+            F.silu(g[:, : c.intermediate_size]) * g[:, c.intermediate_size :], weights["down"][i]
+        )
     return h
 
 
@@ -173,8 +180,10 @@ def main() -> None:
     sections = (sys.argv[2] if len(sys.argv) > 2 else "sweep,step,chain").split(",")
     c = Qwen3Config.named(sys.argv[3] if len(sys.argv) > 3 else "qwen3-0.6b")
     shapes = projections(c)
-    weights = {s: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                   for _ in range(LAYERS)] for s, (n, k) in shapes.items()}  # fmt: skip
+    weights = {
+        s: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+        for s, (n, k) in shapes.items()
+    }
     out: dict = {"device": torch.cuda.get_device_name(), "rows": []}
     if "sweep" in sections:
         best = sweep(out, path, shapes, weights)

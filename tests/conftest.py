@@ -13,6 +13,7 @@ def cpu():
 
     return xgraph.get_backend("cpu")
 
+
 # The reference model's ops are tiny: one intra-op thread is faster than two fighting over
 # two cores with everything else a CI machine runs, and its timings stay steady.
 torch.set_num_threads(1)

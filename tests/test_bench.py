@@ -98,8 +98,9 @@ def test_prefill(tmp_path: Path) -> None:
 
 def test_prefill_compiled_column() -> None:
     """The piecewise executor over the compiled forward (a fast compiler backend here)."""
-    data = prefill.run(xgraph.get_backend("cpu"), "tiny", [16], memory_max=8, iters=1,
-                       compiler="eager")  # fmt: skip
+    data = prefill.run(
+        xgraph.get_backend("cpu"), "tiny", [16], memory_max=8, iters=1, compiler="eager"
+    )
     assert data["piecewise_stats"]["compiled"]["captures"] == 1
     assert data["steps"][0]["piecewise_compiled_first_step_s"] > 0  # compile + capture
     for r in data["steps"]:
@@ -150,8 +151,13 @@ def test_memory_without_transformers_skips_the_hf_family(monkeypatch: pytest.Mon
         raise MissingExtraError("transformers is not installed. Install the extra.")
 
     monkeypatch.setattr(bench_runs, "require", missing)
-    data = memory.run(xgraph.get_backend("cpu"), "tiny", [1, 2], families=("hf-llama",
-                      "reference"), kinds=("full",))  # fmt: skip
+    data = memory.run(
+        xgraph.get_backend("cpu"),
+        "tiny",
+        [1, 2],
+        families=("hf-llama", "reference"),
+        kinds=("full",),
+    )
     assert data["skipped"] == {
         "hf-llama": "skipped: transformers is not installed. Install the extra."
     }
@@ -167,8 +173,14 @@ def test_memory_all_modes_and_a_family_that_fails(monkeypatch: pytest.MonkeyPatc
         raise RuntimeError("no such model here")
 
     monkeypatch.setattr(memory.targets, "HFLlama", broken)
-    data = memory.run(xgraph.get_backend("cpu"), "tiny", [1, 2], families=("hf-llama",
-                      "reference"), kinds=("full",), all_modes=True)  # fmt: skip
+    data = memory.run(
+        xgraph.get_backend("cpu"),
+        "tiny",
+        [1, 2],
+        families=("hf-llama", "reference"),
+        kinds=("full",),
+        all_modes=True,
+    )
     assert "no such model here" in data["skipped"]["hf-llama"]
     (s,) = data["sections"]
     runs = {(r["mode"], r["order"]): r for r in s["runs"]}
@@ -200,13 +212,27 @@ class TimedCPU(type(xgraph.get_backend("cpu"))):  # type: ignore[misc]
 def test_decode_with_device_hooks() -> None:
     """The anchors, the compiled rows (a fast compiler backend) and the width check over the
     compiled twin, each compile built once and reused for both batch sizes."""
-    data = decode.run(TimedCPU(), "tiny", [1, 2], iters=2, compile_batches=[1, 2],
-                      table_check_batch=2, compiler="eager")  # fmt: skip
+    data = decode.run(
+        TimedCPU(),
+        "tiny",
+        [1, 2],
+        iters=2,
+        compile_batches=[1, 2],
+        table_check_batch=2,
+        compiler="eager",
+    )
     assert data["timing"] == "device time (test timer)"
     for r in data["rows"]:
-        for key in ("raw_graph_s", "raw_replay_host_s", "xgraph/raw_graph", "reduce_overhead_s",
-                    "raw_graph_inputs_s", "reduce_overhead_inputs_s",
-                    "xgraph_compiled_s", "xgraph_compiled_first_step_s"):  # fmt: skip
+        for key in (
+            "raw_graph_s",
+            "raw_replay_host_s",
+            "xgraph/raw_graph",
+            "reduce_overhead_s",
+            "raw_graph_inputs_s",
+            "reduce_overhead_inputs_s",
+            "xgraph_compiled_s",
+            "xgraph_compiled_first_step_s",
+        ):
             assert r[key] > 0, (key, r)
         assert r["host_overhead_s"] == pytest.approx(r["xgraph_host_s"] - r["raw_replay_host_s"])
         assert set(r["roofline"]) == set(decode.VARIANTS)
@@ -244,8 +270,15 @@ def test_the_anchors_step_sends_every_input_into_the_static_buffers() -> None:
 
 def test_decode_compiles_the_whole_forward_when_asked() -> None:
     """--compile-scope forward: xgraph's compiled row is the whole forward as one graph."""
-    data = decode.run(TimedCPU(), "tiny", [1, 2], iters=2, compile_batches=[1, 2],
-                      compiler="eager", compile_scope="forward")  # fmt: skip
+    data = decode.run(
+        TimedCPU(),
+        "tiny",
+        [1, 2],
+        iters=2,
+        compile_batches=[1, 2],
+        compiler="eager",
+        compile_scope="forward",
+    )
     assert data["compile_scope"] == "forward"
     for r in data["rows"]:
         assert r["xgraph_compiled_s"] > 0 and "xgraph_compiled_error" not in r, r
@@ -258,8 +291,14 @@ def test_a_failing_row_hides_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(decode, "native_anchor", broken)
     saved: list[dict[str, Any]] = []
-    data = decode.run(TimedCPU(), "tiny", [1, 2], iters=1, compile_batches=[],
-                      checkpoint=lambda d: saved.append(copy.deepcopy(d)))  # fmt: skip
+    data = decode.run(
+        TimedCPU(),
+        "tiny",
+        [1, 2],
+        iters=1,
+        compile_batches=[],
+        checkpoint=lambda d: saved.append(copy.deepcopy(d)),
+    )
     # a checkpoint after each batch, the first holding the first batch's numbers
     assert len(saved) == 2 and saved[0]["rows"][0]["xgraph_s"] > 0
     assert "xgraph_s" not in saved[0]["rows"][1]

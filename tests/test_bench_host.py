@@ -11,8 +11,23 @@ from xgraph.cli import main
 
 def test_host_bench_reports_every_phase(tmp_path: Path) -> None:
     path = tmp_path / "host.json"
-    assert main(["bench", "host", "--backend", "cpu", "--sizes", "1,4", "--iters", "3",
-                 "--json", str(path)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "bench",
+                "host",
+                "--backend",
+                "cpu",
+                "--sizes",
+                "1,4",
+                "--iters",
+                "3",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     data = json.loads(path.read_text())
     assert data["backend"] == "cpu" and data["forward"] == "trivial" and data["iters"] == 3
     assert [r["batch"] for r in data["rows"]] == [1, 4]

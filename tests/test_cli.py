@@ -13,17 +13,25 @@ from xgraph.cli import build_parser
 
 
 def xgraph(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "xgraph.cli", *args], capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "xgraph.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["demo", "--backend", "nope"], "Unknown backend 'nope'"),
-    (["bench", "decode", "--backend", "cuda"], "'cuda' (from the argument) is not available"),
-    (["bench", "decode", "--model", "nope"], "invalid choice: 'nope'"),
-    (["bench", "decode", "--sizes", "1,abc"], "'1,abc' is not a comma-separated list of sizes"),
-    (["conformance", "--backend", "npu"], "Unknown backend 'npu'"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["demo", "--backend", "nope"], "Unknown backend 'nope'"),
+        (["bench", "decode", "--backend", "cuda"], "'cuda' (from the argument) is not available"),
+        (["bench", "decode", "--model", "nope"], "invalid choice: 'nope'"),
+        (["bench", "decode", "--sizes", "1,abc"], "'1,abc' is not a comma-separated list of sizes"),
+        (["conformance", "--backend", "npu"], "Unknown backend 'npu'"),
+    ],
+)
 def test_errors_are_one_line_without_a_traceback(args, needle):
     r = xgraph(*args)
     assert r.returncode == 2

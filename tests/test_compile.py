@@ -52,8 +52,9 @@ def run(w: Workload, step, forward=None) -> torch.Tensor:  # type: ignore[no-unt
 def attention_graphs(counter: CompileCounterWithBackend) -> int:
     """Dynamo graphs that hold the attention op (one per compiled layer graph)."""
     op = torch.ops.xgraph.attention.default
-    return sum(any(n.target in (op, ATTENTION.attention_op) for n in g.graph.nodes)
-               for g in counter.graphs)  # fmt: skip
+    return sum(
+        any(n.target in (op, ATTENTION.attention_op) for n in g.graph.nodes) for g in counter.graphs
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +67,16 @@ def compiled():
     step = w.prefill_step(random.Random(0), [7, 5])
     ptrs = [t.data_ptr() for t in w.cache.tensors()]
     out, code = run_and_get_code(run, w, step)
-    yield SimpleNamespace(w=w, ref=ref, counter=counter, step=step, out=out, ptrs=ptrs,
-                          code=code, graphs=attention_graphs(counter))  # fmt: skip
+    yield SimpleNamespace(
+        w=w,
+        ref=ref,
+        counter=counter,
+        step=step,
+        out=out,
+        ptrs=ptrs,
+        code=code,
+        graphs=attention_graphs(counter),
+    )
     torch._dynamo.reset()
 
 
@@ -76,8 +85,9 @@ def test_the_cache_goes_straight_into_the_op_and_is_written_in_place(compiled):
     assert len(layer) == 1, "one generated module for every layer"
     body = layer[0].split("def call(self, args):")[1].split("\n\n")[0]
     assert "auto_functionalized" not in body  # the mutation was re-inplaced
-    call = re.search(r"torch\.ops\.xgraph\.attention\.default\((.*), (\w+), (\w+), \S+\)$",
-                     body, re.M)  # fmt: skip
+    call = re.search(
+        r"torch\.ops\.xgraph\.attention\.default\((.*), (\w+), (\w+), \S+\)$", body, re.M
+    )
     assert call, body
     for cache in call.group(2, 3):  # graph inputs, not buffers: nothing copied into them
         assert re.fullmatch(r"arg\d+_1", cache), call.group(0)
@@ -180,8 +190,9 @@ def test_whole_forward_compiles_without_a_graph_break():
     still captures as a full graph and cuts into pieces at each attention call."""
     w, ref = workload(2), workload(2)
     forward = torch.compile(w.model.forward_logits, backend="aot_eager", fullgraph=True)
-    ex = w.executor(forward, backend=_LiveBackend(), buckets=BUCKETS, compiled=True,
-                    on_capture_error="raise")  # fmt: skip
+    ex = w.executor(
+        forward, backend=_LiveBackend(), buckets=BUCKETS, compiled=True, on_capture_error="raise"
+    )
     rng = random.Random(7)
     decode, prefill = w.decode_step(rng, 5), w.prefill_step(rng, [2, 1, 9])
     expected = ref.eager(ref.padded(decode, Buckets(BUCKETS), full=True))[:5]
@@ -201,8 +212,12 @@ def test_compiled_captures_leave_the_op_guard_out_unless_the_graph_records_ops(c
             graph.capture_end()
             graph.reset()
             pool.close()
-    assert seen == {("stream", True): 1, ("stream", False): 0,
-                    ("tape", True): 1, ("tape", False): 1}  # fmt: skip
+    assert seen == {
+        ("stream", True): 1,
+        ("stream", False): 0,
+        ("tape", True): 1,
+        ("tape", False): 1,
+    }
 
 
 def test_compiled_attention_outside_a_step_says_how_to_call_it():

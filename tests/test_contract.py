@@ -26,7 +26,8 @@ def fresh_registry():
 
 def _install_plugin(tmp_path, dist: str, module: str, backend_name: str) -> None:
     """A distribution on sys.path that declares only an xgraph.backends entry point."""
-    (tmp_path / f"{module}.py").write_text(textwrap.dedent(f"""
+    (tmp_path / f"{module}.py").write_text(
+        textwrap.dedent(f"""
         from xgraph.hooks import BackendSpec, hookimpl
 
         @hookimpl
@@ -36,16 +37,15 @@ def _install_plugin(tmp_path, dist: str, module: str, backend_name: str) -> None
                 backend="xgraph.backends.cpu.backend:CPUBackend",
                 probe="xgraph.backends.cpu.backend:CPUBackend.availability",
                 distribution={dist!r}, hidden=True)]
-    """))
+    """)
+    )
     info = tmp_path / f"{dist.replace('-', '_')}-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(f"[xgraph.backends]\n{module} = {module}\n")
 
 
-def test_a_backend_registered_by_entry_point_alone_is_found_through_pluggy(
-    tmp_path, monkeypatch
-):
+def test_a_backend_registered_by_entry_point_alone_is_found_through_pluggy(tmp_path, monkeypatch):
     _install_plugin(tmp_path, "xgraph-epdemo", "xgraph_epdemo", "epdemo")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
@@ -62,7 +62,7 @@ def test_a_backend_registered_by_entry_point_alone_is_found_through_pluggy(
     # pluggy loaded the entry point (it records the distribution) and called the hook on it
     plugin = pm.get_plugin("xgraph_epdemo")
     assert plugin is sys.modules["xgraph_epdemo"]
-    assert ("xgraph-epdemo" in [d.project_name for _, d in pm.list_plugin_distinfo()])
+    assert "xgraph-epdemo" in [d.project_name for _, d in pm.list_plugin_distinfo()]
     assert [n for n, _ in calls] == ["xgraph_backends"]
     assert "xgraph_epdemo" in calls[0][1] and "xgraph.cpu" in calls[0][1]
     assert infos["epdemo"].available and infos["epdemo"].plugin == "xgraph-epdemo"
@@ -132,9 +132,7 @@ def test_removing_any_duty_is_refused_naming_it(part, method):
         vm = _without(vm, method)
     else:
         backend = _without(backend, method)
-    variant = type(
-        "DummyBackend", (backend,), {"graph_class": graph, "virtual_memory_class": vm}
-    )
+    variant = type("DummyBackend", (backend,), {"graph_class": graph, "virtual_memory_class": vm})
     owner = {"backend": backend, "graph": graph, "pool": pool, "vm": vm}[part]
     with pytest.raises(xgraph.IncompleteBackendError) as info:
         check_backend_class(variant)

@@ -116,8 +116,16 @@ def corrupt(w: Workload, inputs: dict, attn: AttentionInputs, rng: random.Random
     return {"input_ids": ids, "positions": pos}, AttentionInputs(ql, sl, rows, slots)
 
 
-HOW = ["block id", "slot", "seq_len", "short row", "token id", "table dtype", "slot dtype",
-       "slot count"]  # fmt: skip
+HOW = [
+    "block id",
+    "slot",
+    "seq_len",
+    "short row",
+    "token id",
+    "table dtype",
+    "slot dtype",
+    "slot count",
+]
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
@@ -126,8 +134,9 @@ def test_invalid_steps_are_declined_and_refused_with_nothing_written(w, pair, se
     fast, general = pair
     rng = random.Random(seed)
     step = w.decode_step(rng, batch)
-    inputs, attn = corrupt(w, {"input_ids": step.input_ids, "positions": step.positions},
-                           step.attn, rng, how)  # fmt: skip
+    inputs, attn = corrupt(
+        w, {"input_ids": step.input_ids, "positions": step.positions}, step.attn, rng, how
+    )
     before = fast.staged.packed.clone()
     assert fast.decode.plan(inputs, attn) is None
     with pytest.raises(xgraph.InputError):
@@ -169,22 +178,27 @@ def test_the_executor_serves_decode_through_the_fast_path_and_matches_eager(monk
         assert torch.equal(out, ref)
         for a, r in zip(ex_w.cache.tensors(), ref_w.cache.tensors()):
             assert torch.equal(a, r)
-    assert ex.stats()["hits"] == {("full", 4): 1, ("full", 1): 1, ("full", 8): 1,
-                                  ("full", 16): 0}  # fmt: skip
+    assert ex.stats()["hits"] == {("full", 4): 1, ("full", 1): 1, ("full", 8): 1, ("full", 16): 0}
     ex.close()
 
 
 @pytest.mark.parametrize("bs", [4, 3])  # a block size that is not a power of two too
 def test_a_dummy_block_that_is_not_the_last_one(bs):
     """Block 0 reserved: ids are checked with two compares instead of one."""
-    layout = xgraph.PagedAttention(max_seqs=8, max_blocks_per_seq=4, dummy_slot=0,
-                                   dummy_block=0, block_size=bs, num_blocks=40)  # fmt: skip
+    layout = xgraph.PagedAttention(
+        max_seqs=8, max_blocks_per_seq=4, dummy_slot=0, dummy_block=0, block_size=bs, num_blocks=40
+    )
     inputs = [xgraph.Input("x", torch.int64, ("num_tokens",))]
     planners = [
-        xgraph.GraphExecutor(lambda x: x[:, None].float(), inputs=inputs, backend="cpu",
-                             buckets=[1, 2, 4, 8], attention=layout).planner
+        xgraph.GraphExecutor(
+            lambda x: x[:, None].float(),
+            inputs=inputs,
+            backend="cpu",
+            buckets=[1, 2, 4, 8],
+            attention=layout,
+        ).planner
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     fast, general = planners
     general.decode = None
     rng = random.Random(11)
@@ -220,8 +234,9 @@ def test_declarations_the_fast_path_leaves_to_the_general_path():
     assert out.flatten().tolist() == [2.0, 4.0, 6.0]
     ex.close()
     per_token = xgraph.Input("scale", torch.float32, ("num_tokens",))
-    ex = xgraph.GraphExecutor(forward, inputs=[x, per_token], backend="cpu", buckets=[2],
-                              mode="piecewise")  # fmt: skip
+    ex = xgraph.GraphExecutor(
+        forward, inputs=[x, per_token], backend="cpu", buckets=[2], mode="piecewise"
+    )
     assert ex.planner.decode is None  # decode runs piecewise: not the full-graph path
     ex.close()
 
@@ -237,8 +252,9 @@ def test_long_lists_stage_the_same_bytes():
         a = step.attn
         inputs = {"input_ids": step.input_ids, "positions": step.positions}
         as_float = [float(s) for s in a.seq_lens] if b == 40 else list(a.seq_lens)
-        attn = AttentionInputs(list(a.query_lens), as_float, a.block_tables,
-                               a.slot_mapping.tolist())  # fmt: skip
+        attn = AttentionInputs(
+            list(a.query_lens), as_float, a.block_tables, a.slot_mapping.tolist()
+        )
         assert fast.decode.plan(inputs, attn) is not None
         assert_same_step(fast, general, fast.plan(inputs, attn), general.plan(inputs, attn))
     huge = AttentionInputs([1] * 50, [2**40] * 50, a.block_tables, a.slot_mapping)

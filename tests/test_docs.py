@@ -13,8 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def programs():
-    for name in ["README.md", *sorted(f"docs/{f}" for f in os.listdir(f"{ROOT}/docs")
-                                      if f.endswith(".md"))]:
+    for name in [
+        "README.md",
+        *sorted(f"docs/{f}" for f in os.listdir(f"{ROOT}/docs") if f.endswith(".md")),
+    ]:
         with open(os.path.join(ROOT, name)) as f:
             blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
         for i, block in enumerate(blocks):
@@ -25,6 +27,7 @@ def programs():
 @pytest.mark.parametrize("code", list(programs()))
 def test_program_runs(code):
     env = {**os.environ, "XGRAPH_BACKEND": "cpu"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]

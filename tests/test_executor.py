@@ -32,8 +32,11 @@ def three_workloads(seed: int) -> tuple[Workload, Workload, Workload]:
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**20), batches=st.lists(st.integers(1, 20), min_size=3, max_size=8),
-       memory=st.sampled_from(["shared-physical", "shared-pool", "private"]))
+@given(
+    seed=st.integers(0, 2**20),
+    batches=st.lists(st.integers(1, 20), min_size=3, max_size=8),
+    memory=st.sampled_from(["shared-physical", "shared-pool", "private"]),
+)
 def test_decode_sequence_equals_eager(seed, batches, memory):
     ex_w, pad_w, raw_w = three_workloads(seed)
     buckets = Buckets(BUCKETS)
@@ -110,8 +113,9 @@ def test_host_read_on_one_path_falls_back_for_that_key_only():
             out = ex(**step.kwargs())
             if batch == 5:  # the failed capture was rolled back completely
                 assert ex.stats()["graph_bytes"] == before
-            expected = ref.eager(ref.padded(step, Buckets(BUCKETS), full=True),
-                                 forward=item_on_one_path(ref))[:batch]
+            expected = ref.eager(
+                ref.padded(step, Buckets(BUCKETS), full=True), forward=item_on_one_path(ref)
+            )[:batch]
             assert torch.equal(out, expected)
     ours = [c for c in caught if issubclass(c.category, xgraph.XGraphWarning)]
     assert len(ours) == 1 and "('full', 8)" in str(ours[0].message)
@@ -126,8 +130,7 @@ def test_host_read_on_one_path_falls_back_for_that_key_only():
 
 def test_host_read_under_strict_policy_raises_and_keeps_the_rest_working():
     w = Workload.tiny(max_blocks=6, max_seqs=24)
-    ex = w.executor(item_on_one_path(w), backend="cpu", buckets=BUCKETS,
-                    on_capture_error="raise")
+    ex = w.executor(item_on_one_path(w), backend="cpu", buckets=BUCKETS, on_capture_error="raise")
     rng = random.Random(2)
     ex(**w.decode_step(rng, 2).kwargs())
     bytes_before = ex.stats()["graph_bytes"]
@@ -155,10 +158,15 @@ class CommModel(torch.nn.Module):
 def comm_executor(**kw):
     m = CommModel().eval()
     ex = GraphExecutor(
-        m.forward, backend="cpu", buckets=[1, 2, 4, 8],
-        inputs=[Input("x", torch.float32, ("num_tokens", 8)),
-                Input("comm", torch.float32, ("num_comm_tokens", 8), fill=0.0)],
-        dims=[Dim("num_comm_tokens", max=64, buckets=[16, 32, 64])], **kw,
+        m.forward,
+        backend="cpu",
+        buckets=[1, 2, 4, 8],
+        inputs=[
+            Input("x", torch.float32, ("num_tokens", 8)),
+            Input("comm", torch.float32, ("num_comm_tokens", 8), fill=0.0),
+        ],
+        dims=[Dim("num_comm_tokens", max=64, buckets=[16, 32, 64])],
+        **kw,
     )
     return m, ex
 
@@ -236,22 +244,36 @@ def test_construction_refuses_inconsistent_declarations():
         pass
 
     with pytest.raises(xgraph.XGraphError, match="not graph-safe"):
-        w.executor(backend="cpu", buckets=BUCKETS,
-                   attention=w.attention(decode_runner=NotGraphSafe()))
-    w.executor(backend="cpu", buckets=BUCKETS, mode="piecewise",
-               attention=w.attention(decode_runner=NotGraphSafe())).close()
+        w.executor(
+            backend="cpu", buckets=BUCKETS, attention=w.attention(decode_runner=NotGraphSafe())
+        )
+    w.executor(
+        backend="cpu",
+        buckets=BUCKETS,
+        mode="piecewise",
+        attention=w.attention(decode_runner=NotGraphSafe()),
+    ).close()
     with pytest.raises(xgraph.XGraphError, match="taken by the step call"):
-        GraphExecutor(lambda attn: attn, backend="cpu", buckets=[1, 2],
-                      inputs=[Input("attn", torch.float32, ("num_tokens",))])
+        GraphExecutor(
+            lambda attn: attn,
+            backend="cpu",
+            buckets=[1, 2],
+            inputs=[Input("attn", torch.float32, ("num_tokens",))],
+        )
     with pytest.raises(xgraph.XGraphError, match="below its largest padded size 64"):
         comm_executor_with(Dim("num_comm_tokens", max=32, buckets=[16, 32, 64]))
 
 
 def comm_executor_with(dim):
     return GraphExecutor(
-        CommModel().forward, backend="cpu", buckets=[1, 2, 4, 8],
-        inputs=[Input("x", torch.float32, ("num_tokens", 8)),
-                Input("comm", torch.float32, (dim.name, 8))], dims=[dim],
+        CommModel().forward,
+        backend="cpu",
+        buckets=[1, 2, 4, 8],
+        inputs=[
+            Input("x", torch.float32, ("num_tokens", 8)),
+            Input("comm", torch.float32, (dim.name, 8)),
+        ],
+        dims=[dim],
     )
 
 

@@ -15,8 +15,15 @@ PIECEWISE = [8, 16, 32, 64]
 
 @pytest.fixture(scope="module")
 def data():
-    return bench_memory.run(xgraph.get_backend("cpu"), "tiny", SIZES, PIECEWISE,
-                            families=("reference",), all_modes=True, seed=3)  # fmt: skip
+    return bench_memory.run(
+        xgraph.get_backend("cpu"),
+        "tiny",
+        SIZES,
+        PIECEWISE,
+        families=("reference",),
+        all_modes=True,
+        seed=3,
+    )
 
 
 def section(data, kind):
@@ -24,8 +31,7 @@ def section(data, kind):
 
 
 def run_of(data, mode, order, kind="full"):
-    return next(r for r in section(data, kind)["runs"]
-                if r["mode"] == mode and r["order"] == order)  # fmt: skip
+    return next(r for r in section(data, kind)["runs"] if r["mode"] == mode and r["order"] == order)
 
 
 @pytest.mark.parametrize("kind", ["full", "piecewise"])

@@ -147,8 +147,9 @@ def test_runner_does_not_run_during_capture():
             calls.append(1)
             super().run(*a, **k)
 
-    ex = w.executor(backend="cpu", buckets=BUCKETS,
-                    attention=w.attention(prefill_runner=Counting()))
+    ex = w.executor(
+        backend="cpu", buckets=BUCKETS, attention=w.attention(prefill_runner=Counting())
+    )
     layers = w.model.config.num_layers
     ex(**w.prefill_step(random.Random(5), [9, 3]).kwargs())
     # warm-up (eager) + the capture step's replay; none during capture itself

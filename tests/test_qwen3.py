@@ -105,10 +105,16 @@ def test_checkpoint_names_load_and_merge(tmp_path):
     src = Qwen3Model.build("tiny", num_blocks=8, block_size=4, seed=7)
     save_file(hf_state(src), str(tmp_path / "model.safetensors"))
     c = src.config
-    hf_config = {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-                 "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-                 "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-                 "head_dim": c.head_dim, "max_position_embeddings": c.max_position}  # fmt: skip
+    hf_config = {
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_position,
+    }
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
     loaded = Qwen3Model.build("tiny", num_blocks=8, block_size=4, weights=str(tmp_path))
     assert loaded.config == c
@@ -124,8 +130,9 @@ def test_checkpoint_names_load_and_merge(tmp_path):
 def test_seeded_weights_are_deterministic_and_drawn_in_checkpoint_order():
     a, b = (Qwen3Model.build("tiny", num_blocks=4, seed=3) for _ in range(2))
     other = Qwen3Model.build("tiny", num_blocks=4, seed=4)
-    for (name, x), y, z in zip(a.state_dict().items(), b.state_dict().values(),
-                               other.state_dict().values()):  # fmt: skip
+    for (name, x), y, z in zip(
+        a.state_dict().items(), b.state_dict().values(), other.state_dict().values()
+    ):
         assert torch.equal(x, y) and not torch.equal(x, z), name
     g = torch.Generator().manual_seed(3)
     drawn = {n: torch.randn(s, generator=g) for n, s in hf_parameters(a.config)}

@@ -86,8 +86,13 @@ def test_keyboard_interrupt_mid_capture_rolls_everything_back(stage, monkeypatch
     mem = GraphMemory(xgraph.get_backend("cpu"), "shared-physical")
     piecewise = stage == "between pieces"
     forward = Interrupt(ex_w.model.forward_logits)
-    ex = ex_w.executor(forward, backend="cpu", buckets=BUCKETS, memory=mem,
-                       mode="piecewise" if piecewise else "auto")
+    ex = ex_w.executor(
+        forward,
+        backend="cpu",
+        buckets=BUCKETS,
+        memory=mem,
+        mode="piecewise" if piecewise else "auto",
+    )
     rng = random.Random(1)
     check_steps(ex, ex_w, ref_w, rng, [2], full=not piecewise)  # one graph exists already
     before, vm_before = memory_books(mem), books(mem.physical.vm)
@@ -144,6 +149,7 @@ def test_capture_in_one_thread_does_not_disturb_tolist_and_sdpa_in_another():
         t.join()
     assert errors == [] and calls[0] > 0
     assert ex.stats()["captures"] == len(xgraph.default_sizes(64))
+
     # and the capturing thread is still guarded
     def reads_host(input_ids, positions):
         n = int(input_ids.sum().item())  # a host read: refused
@@ -289,8 +295,9 @@ def test_junk_ids_past_a_rows_need_change_nothing(junk):
     step = ex_w.decode_step(random.Random(5), 3, max_context=9)
     table = step.attn.table(junk, width=ex_w.max_blocks)  # junk in every unused column
     assert (table == junk).any()
-    attn = xgraph.AttentionInputs(step.attn.query_lens, step.attn.seq_lens, table,
-                                  step.attn.slot_mapping)  # fmt: skip
+    attn = xgraph.AttentionInputs(
+        step.attn.query_lens, step.attn.seq_lens, table, step.attn.slot_mapping
+    )
     out = ex(input_ids=step.input_ids, positions=step.positions, attn=attn)
     ref = ref_w.eager(ref_w.padded(step, Buckets(BUCKETS), full=True))[: step.num_tokens]
     assert torch.equal(out, ref)

@@ -33,9 +33,16 @@ from xgraph.integrations.transformers import (  # noqa: E402
     UnsupportedModelError,
 )
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            max_position_embeddings=256)  # fmt: skip
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
 # family -> (config class, model class, extra config fields)
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
@@ -95,10 +102,14 @@ def test_chunked_prefill_and_decode_match_transformers(family):
     assert_matches_reference(ref, ps, result)
     assert [len(t) for t in result.tokens] == NEW_TOKENS
     g = result.graph_steps
-    hits = {kind: sum(n for k, n in stats["hits"].items() if k[0] == kind)
-            for kind in ("full", "piecewise")}  # fmt: skip
-    print(f"\n{family}: {result.steps} steps: {g['full']} replayed full graphs, "
-          f"{g['piecewise']} replayed piecewise graphs, {g['eager']} eager; cache hits {hits}")
+    hits = {
+        kind: sum(n for k, n in stats["hits"].items() if k[0] == kind)
+        for kind in ("full", "piecewise")
+    }
+    print(
+        f"\n{family}: {result.steps} steps: {g['full']} replayed full graphs, "
+        f"{g['piecewise']} replayed piecewise graphs, {g['eager']} eager; cache hits {hits}"
+    )
     assert g["full"] > 0 and g["piecewise"] > 0 and g["eager"] == 0
     assert g["full"] + g["piecewise"] == result.steps
     assert hits["full"] > 0 and hits["piecewise"] > 0  # graphs replayed after their capture
@@ -122,8 +133,16 @@ def test_pre_capture_leaves_nothing_to_capture_while_generating():
     with GraphModel(tiny("gemma"), backend="cpu", on_capture_error="raise", **LIMITS) as gm:
         gm.capture()
         keys = set(gm.stats()["keys"])  # decode up to max_seqs, prefill every bucket
-        assert keys == {("full", 1), ("full", 2), ("full", 4), ("piecewise", 1), ("piecewise", 2),
-                        ("piecewise", 4), ("piecewise", 8), ("piecewise", 16)}
+        assert keys == {
+            ("full", 1),
+            ("full", 2),
+            ("full", 4),
+            ("piecewise", 1),
+            ("piecewise", 2),
+            ("piecewise", 4),
+            ("piecewise", 8),
+            ("piecewise", 16),
+        }
         result = gm.generate(prompts(5), NEW_TOKENS)
         assert gm.stats()["captures"] == len(keys) and result.graph_steps["eager"] == 0
 
@@ -143,8 +162,11 @@ def test_eos_stops_a_sequence_early():
 
 def test_sliding_window_shorter_than_the_context_is_refused():
     model = tiny("mistral", sliding_window=16)
-    with pytest.raises(UnsupportedModelError, match=r"MistralForCausalLM.*window 16.*"
-                       r"max_model_len <= 16"):  # fmt: skip
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"MistralForCausalLM.*window 16.*"
+        r"max_model_len <= 16",
+    ):
         GraphModel(model, backend="cpu", **LIMITS)
     assert model.config._attn_implementation != "xgraph"  # refused before switching
 
@@ -164,8 +186,11 @@ def test_layers_that_differ_from_the_config_are_refused_by_name():
         GraphModel(model, backend="cpu", **LIMITS)
     assert model.config._attn_implementation == "sdpa"  # given back
     odd.config = model.config  # routed through xgraph: its shape is refused at the first step
-    with GraphModel(model, backend="cpu", **LIMITS) as gm, pytest.raises(
-        UnsupportedModelError, match=r"LlamaForCausalLM.*layer 1 .*built for 2 kv heads"
+    with (
+        GraphModel(model, backend="cpu", **LIMITS) as gm,
+        pytest.raises(
+            UnsupportedModelError, match=r"LlamaForCausalLM.*layer 1 .*built for 2 kv heads"
+        ),
     ):
         gm.generate(prompts(), 2)
 
@@ -206,8 +231,9 @@ class HostReadMLP(torch.nn.Module):
         return self.inner(x.clamp(-limit, limit))
 
 
-HOST_READ_LINE = next(i for i, line in enumerate(open(__file__), 1)
-                      if "the line the capture guard names" in line)  # fmt: skip
+HOST_READ_LINE = next(
+    i for i, line in enumerate(open(__file__), 1) if "the line the capture guard names" in line
+)
 
 
 def _patched_mlp(model: torch.nn.Module) -> tuple[str, object]:
@@ -221,8 +247,10 @@ def _mask_path(model: torch.nn.Module) -> tuple[str, object]:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionMaskInterface.register("xgraph", sdpa_mask)
-    return r"transformers/masking_utils\.py:\d+ ", lambda: (
-        AttentionMaskInterface._global_mapping.pop("xgraph", None))
+    return (
+        r"transformers/masking_utils\.py:\d+ ",
+        lambda: AttentionMaskInterface._global_mapping.pop("xgraph", None),
+    )
 
 
 @pytest.mark.parametrize("patch", [_patched_mlp, _mask_path], ids=["item", "mask"])
@@ -233,13 +261,17 @@ def test_host_reads_are_named_at_capture_and_run_eagerly(patch):
     ps = prompts(1, (9, 4))
     try:
         with GraphModel(model, backend="cpu", on_capture_error="raise", **LIMITS) as gm:
-            with pytest.raises(xgraph.CaptureError, match=r"reads device data on the host at "
-                               rf".*{where}"):  # fmt: skip
+            with pytest.raises(
+                xgraph.CaptureError,
+                match=r"reads device data on the host at "
+                rf".*{where}",
+            ):
                 gm.generate(ps, 4)
             assert gm.stats()["keys"] == []  # rolled back, nothing kept
-        with GraphModel(model, backend="cpu", **LIMITS) as gm, warnings.catch_warnings(
-            record=True
-        ) as caught:
+        with (
+            GraphModel(model, backend="cpu", **LIMITS) as gm,
+            warnings.catch_warnings(record=True) as caught,
+        ):
             warnings.simplefilter("always")
             result = gm.generate(ps, 4, record_logits=True)
             eager_keys = gm.stats()["eager_keys"]
@@ -266,20 +298,40 @@ def model_folder(tmp_path_factory):
 
 
 def test_xgraph_generate_prints_tokens_and_tokens_per_second(model_folder, capsys):
-    args = ["generate", "--model", model_folder, "--prompt", "1 2 3", "--prompt", "4 5 6 7 8",
-            "--max-new-tokens", "5", "--backend", "cpu", "--ignore-eos"]  # fmt: skip
+    args = [
+        "generate",
+        "--model",
+        model_folder,
+        "--prompt",
+        "1 2 3",
+        "--prompt",
+        "4 5 6 7 8",
+        "--max-new-tokens",
+        "5",
+        "--backend",
+        "cpu",
+        "--ignore-eos",
+    ]
     assert xgraph_main(args) == 0
     out = capsys.readouterr().out
     assert re.search(r"10 tokens for 2 prompt\(s\) in [\d.]+ s on cpu: [\d.]+ tokens/s", out)
-    printed = [[int(t) for t in re.findall(r"\d+", line.split("] ", 1)[1])]
-               for line in out.splitlines() if line.startswith("[")]  # fmt: skip
+    printed = [
+        [int(t) for t in re.findall(r"\d+", line.split("] ", 1)[1])]
+        for line in out.splitlines()
+        if line.startswith("[")
+    ]
     # transformers' own greedy generate on the same folder gives the same tokens
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_folder).eval()
     for prompt, got in zip([[1, 2, 3], [4, 5, 6, 7, 8]], printed):
         with torch.no_grad():
-            out_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=5, min_new_tokens=5,
-                                  do_sample=False, pad_token_id=0)  # fmt: skip
-        assert got == out_ids[0, len(prompt):].tolist()
+            out_ids = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=5,
+                min_new_tokens=5,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert got == out_ids[0, len(prompt) :].tolist()
 
 
 def test_xgraph_generate_uses_the_folders_tokenizer(model_folder, tmp_path, capsys):
@@ -292,9 +344,20 @@ def test_xgraph_generate_uses_the_folders_tokenizer(model_folder, tmp_path, caps
     folder = tmp_path / "with-tokenizer"
     transformers.AutoModelForCausalLM.from_pretrained(model_folder).save_pretrained(folder)
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(
-        folder)
-    args = ["generate", "--model", str(folder), "--prompt", "w1 w2 w3", "--max-new-tokens", "4",
-            "--backend", "cpu", "--ignore-eos"]  # fmt: skip
+        folder
+    )
+    args = [
+        "generate",
+        "--model",
+        str(folder),
+        "--prompt",
+        "w1 w2 w3",
+        "--max-new-tokens",
+        "4",
+        "--backend",
+        "cpu",
+        "--ignore-eos",
+    ]
     assert xgraph_main(args) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("[0]"))
     assert re.fullmatch(r"\[0\] w\d+ w\d+ w\d+ w\d+", line), line
@@ -311,8 +374,10 @@ def test_pickled_or_missing_weights_are_refused(tmp_path, capsys, model_folder):
 
 
 def test_the_core_and_the_cli_do_not_import_transformers():
-    code = ("import sys, xgraph, xgraph.cli, xgraph.integrations.transformers; "
-            "xgraph.cli.build_parser(); print('transformers' in sys.modules)")  # fmt: skip
+    code = (
+        "import sys, xgraph, xgraph.cli, xgraph.integrations.transformers; "
+        "xgraph.cli.build_parser(); print('transformers' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
@@ -322,9 +387,27 @@ def test_bench_runs_on_cpu_with_a_tiny_config(tmp_path):
     from xgraph.integrations.transformers import bench
 
     path = tmp_path / "bench.json"
-    assert bench.main(["--backend", "cpu", "--model", "tiny", "--batches", "1,2",
-                       "--prompt-len", "8", "--new-tokens", "4", "--iters", "1",
-                       "--json", str(path)]) == 0  # fmt: skip
+    assert (
+        bench.main(
+            [
+                "--backend",
+                "cpu",
+                "--model",
+                "tiny",
+                "--batches",
+                "1,2",
+                "--prompt-len",
+                "8",
+                "--new-tokens",
+                "4",
+                "--iters",
+                "1",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     import json
 
     data = json.loads(path.read_text())

@@ -32,8 +32,10 @@ def ex(w):
 def decode(w, lens, rows, slots=None, ids=None):
     bs = w.block_size
     if slots is None:  # where the rows put each last position (0 where a row is too short)
-        slots = [r[(n - 1) // bs] * bs + (n - 1) % bs if (n - 1) // bs < len(r) else 0
-                 for r, n in zip(rows, lens)]
+        slots = [
+            r[(n - 1) // bs] * bs + (n - 1) % bs if (n - 1) // bs < len(r) else 0
+            for r, n in zip(rows, lens)
+        ]
     n = len(lens)
     return dict(
         input_ids=torch.zeros(n, dtype=torch.int64) if ids is None else ids,
@@ -52,7 +54,9 @@ BAD = {
     "slot outside the row": (dict(lens=[2], rows=[[5]], slots=[3]), "slot_mapping[0] is 3"),
     "negative slot": (dict(lens=[2], rows=[[5]], slots=[-1]), "slot_mapping[0] is -1"),
     "token id past the vocabulary": (
-        dict(lens=[2], rows=[[5]], ids=torch.tensor([256])), "'input_ids'[0] is 256"),
+        dict(lens=[2], rows=[[5]], ids=torch.tensor([256])),
+        "'input_ids'[0] is 256",
+    ),
 }
 
 
@@ -78,10 +82,17 @@ def test_zero_tokens_and_bad_lengths_are_refused(w, ex):
     assert ex.stats()["keys"] == [] or all(k[0] == "full" for k in ex.stats()["keys"])
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**20), query=st.lists(st.integers(1, 6), min_size=1, max_size=5),
-       extra=st.lists(st.integers(0, 9), min_size=5, max_size=5), tensor=st.booleans())
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    seed=st.integers(0, 2**20),
+    query=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    extra=st.lists(st.integers(0, 9), min_size=5, max_size=5),
+    tensor=st.booleans(),
+)
 def test_valid_metadata_is_never_refused(w, ex, seed, query, extra, tensor):
     step = w.prefill_step(random.Random(seed), query, extra[: len(query)])
     if tensor:

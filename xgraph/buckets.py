@@ -57,6 +57,20 @@ class Buckets:
                 j += 1
             self._table[n] = s[j]
 
+    @classmethod
+    def of(cls, spec: Buckets | Sequence[int] | None, default_max: int) -> Buckets:
+        """`spec` as Buckets; None: `default_sizes(default_max)`."""
+        if isinstance(spec, Buckets):
+            return spec
+        if spec is None:
+            return cls(default_sizes(default_max))
+        if isinstance(spec, int):
+            raise XGraphError(
+                f"buckets={spec}: give the bucket sizes (a list or xgraph.Buckets), for example "
+                f"xgraph.default_sizes({spec})."
+            )
+        return cls(spec)
+
     @property
     def max(self) -> int:
         return self.sizes[-1]

@@ -25,8 +25,7 @@ def _info_rows(infos: list) -> list[str]:  # type: ignore[type-arg]
         lines.append(head.rstrip())
         for text in (b.reason, ", ".join(f"{k} {v}" for k, v in b.versions.items())):
             if text:
-                lines += textwrap.wrap(text, WIDTH, initial_indent="    ",
-                                       subsequent_indent="    ")  # fmt: skip
+                lines += textwrap.wrap(text, WIDTH, initial_indent="    ", subsequent_indent="    ")
     return lines
 
 
@@ -36,11 +35,22 @@ def cmd_info(args: argparse.Namespace) -> int:
     chosen = xgraph.get_backend(args.backend).name  # first: a chosen hidden one is listed
     infos = xgraph.list_backends(refresh=True, hidden=args.all)
     if args.json:
-        print(json.dumps([
-            {"name": b.name, "available": b.available, "priority": b.priority,
-             "reason": b.reason, "versions": b.versions, "plugin": b.plugin}
-            for b in infos
-        ], indent=2))  # fmt: skip
+        print(
+            json.dumps(
+                [
+                    {
+                        "name": b.name,
+                        "available": b.available,
+                        "priority": b.priority,
+                        "reason": b.reason,
+                        "versions": b.versions,
+                        "plugin": b.plugin,
+                    }
+                    for b in infos
+                ],
+                indent=2,
+            )
+        )
         return 0
     print(f"xgraph {xgraph.__version__}: backends (highest priority first)")
     print("\n".join(_info_rows(infos)))
@@ -88,15 +98,20 @@ def _pytest_plugin_autoloaded() -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xgraph", description=__doc__.splitlines()[0])
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="log at INFO level and show tracebacks of unexpected errors")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at INFO level and show tracebacks of unexpected errors",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     backend_help = "backend name (default: XGRAPH_BACKEND, else the best available one)"
 
     info = sub.add_parser("info", help="list backends: availability, priority, reason, versions")
     info.add_argument("--json", action="store_true", help="print the list as JSON")
-    info.add_argument("--all", action="store_true",
-                      help="also list hidden backends (test adapters, simulators)")
+    info.add_argument(
+        "--all", action="store_true", help="also list hidden backends (test adapters, simulators)"
+    )
     info.add_argument("--backend", default=None, help=backend_help)
     info.set_defaults(func=cmd_info)
 
@@ -108,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
         "conformance", help="run the conformance suite against a backend (pytest args after --)"
     )
     conf.add_argument("--backend", required=True, help="the backend to check")
-    conf.add_argument("pytest_args", nargs=argparse.REMAINDER,
-                      help="arguments for pytest, after --")
+    conf.add_argument(
+        "pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest, after --"
+    )
     conf.set_defaults(func=cmd_conformance)
 
     from .bench import add_parsers
@@ -137,8 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         if args.verbose:
             raise
-        print(f"xgraph: error: {type(exc).__name__}: {exc} (run with -v for the traceback)",
-              file=sys.stderr)
+        print(
+            f"xgraph: error: {type(exc).__name__}: {exc} (run with -v for the traceback)",
+            file=sys.stderr,
+        )
     return 2
 
 

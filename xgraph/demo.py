@@ -13,9 +13,16 @@ def run_demo(backend_name: str | None = None, steps: int = 50) -> int:
     backend = xgraph.get_backend(backend_name)
     dev = backend.device
     torch.manual_seed(0)
-    mlp = torch.nn.Sequential(
-        torch.nn.Linear(32, 128), torch.nn.SiLU(), torch.nn.Linear(128, 32), torch.nn.LayerNorm(32)
-    ).to(dev).eval()
+    mlp = (
+        torch.nn.Sequential(
+            torch.nn.Linear(32, 128),
+            torch.nn.SiLU(),
+            torch.nn.Linear(128, 32),
+            torch.nn.LayerNorm(32),
+        )
+        .to(dev)
+        .eval()
+    )
     x = torch.randn(16, 32, device=dev)
     g = backend.new_graph()
     t0 = time.perf_counter()

@@ -29,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .attention import InlineRunner, StepContext, step_context
-from .buckets import Buckets, Dim, Input, default_sizes
+from .buckets import Buckets, Dim, Input
 from .errors import (
     CaptureError,
     ConcurrentStepError,
@@ -134,13 +134,20 @@ class GraphExecutor:
         self.forward, self.name, self.compiled = forward, name, compiled
         self.backend = get_backend(backend)
         self.device = self.backend.device
-        self.buckets = _buckets(buckets)
+        self.buckets = Buckets.of(buckets, DEFAULT_MAX_TOKENS)
         self.attention = attention
         self.decode_runner, self.prefill_runner = self._runners(attention)
         self.planner = StepPlanner(
-            name, inputs, dims, self.buckets, attention, self.device, self.mode,
-            Fallback.parse(on_overflow, "on_overflow"), self.backend.host_copier,
-        )  # fmt: skip
+            name,
+            inputs,
+            dims,
+            self.buckets,
+            attention,
+            self.device,
+            self.mode,
+            Fallback.parse(on_overflow, "on_overflow"),
+            self.backend.host_copier,
+        )
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self.memory = GraphMemory.of(self.backend, memory)
         self._outside = OutsidePoolMeter(self.memory)
@@ -331,8 +338,10 @@ class GraphExecutor:
         # allocated, so neither the output buffers nor a graph pool pin a warm-up segment
         settle(self.backend)
         if layout is not None:
-            self._out_bufs = [torch.empty((self.buckets.max, *shp), dtype=dt, device=dev)
-                              for shp, dt, dev in layout]  # fmt: skip
+            self._out_bufs = [
+                torch.empty((self.buckets.max, *shp), dtype=dt, device=dev)
+                for shp, dt, dev in layout
+            ]
         self._outside.start()
         lease = self.memory.begin()
         graph: Recording | None = None
@@ -410,8 +419,15 @@ class GraphExecutor:
             raise XGraphError("kind='eager': choose the layout, 'full' or 'piecewise'.")
         self._synthetic(sizes, k, Kind.EAGER, f"{self.name}: warm-up", False, key_dims)
 
-    def _synthetic(self, sizes: Iterable[int] | None, layout: Kind, run: Kind, what: str,
-                   progress: bool, key_dims: dict[str, int]) -> None:  # fmt: skip
+    def _synthetic(
+        self,
+        sizes: Iterable[int] | None,
+        layout: Kind,
+        run: Kind,
+        what: str,
+        progress: bool,
+        key_dims: dict[str, int],
+    ) -> None:
         todo = list(sizes) if sizes is not None else sorted(self.buckets.sizes, reverse=True)
         for n in show_progress(todo, what, progress):
             tensors, attn = self.planner.synthetic(n, layout, key_dims)
@@ -479,16 +495,3 @@ def _close_open_executors() -> None:
             ex.close()
         except Exception:  # exiting anyway: report, never raise from an exit hook
             logger.exception("closing %s at exit failed", ex.name)
-
-
-def _buckets(spec: Buckets | Sequence[int] | None) -> Buckets:
-    if isinstance(spec, Buckets):
-        return spec
-    if spec is None:
-        return Buckets(default_sizes(DEFAULT_MAX_TOKENS))
-    if isinstance(spec, int):
-        raise XGraphError(
-            f"buckets={spec}: give the bucket sizes (a list or xgraph.Buckets), for example "
-            f"xgraph.default_sizes({spec})."
-        )
-    return Buckets(spec)

@@ -239,8 +239,15 @@ class AttentionRunner(ABC):
         """Once per step, on the host: take this step's metadata and write any plan to device."""
 
     @abstractmethod
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            kv_cache: KVCache, scale: float) -> None:  # fmt: skip
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: KVCache,
+        scale: float,
+    ) -> None:
         """Store k, v at this step's slots, then write attention of q over the cache into out."""
 
 

@@ -111,8 +111,10 @@ class Registry:
                     if spec.name in specs:
                         logger.warning(
                             "backend %r is registered twice (by %s and %s); keeping the first",
-                            spec.name, specs[spec.name].distribution, spec.distribution,
-                        )  # fmt: skip
+                            spec.name,
+                            specs[spec.name].distribution,
+                            spec.distribution,
+                        )
                         continue
                     specs[spec.name] = spec
                 self._specs = specs

@@ -29,8 +29,10 @@ def context_kv(kv_cache: KVCache, blocks: torch.Tensor, seq_len: int) -> KVCache
     its blocks (int64 ids of the blocks that hold them)."""
     k_cache, v_cache = kv_cache
     rows = blocks.shape[0] * k_cache.shape[1]
-    return (k_cache[blocks].reshape(rows, *k_cache.shape[2:])[:seq_len],
-            v_cache[blocks].reshape(rows, *v_cache.shape[2:])[:seq_len])  # fmt: skip
+    return (
+        k_cache[blocks].reshape(rows, *k_cache.shape[2:])[:seq_len],
+        v_cache[blocks].reshape(rows, *v_cache.shape[2:])[:seq_len],
+    )
 
 
 @dataclass(frozen=True)
@@ -84,8 +86,15 @@ class PagedDecodeRunner(PlannedRunner):
 
     graph_safe = True
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            kv_cache: KVCache, scale: float) -> None:  # fmt: skip
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: KVCache,
+        scale: float,
+    ) -> None:
         md = self.planned()
         store_kv(k, v, kv_cache, md.slot_mapping)
         k_cache, v_cache = kv_cache
@@ -125,8 +134,15 @@ class PagedPrefillRunner(PlannedRunner):
         super().plan(metadata)
         self.spans = sequence_spans(metadata)
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            kv_cache: KVCache, scale: float) -> None:  # fmt: skip
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: KVCache,
+        scale: float,
+    ) -> None:
         n = self.store_step(k, v, kv_cache).num_tokens
         bs, hkv, d = kv_cache[0].shape[1:]
         hq = q.shape[1]

@@ -127,11 +127,14 @@ class StepPlanner:
 
     def _buffer_specs(self) -> list[BufferSpec]:
         specs = [
-            BufferSpec(i.name, i.dtype,  # type: ignore[arg-type]  # Input keeps dtype loose
-                       tuple(self.dims[s].max if isinstance(s, str) else int(s) for s in i.shape),
-                       i.fill)
+            BufferSpec(
+                i.name,
+                i.dtype,  # type: ignore[arg-type]  # Input keeps dtype loose
+                tuple(self.dims[s].max if isinstance(s, str) else int(s) for s in i.shape),
+                i.fill,
+            )
             for i in self.inputs
-        ]  # fmt: skip
+        ]
         a = self.attention
         if a is not None:
             t, s = self.buckets.max, self.max_seqs
@@ -409,18 +412,24 @@ class DecodePath:
         if p.attention is not None:
             w = p.attention.max_blocks_per_seq
             extents.update(
-                slot_mapping=(tb,), seq_lens=(tb,), query_start_loc=(tb + 1,),
+                slot_mapping=(tb,),
+                seq_lens=(tb,),
+                query_start_loc=(tb + 1,),
                 block_tables=(tb, w),
-            )  # fmt: skip
+            )
         plan = p.staged.plan(extents)
         if plan is None:
             return None
         return _Bucket(
-            size=tb, key=(Kind.FULL.value, tb), padded={NUM_TOKENS: tb}, plan=plan,
+            size=tb,
+            key=(Kind.FULL.value, tb),
+            padded={NUM_TOKENS: tb},
+            plan=plan,
             inputs=[(plan.host[i.name], plan.fills[i.name]) for i in p.inputs],
             views={i.name: plan.device[i.name] for i in p.inputs},
-            qsl=np.arange(tb + 1, dtype=np.int32), query_lens=[1] * tb,
-        )  # fmt: skip
+            qsl=np.arange(tb + 1, dtype=np.int32),
+            query_lens=[1] * tb,
+        )
 
     def stage(self, checked: Checked, b: _Bucket) -> Step | None:
         """Write the step into the host twin, check its layout there, send it in one copy."""
@@ -439,10 +448,15 @@ class DecodePath:
                 return None
             dev = b.plan.device
             md = AttentionMetadata(  # positional: num_tokens, num_seqs, host lengths
-                dev["slot_mapping"], dev["seq_lens"], dev["query_start_loc"],
-                dev["block_tables"], tb, tb, b.query_lens,
+                dev["slot_mapping"],
+                dev["seq_lens"],
+                dev["query_start_loc"],
+                dev["block_tables"],
+                tb,
+                tb,
+                b.query_lens,
                 b.plan.host["seq_lens"],  # the twin, padded: no list built per step
-            )  # fmt: skip
+            )
         self.staged.send(b.plan.nbytes)
         return Step(Kind.FULL, tensors, {NUM_TOKENS: n}, h, b.key, b.padded, b.views, md)
 

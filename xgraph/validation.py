@@ -103,7 +103,7 @@ def validate_inputs(
         raise InputError(
             f"{name}: inputs {sorted(inputs)} do not match the declared inputs {sorted(names)} "
             f"(missing {sorted(missing)}, unknown {sorted(unknown)})."
-        )  # fmt: skip
+        )
     sizes: dict[str, int] = {}
     tensors: dict[str, torch.Tensor] = {}
     for spec in declared:
@@ -128,9 +128,11 @@ class StepAttention:
     def inputs(self) -> AttentionInputs:
         """The same values as AttentionInputs (the eager path builds fresh metadata)."""
         return AttentionInputs(
-            self.query_lens.tolist(), self.seq_lens.tolist(),
-            torch.from_numpy(self.table), torch.from_numpy(self.slots),
-        )  # fmt: skip
+            self.query_lens.tolist(),
+            self.seq_lens.tolist(),
+            torch.from_numpy(self.table),
+            torch.from_numpy(self.slots),
+        )
 
 
 def _host(value: Any, dtype: Any, field: str, name: str, device: torch.device) -> np.ndarray:

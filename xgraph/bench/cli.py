@@ -97,12 +97,22 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks: memory | prefill | decode | all | soak | host")
-    p.add_argument("which", choices=[*BENCHMARKS, "all", "soak", "host"],
-                   help="which benchmark to run (all: memory, prefill and decode)")
-    p.add_argument("--backend", default=None,
-                   help="backend name (default: XGRAPH_BACKEND, else the best available one)")
-    p.add_argument("--model", default="tiny", choices=["tiny", "qwen3-0.6b"],
-                   help="reference model shape (random weights)")
+    p.add_argument(
+        "which",
+        choices=[*BENCHMARKS, "all", "soak", "host"],
+        help="which benchmark to run (all: memory, prefill and decode)",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="backend name (default: XGRAPH_BACKEND, else the best available one)",
+    )
+    p.add_argument(
+        "--model",
+        default="tiny",
+        choices=["tiny", "qwen3-0.6b"],
+        help="reference model shape (random weights)",
+    )
     p.add_argument(
         "--sizes",
         default=None,
@@ -128,18 +138,38 @@ def add_parsers(sub: Any) -> None:
         "prefill: any value adds the piecewise executor over the compiled forward",
     )
     _add_decode_and_memory_options(p)
-    p.add_argument("--iters", type=int, default=None,
-                   help="timed repetitions per measurement (default 50 decode, 10 prefill)")
-    p.add_argument("--steps", type=int, default=2000,
-                   help="soak: random steps to run, each checked against eager")
-    p.add_argument("--memory", default=None, choices=["shared-physical", "shared-pool", "private"],
-                   help="soak: the executor's memory mode (default: the backend's default)")
-    p.add_argument("--forward", default="trivial", choices=["trivial", "model"],
-                   help="host: the forward replayed (trivial: two ops; model: the reference model)")
+    _add_run_options(p)
+    p.set_defaults(func=main)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="timed repetitions per measurement (default 50 decode, 10 prefill)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=2000,
+        help="soak: random steps to run, each checked against eager",
+    )
+    p.add_argument(
+        "--memory",
+        default=None,
+        choices=["shared-physical", "shared-pool", "private"],
+        help="soak: the executor's memory mode (default: the backend's default)",
+    )
+    p.add_argument(
+        "--forward",
+        default="trivial",
+        choices=["trivial", "model"],
+        help="host: the forward replayed (trivial: two ops; model: the reference model)",
+    )
     p.add_argument("--json", default=None, help="write the results here (bench all: a folder)")
     p.add_argument("--plot", default=None, help="memory: write a PNG plot here")
     p.add_argument("--out", default=None, help="bench all: folder for JSON, PNG and tables")
-    p.set_defaults(func=main)
 
 
 def _json_path(args: argparse.Namespace, name: str) -> str | None:
@@ -157,9 +187,16 @@ def _memory(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
     if sizes is None and args.max_size:
         sizes = vllm_capture_sizes(args.max_size)
     pw = sglang_piecewise_sizes(args.piecewise_max) if args.piecewise_max else None
-    data = memory.run(backend, args.model, sizes, pw, families=args.models, kinds=args.kinds,
-                      all_modes=args.all_modes,
-                      checkpoint=Checkpoint(_json_path(args, "memory")))  # fmt: skip
+    data = memory.run(
+        backend,
+        args.model,
+        sizes,
+        pw,
+        families=args.models,
+        kinds=args.kinds,
+        all_modes=args.all_modes,
+        checkpoint=Checkpoint(_json_path(args, "memory")),
+    )
     plot_path = args.plot or (os.path.join(args.out, "memory.png") if args.out else None)
     if plot_path:
         memory.plot(data, plot_path)
@@ -169,9 +206,15 @@ def _memory(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
 def _prefill(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
     # bench all keeps prefill's default memory sizes: --max-size there sizes the memory run
     memory_max = args.max_size if args.which == "prefill" else None
-    data = prefill.run(backend, args.model, sizes, memory_max=memory_max, iters=args.iters or 10,
-                       compiler="inductor" if args.compile is not None else None,
-                       checkpoint=Checkpoint(_json_path(args, "prefill")))  # fmt: skip
+    data = prefill.run(
+        backend,
+        args.model,
+        sizes,
+        memory_max=memory_max,
+        iters=args.iters or 10,
+        compiler="inductor" if args.compile is not None else None,
+        checkpoint=Checkpoint(_json_path(args, "prefill")),
+    )
     return data, prefill.summarize(data)
 
 
@@ -190,8 +233,9 @@ def _decode(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
 
 
 def _soak(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
-    data = soak.run(backend, steps=args.steps, memory=args.memory,
-                    sample_every=max(1, args.steps // 20))
+    data = soak.run(
+        backend, steps=args.steps, memory=args.memory, sample_every=max(1, args.steps // 20)
+    )
     return data, soak.summarize(data)
 
 
@@ -201,7 +245,11 @@ def _host(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -
 
 
 RUNNERS: dict[str, Runner] = {
-    "memory": _memory, "prefill": _prefill, "decode": _decode, "soak": _soak, "host": _host,
+    "memory": _memory,
+    "prefill": _prefill,
+    "decode": _decode,
+    "soak": _soak,
+    "host": _host,
 }
 
 

@@ -73,14 +73,22 @@ def _measure(
 ) -> None:
     """Eager, executor and native-graph times of one batch, each isolated from the others."""
     ex, eager = executors
-    attempt(row, "eager", lambda: {
-        "eager_s": timer(lambda: eager(**step.kwargs()), iters),
-        "eager_wall_s": wall_time(backend, lambda: eager(**step.kwargs()), iters),
-    })  # fmt: skip
-    attempt(row, "xgraph", lambda: {
-        "xgraph_s": timer(lambda: ex(**step.kwargs()), iters),
-        "xgraph_host_s": host_time(backend, lambda: ex(**step.kwargs()), iters),
-    })  # fmt: skip
+    attempt(
+        row,
+        "eager",
+        lambda: {
+            "eager_s": timer(lambda: eager(**step.kwargs()), iters),
+            "eager_wall_s": wall_time(backend, lambda: eager(**step.kwargs()), iters),
+        },
+    )
+    attempt(
+        row,
+        "xgraph",
+        lambda: {
+            "xgraph_s": timer(lambda: ex(**step.kwargs()), iters),
+            "xgraph_host_s": host_time(backend, lambda: ex(**step.kwargs()), iters),
+        },
+    )
     attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters))
     if "xgraph_host_s" in row and "raw_replay_host_s" in row:
         row["host_overhead_s"] = row["xgraph_host_s"] - row["raw_replay_host_s"]
@@ -90,8 +98,14 @@ class _Compiled:
     """The compiled variants, each built at its first use and reused by later batches:
     one reduce-overhead function, one compiled twin of the model behind one executor."""
 
-    def __init__(self, backend: Backend, w: Workload, batches: list[int], compiler: str,
-                 scope: str = "layers") -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend: Backend,
+        w: Workload,
+        batches: list[int],
+        compiler: str,
+        scope: str = "layers",
+    ) -> None:
         self.backend, self.w, self.batches, self.compiler = backend, w, batches, compiler
         self.scope = scope
         self.ro: ReduceOverhead | None = None
@@ -109,9 +123,13 @@ class _Compiled:
             # graph's kernels measured 5-7% slower at batch 8 and 64 on an H200)
             model = compiled_twin(self.w.model, self.compiler, dynamic=False, scope=self.scope)
             self.twin = Workload(model, self.w.max_blocks, self.w.max_seqs)
-            self.ex = self.twin.executor(model.forward, backend=self.backend,
-                                         buckets=self.batches, compiled=True,
-                                         on_capture_error="raise")  # fmt: skip
+            self.ex = self.twin.executor(
+                model.forward,
+                backend=self.backend,
+                buckets=self.batches,
+                compiled=True,
+                on_capture_error="raise",
+            )
         ex = self.ex
         before = ex.stats()["capture_seconds"]
         first = first_step(self.backend, lambda: ex(**step.kwargs()))
@@ -146,8 +164,7 @@ def _workload(
     """Tables 512 tokens wide for the batches; cache blocks for the width check too."""
     seqs = max(batches + ([check] if check else []))
     blocks = table_check.blocks_needed(check, 16) if check else None
-    return workload(backend, model, max_seqs=seqs, context=512 if accel else 64,
-                    num_blocks=blocks)  # fmt: skip
+    return workload(backend, model, max_seqs=seqs, context=512 if accel else 64, num_blocks=blocks)
 
 
 def _progress(row: dict[str, Any]) -> None:
@@ -174,9 +191,26 @@ def _compiled_rows(
         save()
     compiled.close()
     if "table_check" in data and compiled.twin is not None:
-        table_check.run(compiled.backend, data["table_check"], "xgraph_compiled",
-                        compiled.twin.model, timer, iters)  # fmt: skip
+        table_check.run(
+            compiled.backend,
+            data["table_check"],
+            "xgraph_compiled",
+            compiled.twin.model,
+            timer,
+            iters,
+        )
         save()
+
+
+def _steps(w: Any, batches: list[int], seed: int, accel: bool) -> dict[int, Any]:
+    """One random decode step per batch size, with tensor block tables as engines keep them."""
+    rng = random.Random(seed)
+    return {
+        b: w.decode_step(rng, b, max_context=256 if accel else 64).with_tensor_tables(
+            w.max_blocks, w.cache.dummy_block
+        )
+        for b in batches
+    }
 
 
 def run(
@@ -201,8 +235,12 @@ def run(
         compile_batches = DEFAULT_COMPILE if accel else []
     w = _workload(backend, model, batches, table_check_batch, accel)
     timer = Timer(backend)
-    data = {**header(backend, model, w), "iters": iters, "compile_scope": compile_scope,
-            "weight_bytes": roofline.weight_bytes(w.model)}  # fmt: skip
+    data = {
+        **header(backend, model, w),
+        "iters": iters,
+        "compile_scope": compile_scope,
+        "weight_bytes": roofline.weight_bytes(w.model),
+    }
     attempt(data, "bandwidth", lambda: roofline.bandwidth(backend, timer))
 
     def snapshot() -> dict[str, Any]:
@@ -214,9 +252,7 @@ def run(
         if checkpoint is not None:
             checkpoint(snapshot())
 
-    rng = random.Random(seed)
-    steps = {b: w.decode_step(rng, b, max_context=256 if accel else 64).with_tensor_tables(
-        w.max_blocks, w.cache.dummy_block) for b in batches}  # fmt: skip
+    steps = _steps(w, batches, seed, accel)
     rows = {b: {"batch": b, "kv_bytes": roofline.kv_bytes(w.cache, steps[b])} for b in batches}
     data["rows"] = list(rows.values())
     ex = w.executor(w.model.forward, backend=backend, buckets=batches, on_capture_error="raise")
@@ -232,8 +268,9 @@ def run(
         table_check.run(backend, check, "xgraph", w.model, timer, iters)
         save()
     chosen = [b for b in batches if b in compile_batches]
-    _compiled_rows(_Compiled(backend, w, chosen, compiler, compile_scope), data, steps, timer,
-                   iters, save)  # fmt: skip
+    _compiled_rows(
+        _Compiled(backend, w, chosen, compiler, compile_scope), data, steps, timer, iters, save
+    )
     return snapshot()
 
 
@@ -244,10 +281,15 @@ def _ms(row: dict[str, Any], key: str, name: str) -> Any:
     return "failed" if f"{name}_error" in row else ""
 
 
-ERROR_NAMES = {"eager_s": "eager", "xgraph_s": "xgraph", "raw_graph_s": "raw_graph",
-               "raw_graph_inputs_s": "raw_graph", "reduce_overhead_s": "reduce_overhead",
-               "reduce_overhead_inputs_s": "reduce_overhead",
-               "xgraph_compiled_s": "xgraph_compiled"}  # fmt: skip
+ERROR_NAMES = {
+    "eager_s": "eager",
+    "xgraph_s": "xgraph",
+    "raw_graph_s": "raw_graph",
+    "raw_graph_inputs_s": "raw_graph",
+    "reduce_overhead_s": "reduce_overhead",
+    "reduce_overhead_inputs_s": "reduce_overhead",
+    "xgraph_compiled_s": "xgraph_compiled",
+}
 
 
 def _step_table(data: dict[str, Any]) -> str:
@@ -307,8 +349,12 @@ def summarize(data: dict[str, Any]) -> str:
         f"compiles: {data.get('compile_scope', 'layers')}"
     )
     parts = [head, _step_table(data), _batch_table(data)]
-    errors = [f"- batch {r['batch']} {k[:-6]}: {v}" for r in data["rows"]
-              for k, v in r.items() if k.endswith("_error")]  # fmt: skip
+    errors = [
+        f"- batch {r['batch']} {k[:-6]}: {v}"
+        for r in data["rows"]
+        for k, v in r.items()
+        if k.endswith("_error")
+    ]
     if errors:
         parts.append("failures:\n" + "\n".join(errors))
     if "table_check" in data:

@@ -86,8 +86,7 @@ def _engine_send(ex: GraphExecutor, step: Step) -> Callable[[], None]:
     """The anchor's send: each of the step's inputs copied into a static device tensor."""
     a, dev = step.attn, ex.planner.device
     qsl = torch.arange(step.num_tokens + 1, dtype=torch.int32)  # a decode step's starts
-    host = [step.input_ids, step.positions, a.slots(), torch.as_tensor(a.seq_lens), qsl,
-            a.table(0)]  # fmt: skip
+    host = [step.input_ids, step.positions, a.slots(), torch.as_tensor(a.seq_lens), qsl, a.table(0)]
     return sender(ex.backend, [t.to(dev) for t in host])
 
 
@@ -160,8 +159,14 @@ def cpu_name() -> str:
 
 
 def summarize(data: dict[str, Any]) -> str:
-    cols = ["batch", *(f"{k}_us" for k in PHASES), "raw_replay_us", "step_us", "overhead_us",
-            "engine_step_us"]  # fmt: skip
+    cols = [
+        "batch",
+        *(f"{k}_us" for k in PHASES),
+        "raw_replay_us",
+        "step_us",
+        "overhead_us",
+        "engine_step_us",
+    ]
     rows = [{k: r.get(k, "") for k in cols} for r in data["rows"]]
     return (
         f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}), "

@@ -145,9 +145,13 @@ def _over_limit(run: dict[str, Any], limit: dict[str, Any]) -> None:
 
 
 def _section(
-    backend: Backend, target: Any, section: dict[str, Any], modes: tuple[str, ...], seed: int,
+    backend: Backend,
+    target: Any,
+    section: dict[str, Any],
+    modes: tuple[str, ...],
+    seed: int,
     save: Callable[[], None],
-) -> None:  # fmt: skip
+) -> None:
     """The limit, then every mode and order, into `section` (saved after each run)."""
     kind, sizes = section["kind"], section["sizes"]
     largest = [max(sizes)]
@@ -166,20 +170,33 @@ def _section(
         for order in ORDERS:
             run: dict[str, Any] = {"mode": mode, "order": order}
             section["runs"].append(run)
-            if attempt(run, "run", lambda m=mode, o=order: _capture(
-                    backend, target, kind, m, sizes, ordered(sizes, o, seed))):  # fmt: skip
+            if attempt(
+                run,
+                "run",
+                lambda m=mode, o=order: _capture(
+                    backend, target, kind, m, sizes, ordered(sizes, o, seed)
+                ),
+            ):
                 run["order"] = order
                 _over_limit(run, limit)
-                note(f"memory {section['model']} {kind} {mode} {order}: {run['graphs']} "
-                     f"graphs, {run['graph_bytes'] / MiB:.1f} MiB, "
-                     f"x{run.get('x_limit', float('nan')):.2f} limit")  # fmt: skip
+                note(
+                    f"memory {section['model']} {kind} {mode} {order}: {run['graphs']} "
+                    f"graphs, {run['graph_bytes'] / MiB:.1f} MiB, "
+                    f"x{run.get('x_limit', float('nan')):.2f} limit"
+                )
             save()
 
 
 def _family(
-    backend: Backend, family: str, model: str, sizes: dict[str, list[int]],
-    data: dict[str, Any], modes: tuple[str, ...], seed: int, save: Callable[[], None],
-) -> None:  # fmt: skip
+    backend: Backend,
+    family: str,
+    model: str,
+    sizes: dict[str, list[int]],
+    data: dict[str, Any],
+    modes: tuple[str, ...],
+    seed: int,
+    save: Callable[[], None],
+) -> None:
     """Every kind of one family; a family that cannot be built is listed as skipped."""
     full_max = max(sizes.get("full", [1]))
     pw_max = max(sizes.get("piecewise", [1]))
@@ -195,11 +212,19 @@ def _family(
         return
     try:
         for kind, ks in sizes.items():
-            section = {"family": family, "model": target.model, "dtype": target.dtype,
-                       "kind": kind, "sizes": ks}  # fmt: skip
+            section = {
+                "family": family,
+                "model": target.model,
+                "dtype": target.dtype,
+                "kind": kind,
+                "sizes": ks,
+            }
             data["sections"].append(section)
-            attempt(section, "section", lambda s=section: _section(
-                backend, target, s, modes, seed, save))  # fmt: skip
+            attempt(
+                section,
+                "section",
+                lambda s=section: _section(backend, target, s, modes, seed, save),
+            )
             save()
     finally:
         target.close()
@@ -222,10 +247,15 @@ def run(
     given = {"full": sizes, "piecewise": piecewise_sizes}
     modes = MODES if all_modes else (LIMIT_MODE,)
     data: dict[str, Any] = {
-        "backend": backend.name, "device": backend.device_name(), "model": model,
-        "measure": measure(backend), "modes": list(modes), "orders": list(ORDERS),
-        "sections": [], "skipped": {},
-    }  # fmt: skip
+        "backend": backend.name,
+        "device": backend.device_name(),
+        "model": model,
+        "measure": measure(backend),
+        "modes": list(modes),
+        "orders": list(ORDERS),
+        "sections": [],
+        "skipped": {},
+    }
     save = checkpoint or (lambda _: None)
     for family in families:
         fs = {k: sorted(given[k] or default_sizes(family, k, accel)) for k in kinds}
@@ -239,34 +269,57 @@ def _cell(v: int | None) -> Any:
 
 def _section_text(s: dict[str, Any]) -> str:
     sizes = s["sizes"]
-    head = (f"{s['family']} ({s['model']}, {s.get('dtype', '')}), {s['kind']} graphs, "
-            f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]}")  # fmt: skip
+    head = (
+        f"{s['family']} ({s['model']}, {s.get('dtype', '')}), {s['kind']} graphs, "
+        f"{len(sizes)} sizes {sizes[0]}..{sizes[-1]}"
+    )
     if "runs" not in s:
         return f"{head}: failed: {s.get('section_error')}"
     lim = s.get("limit")
-    head += (f"; limit ({sizes[-1]} alone): driver {_cell(lim['driver_bytes'])} MiB, "
-             f"pool {lim['pool_bytes'] / MiB:.1f} MiB" if lim else
-             f"; limit failed: {s.get('limit_error')}")  # fmt: skip
+    head += (
+        f"; limit ({sizes[-1]} alone): driver {_cell(lim['driver_bytes'])} MiB, "
+        f"pool {lim['pool_bytes'] / MiB:.1f} MiB"
+        if lim
+        else f"; limit failed: {s.get('limit_error')}"
+    )
     first = s.get("first_use")
     if first:
-        head += (f"; first use (every size once, eagerly, before the rest): driver "
-                 f"{_cell(first['driver_bytes'])} MiB, then a first capture: "
-                 f"{_cell(first.get('first_capture_driver_bytes'))} MiB")
+        head += (
+            f"; first use (every size once, eagerly, before the rest): driver "
+            f"{_cell(first['driver_bytes'])} MiB, then a first capture: "
+            f"{_cell(first.get('first_capture_driver_bytes'))} MiB"
+        )
     rows = []
     for r in s["runs"]:
         row: dict[str, Any] = {"mode": r["mode"], "order": r["order"]}
         if "run_error" in r:
             rows.append({**row, "graphs": f"failed: {r['run_error']}"})
             continue
-        rows.append({**row, "graphs": r["graphs"], "driver MiB": _cell(r["driver_bytes"]),
-                     "pool MiB": r["pool_bytes"] / MiB,
-                     "outside pool MiB": _cell(r["outside_pool_bytes"]),
-                     "x limit (driver)": r.get("x_limit", "n/a") if r["driver_bytes"] is not None
-                     else "n/a",
-                     "x limit (pool)": r.get("x_limit_pool", "n/a"),
-                     "capture s": r["capture_seconds"]})  # fmt: skip
-    cols = ["mode", "order", "graphs", "driver MiB", "pool MiB", "outside pool MiB",
-            "x limit (driver)", "x limit (pool)", "capture s"]  # fmt: skip
+        rows.append(
+            {
+                **row,
+                "graphs": r["graphs"],
+                "driver MiB": _cell(r["driver_bytes"]),
+                "pool MiB": r["pool_bytes"] / MiB,
+                "outside pool MiB": _cell(r["outside_pool_bytes"]),
+                "x limit (driver)": r.get("x_limit", "n/a")
+                if r["driver_bytes"] is not None
+                else "n/a",
+                "x limit (pool)": r.get("x_limit_pool", "n/a"),
+                "capture s": r["capture_seconds"],
+            }
+        )
+    cols = [
+        "mode",
+        "order",
+        "graphs",
+        "driver MiB",
+        "pool MiB",
+        "outside pool MiB",
+        "x limit (driver)",
+        "x limit (pool)",
+        "capture s",
+    ]
     return f"{head}\n\n{table(rows, cols)}"
 
 
@@ -304,10 +357,12 @@ def plot(data: dict[str, Any], path: str) -> None:
             if "curve_bytes" not in r:
                 continue
             xs = range(1, len(r["curve_bytes"]) + 1)
-            (line,) = ax.plot(xs, [b / MiB for b in r["curve_bytes"]],
-                              label=f"{r['mode']}, {r['order']}")  # fmt: skip
-            ax.plot(xs, [b / MiB for b in r["pool_curve_bytes"]], "--", color=line.get_color(),
-                    lw=0.8)  # fmt: skip
+            (line,) = ax.plot(
+                xs, [b / MiB for b in r["curve_bytes"]], label=f"{r['mode']}, {r['order']}"
+            )
+            ax.plot(
+                xs, [b / MiB for b in r["pool_curve_bytes"]], "--", color=line.get_color(), lw=0.8
+            )
         if "limit" in s:
             ax.axhline(s["limit"]["graph_bytes"] / MiB, color="k", lw=0.8, label="largest alone")
         ax.set_title(f"{s['model']}: {s['kind']} graphs", fontsize=9)

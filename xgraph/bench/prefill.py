@@ -67,22 +67,39 @@ def _time_all(
 
 
 def _compiled_column(
-    backend: Backend, w: Workload, sizes: list[int], steps: list, timer: Timer, iters: int,
+    backend: Backend,
+    w: Workload,
+    sizes: list[int],
+    steps: list,
+    timer: Timer,
+    iters: int,
     compiler: str,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The piecewise executor over the compiled twin: each size's first step (compile at the
     first sizes, capture) timed on its own, then every composition like the other columns."""
     twin = Workload(compiled_twin(w.model, compiler), w.max_blocks, w.max_seqs)
-    ex = twin.executor(twin.model.forward, backend=backend, buckets=sizes, mode="piecewise",
-                       compiled=True, on_capture_error="raise")  # fmt: skip
+    ex = twin.executor(
+        twin.model.forward,
+        backend=backend,
+        buckets=sizes,
+        mode="piecewise",
+        compiled=True,
+        on_capture_error="raise",
+    )
     sizes_done: set[int] = set()
     try:
         for row, step in steps:  # each size's first step on its own, isolated like the rest
             if row["num_tokens"] not in sizes_done:
                 sizes_done.add(row["num_tokens"])
-                attempt(row, "piecewise_compiled_first", lambda s=step: {
-                    "piecewise_compiled_first_step_s": first_step(backend, lambda: ex(**s.kwargs()))
-                })  # fmt: skip
+                attempt(
+                    row,
+                    "piecewise_compiled_first",
+                    lambda s=step: {
+                        "piecewise_compiled_first_step_s": first_step(
+                            backend, lambda: ex(**s.kwargs())
+                        )
+                    },
+                )
         _time_all(ex, "piecewise_compiled_s", steps, timer, iters)
         stats = ex.stats()
     finally:
@@ -91,15 +108,21 @@ def _compiled_column(
 
 
 def _step_rows(
-    backend: Backend, w: Workload, sizes: list[int], timer: Timer, iters: int,
-    rng: random.Random, compiler: str | None,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    backend: Backend,
+    w: Workload,
+    sizes: list[int],
+    timer: Timer,
+    iters: int,
+    rng: random.Random,
+    compiler: str | None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Eager and piecewise time of every composition of every size (and the piecewise
     executor over the compiled forward when `compiler` is given), with the executors' counts."""
     steps = _steps(w, sizes, rng)
     eager = w.executor(w.model.forward, backend=backend, buckets=sizes, mode="eager")
-    pw = w.executor(w.model.forward, backend=backend, buckets=sizes, mode="piecewise",
-                    on_capture_error="raise")  # fmt: skip
+    pw = w.executor(
+        w.model.forward, backend=backend, buckets=sizes, mode="piecewise", on_capture_error="raise"
+    )
     _time_all(eager, "eager_s", steps, timer, iters)
     _time_all(pw, "piecewise_s", steps, timer, iters)
     stats = pw.stats()
@@ -107,12 +130,20 @@ def _step_rows(
     pw.close()
     counts: dict[str, Any] = {"captures": stats["captures"], "replays": stats["replays"]}
     if compiler:
-        attempt(counts, "compiled", lambda: {"compiled": _compiled_column(
-            backend, w, sizes, steps, timer, iters, compiler)})  # fmt: skip
+        attempt(
+            counts,
+            "compiled",
+            lambda: {
+                "compiled": _compiled_column(backend, w, sizes, steps, timer, iters, compiler)
+            },
+        )
     rows = [row for row, _ in steps]
     for r in rows:
-        for a, b in (("eager", "piecewise"), ("eager", "piecewise_compiled"),
-                     ("piecewise", "piecewise_compiled")):  # fmt: skip
+        for a, b in (
+            ("eager", "piecewise"),
+            ("eager", "piecewise_compiled"),
+            ("piecewise", "piecewise_compiled"),
+        ):
             if r.get(f"{a}_s") and r.get(f"{b}_s"):
                 r[f"{a}/{b}"] = r[f"{a}_s"] / r[f"{b}_s"]
     return rows, counts
@@ -195,16 +226,23 @@ def summarize(data: dict[str, Any]) -> str:
     compiled = "compiled" in data["piecewise_stats"] or "compiled_error" in data["piecewise_stats"]
     cols = ["num_tokens", "batch", "seqs", "eager ms", "piecewise ms", "eager/piecewise"]
     if compiled:
-        cols += ["piecewise over compile ms", "eager/piecewise_compiled",
-                 "piecewise/piecewise_compiled"]  # fmt: skip
+        cols += [
+            "piecewise over compile ms",
+            "eager/piecewise_compiled",
+            "piecewise/piecewise_compiled",
+        ]
     t1 = table(
         [
-            {**r, "eager ms": _ms(r, "eager_s"), "piecewise ms": _ms(r, "piecewise_s"),
-             "piecewise over compile ms": _ms(r, "piecewise_compiled_s")}
+            {
+                **r,
+                "eager ms": _ms(r, "eager_s"),
+                "piecewise ms": _ms(r, "piecewise_s"),
+                "piecewise over compile ms": _ms(r, "piecewise_compiled_s"),
+            }
             for r in data["steps"]
         ],
         cols,
-    )  # fmt: skip
+    )
     notes = []
     c = data["piecewise_stats"]
     if "compiled" in c:
@@ -214,14 +252,23 @@ def summarize(data: dict[str, Any]) -> str:
     elif "compiled_error" in c:
         notes.append(f"piecewise over compile failed: {c['compiled_error']}")
     t2 = table(
-        [{**r, "graph MiB": r["graph_bytes"] / MiB, "pool MiB": r["pool_bytes"] / MiB,
-          "outside pool MiB": (r.get("outside_pool_bytes") or 0) / MiB}
-         for r in data["memory"]],
-        ["mode", "order", "graphs", "graph MiB", "pool MiB", "outside pool MiB",
-         "capture_seconds"],
-    )  # fmt: skip
-    notes += [f"memory {r['mode']} {r['order']} failed: {r['memory_error']}"
-              for r in data.get("memory_errors", [])]  # fmt: skip
-    mem = (f"piecewise graph memory, {len(data['memory_sizes'])} sizes up to "
-           f"{data['memory_sizes'][-1]}:\n\n{t2}")  # fmt: skip
+        [
+            {
+                **r,
+                "graph MiB": r["graph_bytes"] / MiB,
+                "pool MiB": r["pool_bytes"] / MiB,
+                "outside pool MiB": (r.get("outside_pool_bytes") or 0) / MiB,
+            }
+            for r in data["memory"]
+        ],
+        ["mode", "order", "graphs", "graph MiB", "pool MiB", "outside pool MiB", "capture_seconds"],
+    )
+    notes += [
+        f"memory {r['mode']} {r['order']} failed: {r['memory_error']}"
+        for r in data.get("memory_errors", [])
+    ]
+    mem = (
+        f"piecewise graph memory, {len(data['memory_sizes'])} sizes up to "
+        f"{data['memory_sizes'][-1]}:\n\n{t2}"
+    )
     return "\n\n".join([head, t1, *(["\n".join(notes)] if notes else []), mem])

@@ -35,8 +35,13 @@ def _time(
 ) -> float:
     """xgraph's step time over one layout (an executor of its own, closed after)."""
     batch = step.num_tokens
-    ex = view.executor(view.model.forward, backend=backend, buckets=[batch], compiled=compiled,
-                       on_capture_error="raise")  # fmt: skip
+    ex = view.executor(
+        view.model.forward,
+        backend=backend,
+        buckets=[batch],
+        compiled=compiled,
+        on_capture_error="raise",
+    )
     try:
         wide = step.with_tensor_tables(view.max_blocks, view.cache.dummy_block)
         return timer(lambda: ex(**wide.kwargs()), iters)
@@ -46,8 +51,13 @@ def _time(
 
 def start(batch: int, seed: int = 0) -> dict[str, Any]:
     """The check's record, before any variant ran (the seed draws its one step)."""
-    return {"batch": batch, "context": CONTEXT, "width_tokens": dict(WIDTHS), "target": TARGET,
-            "seed": seed}  # fmt: skip
+    return {
+        "batch": batch,
+        "context": CONTEXT,
+        "width_tokens": dict(WIDTHS),
+        "target": TARGET,
+        "seed": seed,
+    }
 
 
 def run(
@@ -66,8 +76,13 @@ def run(
     for name, tokens in WIDTHS.items():
         view = Workload(model, -(-tokens // bs), batch)
         key = f"{variant}_{name}"
-        attempt(out, key, lambda view=view, key=key: {
-            f"{key}_s": _time(backend, view, step, timer, iters, variant != "xgraph")})  # fmt: skip
+        attempt(
+            out,
+            key,
+            lambda view=view, key=key: {
+                f"{key}_s": _time(backend, view, step, timer, iters, variant != "xgraph")
+            },
+        )
     if f"{variant}_narrow_s" in out and f"{variant}_wide_s" in out:
         ratio = out[f"{variant}_wide_s"] / out[f"{variant}_narrow_s"]
         out[f"{variant}_wide/narrow"] = ratio
@@ -82,14 +97,25 @@ def summarize(check: dict[str, Any]) -> str:
         for name, tokens in WIDTHS.items():
             t = check.get(f"{variant}_{name}_s")
             err = check.get(f"{variant}_{name}_error")
-            times.append(f"{tokens}-token tables {t * 1e3:.3f} ms" if t is not None else
-                         f"{tokens}-token tables failed ({err})" if err else "")  # fmt: skip
+            times.append(
+                f"{tokens}-token tables {t * 1e3:.3f} ms"
+                if t is not None
+                else f"{tokens}-token tables failed ({err})"
+                if err
+                else ""
+            )
         if not any(times):
             continue
         ratio = check.get(f"{variant}_wide/narrow")
-        verdict = (f"wide/narrow {ratio:.3f} ({'within' if ratio <= TARGET else 'above'} "
-                   f"the {TARGET}x target)" if ratio is not None else "no ratio")  # fmt: skip
+        verdict = (
+            f"wide/narrow {ratio:.3f} ({'within' if ratio <= TARGET else 'above'} "
+            f"the {TARGET}x target)"
+            if ratio is not None
+            else "no ratio"
+        )
         lines.append(f"- {label}: " + ", ".join(t for t in times if t) + f"; {verdict}")
-    head = (f"context-width check: batch {check['batch']}, every sequence {check['context']} "
-            "tokens of context")  # fmt: skip
+    head = (
+        f"context-width check: batch {check['batch']}, every sequence {check['context']} "
+        "tokens of context"
+    )
     return "\n".join([head, *lines])

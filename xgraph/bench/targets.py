@@ -36,8 +36,9 @@ FULL_CONTEXT = 64  # tokens per sequence in full-graph layouts (decode captures 
 class Target(Protocol):
     model: str  # the shape's name
 
-    def executor(self, kind: str, sizes: list[int], memory: GraphMemory | None,
-                 mode: str | None = None) -> GraphExecutor: ...  # fmt: skip
+    def executor(
+        self, kind: str, sizes: list[int], memory: GraphMemory | None, mode: str | None = None
+    ) -> GraphExecutor: ...
     def close(self) -> None: ...
 
 
@@ -53,12 +54,19 @@ class Reference:
         self.piecewise = Workload(self.full.model, _blocks(piecewise_max, bs), PIECEWISE_SEQS)
         self.dtype = str(self.full.model.lm_head.weight.dtype)
 
-    def executor(self, kind: str, sizes: list[int], memory: GraphMemory | None,
-                 mode: str | None = None) -> GraphExecutor:  # fmt: skip
+    def executor(
+        self, kind: str, sizes: list[int], memory: GraphMemory | None, mode: str | None = None
+    ) -> GraphExecutor:
         w = self.full if kind == "full" else self.piecewise
-        return w.executor(w.model.forward, backend=self.backend, buckets=sizes, memory=memory,
-                          mode=mode or kind, name=f"bench-{kind}",
-                          on_capture_error="raise")  # fmt: skip
+        return w.executor(
+            w.model.forward,
+            backend=self.backend,
+            buckets=sizes,
+            memory=memory,
+            mode=mode or kind,
+            name=f"bench-{kind}",
+            on_capture_error="raise",
+        )
 
     def close(self) -> None:
         pass
@@ -73,22 +81,37 @@ class HFLlama:
         dtype = torch.float32 if backend.device.type == "cpu" else torch.bfloat16
         hf = build_named(self.model, dtype, backend.device)
         # the GraphModel's own executor never captures: executors come from `executor`
-        self.gm = GraphModel(hf, backend=backend, buckets=[1], max_seqs=full_max,
-                             max_model_len=max(piecewise_max, FULL_CONTEXT), num_blocks=16,
-                             name="bench-hf")  # fmt: skip
+        self.gm = GraphModel(
+            hf,
+            backend=backend,
+            buckets=[1],
+            max_seqs=full_max,
+            max_model_len=max(piecewise_max, FULL_CONTEXT),
+            num_blocks=16,
+            name="bench-hf",
+        )
         bs = self.gm.limits.block_size
-        self.layouts = {"full": (full_max, _blocks(FULL_CONTEXT, bs)),
-                        "piecewise": (PIECEWISE_SEQS, _blocks(piecewise_max, bs))}  # fmt: skip
+        self.layouts = {
+            "full": (full_max, _blocks(FULL_CONTEXT, bs)),
+            "piecewise": (PIECEWISE_SEQS, _blocks(piecewise_max, bs)),
+        }
         self.dtype = str(dtype)
 
-    def executor(self, kind: str, sizes: list[int], memory: GraphMemory | None,
-                 mode: str | None = None) -> GraphExecutor:  # fmt: skip
+    def executor(
+        self, kind: str, sizes: list[int], memory: GraphMemory | None, mode: str | None = None
+    ) -> GraphExecutor:
         seqs, blocks = self.layouts[kind]
         return GraphExecutor(
-            self.gm.forward, inputs=self.gm.inputs(), backend=self.backend, buckets=sizes,
-            attention=PagedAttention.for_cache(self.gm.cache, seqs, blocks), memory=memory,
-            mode=mode or kind, name=f"bench-hf-{kind}", on_capture_error="raise",
-        )  # fmt: skip
+            self.gm.forward,
+            inputs=self.gm.inputs(),
+            backend=self.backend,
+            buckets=sizes,
+            attention=PagedAttention.for_cache(self.gm.cache, seqs, blocks),
+            memory=memory,
+            mode=mode or kind,
+            name=f"bench-hf-{kind}",
+            on_capture_error="raise",
+        )
 
     def close(self) -> None:
         self.gm.close()  # the model gets its own attention implementation back

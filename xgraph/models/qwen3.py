@@ -94,9 +94,14 @@ class Qwen3Model(nn.Module):
         if isinstance(config, str):
             config = Qwen3Config.from_hf(weights) if weights else Qwen3Config.named(config)
         cache = PagedKVCache(
-            config.num_layers, config.num_kv_heads, config.head_dim, num_blocks, block_size,
-            dtype, device,
-        )  # fmt: skip
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            num_blocks,
+            block_size,
+            dtype,
+            device,
+        )
         with torch.device("meta"):
             model = cls(config, cache)
         model = model.to_empty(device=device)

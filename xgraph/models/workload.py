@@ -48,9 +48,16 @@ class Step:
         int32 tensor, the way engines keep them (slots are an int64 tensor already)."""
         a = self.attn
         seq_lens = torch.as_tensor(a.seq_lens, dtype=torch.int32)
-        return Step(self.input_ids, self.positions,
-                    AttentionInputs(a.query_lens, seq_lens, a.table(fill, width),  # type: ignore[arg-type]
-                                    a.slot_mapping))
+        return Step(
+            self.input_ids,
+            self.positions,
+            AttentionInputs(
+                a.query_lens,
+                seq_lens,
+                a.table(fill, width),  # type: ignore[arg-type]
+                a.slot_mapping,
+            ),
+        )
 
 
 class Workload:
@@ -65,11 +72,24 @@ class Workload:
         self.vocab = model.config.vocab_size
 
     @classmethod
-    def tiny(cls, device: torch.device | str = "cpu", num_blocks: int = 128, block_size: int = 4,
-             max_blocks: int = 8, max_seqs: int = 32, seed: int = 0,
-             dtype: torch.dtype = torch.float32) -> Workload:
-        model = Qwen3Model.build("tiny", num_blocks=num_blocks, block_size=block_size,
-                                 dtype=dtype, device=device, seed=seed)
+    def tiny(
+        cls,
+        device: torch.device | str = "cpu",
+        num_blocks: int = 128,
+        block_size: int = 4,
+        max_blocks: int = 8,
+        max_seqs: int = 32,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> Workload:
+        model = Qwen3Model.build(
+            "tiny",
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+        )
         return cls(model, max_blocks, max_seqs)
 
     def attention(self, **kw: object) -> PagedAttention:
@@ -118,16 +138,18 @@ class Workload:
         return Step(
             torch.tensor(ids, dtype=torch.int64),
             torch.tensor(pos, dtype=torch.int64),
-            AttentionInputs(list(query_lens), list(kv_lens), rows,
-                            torch.tensor(slots, dtype=torch.int64)),
+            AttentionInputs(
+                list(query_lens), list(kv_lens), rows, torch.tensor(slots, dtype=torch.int64)
+            ),
         )
 
     def decode_step(self, rng: random.Random, batch: int, max_context: int | None = None) -> Step:
         ctx = min(self.max_blocks * self.block_size, max_context or 1 << 30)
         return self.step(rng, [1] * batch, [rng.randint(1, ctx) for _ in range(batch)])
 
-    def prefill_step(self, rng: random.Random, query_lens: list[int],
-                     kv_extra: list[int] | None = None) -> Step:
+    def prefill_step(
+        self, rng: random.Random, query_lens: list[int], kv_extra: list[int] | None = None
+    ) -> Step:
         """Chunked prefill: each sequence adds query_lens[i] tokens after kv_extra[i] cached."""
         extra = kv_extra or [0] * len(query_lens)
         return self.step(rng, query_lens, [q + e for q, e in zip(query_lens, extra)])
@@ -147,8 +169,13 @@ class Workload:
             a.padded(b, tb, self.cache.dummy_slot, self.cache.dummy_block, self.max_blocks),
         )
 
-    def eager(self, step: Step, runner: AttentionRunner | None = None, forward=None,  # type: ignore[no-untyped-def]
-              num_tokens: int | None = None) -> torch.Tensor:
+    def eager(
+        self,
+        step: Step,
+        runner: AttentionRunner | None = None,
+        forward=None,  # type: ignore[no-untyped-def]
+        num_tokens: int | None = None,
+    ) -> torch.Tensor:
         """The forward without graphs; `num_tokens` tells the runner how many rows are real."""
         dev = self.cache.tensors()[0].device
         a = step.attn

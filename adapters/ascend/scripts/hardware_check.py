@@ -108,9 +108,12 @@ def check_capture_replay(backend: Any, args: argparse.Namespace) -> str:
 
 def _sizes_executor(backend: Any, memory: Any, sizes: list[int], mlp: Any, dtype: Any) -> Any:
     ex = GraphExecutor(
-        lambda x: mlp(x), backend=backend, buckets=sorted(set(sizes)), memory=memory,
+        lambda x: mlp(x),
+        backend=backend,
+        buckets=sorted(set(sizes)),
+        memory=memory,
         inputs=[Input("x", dtype, ("num_tokens", 512))],
-    )  # fmt: skip
+    )
     for n in sizes:
         ex(x=torch.randn(n, 512, dtype=dtype))
     return ex
@@ -130,8 +133,10 @@ def check_vmm_inside_capture(backend: Any, args: argparse.Namespace) -> str:
     assert results["shared-physical"] <= results["alone"] + chunk, results
     assert results["private"] > results["alone"], results
     mib = {k: round(v / 2**20, 1) for k, v in results.items()}
-    return f"graph MiB: largest alone {mib['alone']}, shared-physical (ascending) " \
-           f"{mib['shared-physical']}, private {mib['private']}"  # fmt: skip
+    return (
+        f"graph MiB: largest alone {mib['alone']}, shared-physical (ascending) "
+        f"{mib['shared-physical']}, private {mib['private']}"
+    )
 
 
 def check_recapture_pool(backend: Any, args: argparse.Namespace) -> str:
@@ -152,14 +157,19 @@ def check_recapture_pool(backend: Any, args: argparse.Namespace) -> str:
 def check_fused_decode(backend: Any, args: argparse.Namespace) -> str:
     from xgraph_ascend.attention import FusedDecodeRunner
 
-    ex_w, ref_w = (Workload.tiny(device=backend.device, dtype=args.dtype, num_blocks=160,
-                                 max_blocks=8, max_seqs=32) for _ in range(2))  # fmt: skip
+    ex_w, ref_w = (
+        Workload.tiny(
+            device=backend.device, dtype=args.dtype, num_blocks=160, max_blocks=8, max_seqs=32
+        )
+        for _ in range(2)
+    )
     for w in (ex_w, ref_w):
         w.randomize_cache(7)
     buckets = Buckets([1, 2, 4, 8, 16])
     runner = FusedDecodeRunner(backend)
-    ex = ex_w.executor(backend=backend, buckets=buckets,
-                       attention=ex_w.attention(decode_runner=runner))  # fmt: skip
+    ex = ex_w.executor(
+        backend=backend, buckets=buckets, attention=ex_w.attention(decode_runner=runner)
+    )
     rng, worst = random.Random(7), 0.0
     for batch in [3, 1, 16, 5, 8, 3, 12, 2, 7, 16]:
         step = ex_w.decode_step(rng, batch)
@@ -213,9 +223,15 @@ def check_teardown(backend: Any, args: argparse.Namespace) -> str:
 
 
 CHECKS: list[Callable[[Any, argparse.Namespace], str]] = [
-    check_versions, check_vmm_aliasing, check_capture_replay, check_vmm_inside_capture,
-    check_recapture_pool, check_fused_decode, check_stream_ceiling, check_teardown,
-]  # fmt: skip
+    check_versions,
+    check_vmm_aliasing,
+    check_capture_replay,
+    check_vmm_inside_capture,
+    check_recapture_pool,
+    check_fused_decode,
+    check_stream_ceiling,
+    check_teardown,
+]
 
 
 def run(backend: Any, args: argparse.Namespace) -> list[dict[str, Any]]:

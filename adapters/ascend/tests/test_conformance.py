@@ -17,10 +17,22 @@ def _cli_conformance(era: str, *pytest_args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "XGRAPH_BACKEND"}
     env["XGRAPH_ASCEND_SIM_ERA"] = era
     proc = subprocess.run(
-        [sys.executable, "-m", "xgraph.cli", "conformance", "--backend", "ascend-sim", "--",
-         "-q", *pytest_args],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "xgraph.cli",
+            "conformance",
+            "--backend",
+            "ascend-sim",
+            "--",
+            "-q",
+            *pytest_args,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     tail = proc.stdout[-3000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     assert "backend 'ascend-sim' (cpu)" in proc.stdout

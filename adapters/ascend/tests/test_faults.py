@@ -21,9 +21,12 @@ def _executor(backend, on_error: str = "raise"):  # type: ignore[no-untyped-def]
         torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128)
     ).eval()
     ex = GraphExecutor(
-        lambda x: mlp(x), backend=backend, buckets=SIZES, on_capture_error=on_error,
+        lambda x: mlp(x),
+        backend=backend,
+        buckets=SIZES,
+        on_capture_error=on_error,
         inputs=[Input("x", torch.float32, ("num_tokens", 128))],
-    )  # fmt: skip
+    )
     ex(x=torch.randn(64, 128))  # key 64 captured before any fault
     return ex, mlp
 

@@ -16,14 +16,28 @@ def test_hardware_check_passes_on_the_simulator(tmp_path, capsys) -> None:  # ty
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "hw.json"
-    argv = ["--backend", "ascend-sim", "--dtype", "float32", "--max-graphs", "64",
-            "--json", str(out)]  # fmt: skip
+    argv = [
+        "--backend",
+        "ascend-sim",
+        "--dtype",
+        "float32",
+        "--max-graphs",
+        "64",
+        "--json",
+        str(out),
+    ]
     failed = module.main(argv)
     printed = capsys.readouterr().out
     assert failed == 0, printed
     results = json.loads(out.read_text())["results"]
     assert [r["check"] for r in results] == [
-        "versions", "vmm_aliasing", "capture_replay", "vmm_inside_capture", "recapture_pool",
-        "fused_decode", "stream_ceiling", "teardown",
-    ]  # fmt: skip
+        "versions",
+        "vmm_aliasing",
+        "capture_replay",
+        "vmm_inside_capture",
+        "recapture_pool",
+        "fused_decode",
+        "stream_ceiling",
+        "teardown",
+    ]
     assert "64 graphs captured" in printed and "8 passed, 0 failed" in printed

@@ -31,9 +31,12 @@ def _mlp() -> torch.nn.Module:
 
 def _executor(backend, memory, order, mlp):  # type: ignore[no-untyped-def]
     ex = GraphExecutor(
-        lambda x: mlp(x), backend=backend, buckets=SIZES, memory=memory,
+        lambda x: mlp(x),
+        backend=backend,
+        buckets=SIZES,
+        memory=memory,
         inputs=[Input("x", torch.float32, ("num_tokens", 128))],
-    )  # fmt: skip
+    )
     for n in order:
         ex(x=torch.randn(n, 128))
     return ex
@@ -52,8 +55,11 @@ def _alone_bytes(make_sim, mlp) -> int:  # type: ignore[no-untyped-def]
 def test_shared_physical_is_the_largest_alone_in_any_order(make_sim, order) -> None:  # type: ignore[no-untyped-def]
     mlp = _mlp()
     alone = _alone_bytes(make_sim, mlp)
-    seq = {"ascending": sorted(SIZES), "largest-first": sorted(SIZES, reverse=True),
-           "random": random.Random(3).sample(SIZES, len(SIZES))}[order]  # fmt: skip
+    seq = {
+        "ascending": sorted(SIZES),
+        "largest-first": sorted(SIZES, reverse=True),
+        "random": random.Random(3).sample(SIZES, len(SIZES)),
+    }[order]
     backend = make_sim()
     rt = backend.runtime
     mem = GraphMemory(backend)  # the default where the backend has VMM

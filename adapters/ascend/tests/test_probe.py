@@ -89,9 +89,13 @@ def _info(env_extra: dict[str, str], *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "XGRAPH_BACKEND"}
     env.update(env_extra)
     return subprocess.run(
-        [sys.executable, "-m", "xgraph.cli", "info", *args], capture_output=True, text=True,
-        env=env, check=True, timeout=120,
-    ).stdout  # fmt: skip
+        [sys.executable, "-m", "xgraph.cli", "info", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=120,
+    ).stdout
 
 
 def test_xgraph_info_explains_ascend_and_hides_the_simulator() -> None:

@@ -19,18 +19,30 @@ MB2 = 2 << 20
 def test_struct_layout_and_prototypes() -> None:
     p = acl.aclrtPhysicalMemProp
     assert ctypes.sizeof(p) == 32
-    offsets = {n: getattr(p, n).offset for n in ("handleType", "allocationType", "memAttr",
-                                                  "location", "reserve")}  # fmt: skip
-    assert offsets == {"handleType": 0, "allocationType": 4, "memAttr": 8, "location": 12,
-                       "reserve": 24}  # fmt: skip
+    offsets = {
+        n: getattr(p, n).offset
+        for n in ("handleType", "allocationType", "memAttr", "location", "reserve")
+    }
+    assert offsets == {
+        "handleType": 0,
+        "allocationType": 4,
+        "memAttr": 8,
+        "location": 12,
+        "reserve": 24,
+    }
     assert acl.aclrtMemLocation.type.offset == 4  # location.type at byte 16 of the prop
     prop = acl.device_memory_prop(3)
     raw = bytes(prop)
     assert raw[8:12] == (4).to_bytes(4, "little")  # ACL_HBM_MEM_HUGE
     assert raw[12:20] == (3).to_bytes(4, "little") + (1).to_bytes(4, "little")
     reserve = acl.PROTOTYPES["aclrtReserveMemAddress"]
-    assert reserve._argtypes_ == (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
-                                  ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64)  # fmt: skip
+    assert reserve._argtypes_ == (
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+        ctypes.c_uint64,
+    )
     assert reserve._restype_ is ctypes.c_int
 
 
@@ -54,7 +66,7 @@ def _prop(**fields: int) -> acl.aclrtPhysicalMemProp:
     p = acl.device_memory_prop(0)
     for k, v in fields.items():
         if k.startswith("location_"):
-            setattr(p.location, k[len("location_"):], v)
+            setattr(p.location, k[len("location_") :], v)
         else:
             setattr(p, k, v)
     return p
@@ -62,9 +74,14 @@ def _prop(**fields: int) -> acl.aclrtPhysicalMemProp:
 
 @pytest.mark.parametrize(
     "kw, code",
-    [({"align": MB2}, 100000), ({"expect": 1 << 44}, 100000), ({"flags": 2}, 100000),
-     ({"size": MB2 + 4096}, 100000), ({"size": 0}, 100000)],
-)  # fmt: skip
+    [
+        ({"align": MB2}, 100000),
+        ({"expect": 1 << 44}, 100000),
+        ({"flags": 2}, 100000),
+        ({"size": MB2 + 4096}, 100000),
+        ({"size": 0}, 100000),
+    ],
+)
 def test_reserve_rules(rt: SimRuntime, kw, code) -> None:  # type: ignore[no-untyped-def]
     rc, _ = _reserve(rt, **kw)
     assert rc == code and "aclrtReserveMemAddress" in rt.acl.recent_error()
@@ -73,10 +90,17 @@ def test_reserve_rules(rt: SimRuntime, kw, code) -> None:  # type: ignore[no-unt
 
 @pytest.mark.parametrize(
     "prop, size, flags",
-    [(_prop(memAttr=0), MB2, 0), (_prop(memAttr=2), MB2, 0), (_prop(location_type=0), MB2, 0),
-     (_prop(location_id=1), MB2, 0), (_prop(allocationType=1), MB2, 0),
-     (_prop(handleType=2), MB2, 0), (None, MB2 + 4096, 0), (None, MB2, 1)],
-)  # fmt: skip
+    [
+        (_prop(memAttr=0), MB2, 0),
+        (_prop(memAttr=2), MB2, 0),
+        (_prop(location_type=0), MB2, 0),
+        (_prop(location_id=1), MB2, 0),
+        (_prop(allocationType=1), MB2, 0),
+        (_prop(handleType=2), MB2, 0),
+        (None, MB2 + 4096, 0),
+        (None, MB2, 1),
+    ],
+)
 def test_malloc_physical_rules(rt: SimRuntime, prop, size, flags) -> None:  # type: ignore[no-untyped-def]
     rc, _ = _malloc(rt, size, prop, flags)
     assert rc == 100000 and rt.books()["handles"] == 0

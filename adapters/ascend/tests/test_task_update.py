@@ -23,8 +23,10 @@ BUCKETS = [1, 2, 4, 8]
 
 
 def _workloads(backend, n: int = 3):  # type: ignore[no-untyped-def]
-    ws = [Workload.tiny(device=backend.device, num_blocks=96, max_blocks=6, max_seqs=16)
-          for _ in range(n)]  # fmt: skip
+    ws = [
+        Workload.tiny(device=backend.device, num_blocks=96, max_blocks=6, max_seqs=16)
+        for _ in range(n)
+    ]
     for w in ws:
         w.randomize_cache(5)
     return ws

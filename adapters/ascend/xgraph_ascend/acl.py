@@ -108,9 +108,13 @@ PROTOTYPES: dict[str, Any] = {
 OPTIONAL = {"aclrtMemGetAllocationGranularity", "aclGetRecentErrMsg"}
 # without these the backend has no virtual memory (graph memory falls back to shared-pool)
 VMM_CALLS = (
-    "aclrtReserveMemAddress", "aclrtReleaseMemAddress", "aclrtMallocPhysical",
-    "aclrtFreePhysical", "aclrtMapMem", "aclrtUnmapMem",
-)  # fmt: skip
+    "aclrtReserveMemAddress",
+    "aclrtReleaseMemAddress",
+    "aclrtMallocPhysical",
+    "aclrtFreePhysical",
+    "aclrtMapMem",
+    "aclrtUnmapMem",
+)
 
 # torch_npu's pluggable allocator, C side (NPUPluggableAllocator.h):
 # void* alloc(size_t size, int device, aclrtStream stream);

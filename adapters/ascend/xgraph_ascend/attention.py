@@ -31,9 +31,15 @@ class _FusedCall:
     """One call site's launch of the fused op; its buffers live as long as the graph does."""
 
     def __init__(
-        self, runtime: NpuRuntime, q: torch.Tensor, kv_cache: KVCache, table: torch.Tensor,
-        out: torch.Tensor, scale: float, workspace: torch.Tensor | None,
-    ) -> None:  # fmt: skip
+        self,
+        runtime: NpuRuntime,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        table: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        workspace: torch.Tensor | None,
+    ) -> None:
         self.runtime, self.q, self.kv_cache, self.table = runtime, q, kv_cache, table
         self.out, self.scale, self.workspace = out, scale, workspace
         self.lse = torch.empty(1, dtype=q.dtype, device=q.device)  # softmax_lse placeholder
@@ -41,9 +47,16 @@ class _FusedCall:
     def launch(self, seq_lens: list[int]) -> None:
         k_cache, v_cache = self.kv_cache
         self.runtime.fused_infer_attention(
-            self.q, k_cache, v_cache, self.table, seq_lens, self.out, self.lse,
-            self.workspace, scale=self.scale,
-        )  # fmt: skip
+            self.q,
+            k_cache,
+            v_cache,
+            self.table,
+            seq_lens,
+            self.out,
+            self.lse,
+            self.workspace,
+            scale=self.scale,
+        )
 
 
 class FusedDecodeRunner(PlannedRunner):

@@ -91,8 +91,9 @@ class AclRuntimeError(RuntimeError):
     def __init__(self, code: int, call: str, detail: str = "") -> None:
         self.code = code
         self.call = call
-        super().__init__(f"{call} failed: {error_name(code)} ({code}){': ' if detail else ''}"
-                         f"{detail}")
+        super().__init__(
+            f"{call} failed: {error_name(code)} ({code}){': ' if detail else ''}{detail}"
+        )
 
 
 def error_name(code: int) -> str:
@@ -164,10 +165,11 @@ def translate_op_error(exc: RuntimeError, op: object) -> XGraphError | None:
         if vmm is None:
             return None  # plain device OOM: torch_npu's own message says it best
         err = VirtualMemoryError(
-            vmm.call, vmm.error,
+            vmm.call,
+            vmm.error,
             f"while {op} allocated graph memory during capture; the shared-physical pool could "
             f"not grow. {advice(getattr(vmm, 'code', 207001))}",
-        )  # fmt: skip
+        )
         err.code = getattr(vmm, "code", None)  # type: ignore[attr-defined]
         return err
     if code in CAPTURE_CODES:

@@ -165,8 +165,10 @@ class AscendGraph(CheckedGraph):
         if side is None or not rt.is_capturing(side):
             return
         if not rt.acl.has("aclmdlRICaptureEnd", "aclmdlRIDestroy"):
-            logger.warning("AscendGraph: a failed capture is still on; libascendcl lacks "
-                           "aclmdlRICaptureEnd to end it. Use a new capture stream.")
+            logger.warning(
+                "AscendGraph: a failed capture is still on; libascendcl lacks "
+                "aclmdlRICaptureEnd to end it. Use a new capture stream."
+            )
             return
         ri = ctypes.c_void_p()
         rc = rt.acl.aclmdlRICaptureEnd(rt.stream_handle(side), ctypes.byref(ri))
@@ -175,8 +177,10 @@ class AscendGraph(CheckedGraph):
         if rc:
             logger.warning(
                 "AscendGraph: could not end a failed capture (aclmdlRICaptureEnd: %s %s); the "
-                "capture stream may be unusable.", rc, rt.acl.recent_error(),
-            )  # fmt: skip
+                "capture stream may be unusable.",
+                rc,
+                rt.acl.recent_error(),
+            )
 
     def _undo_pool(self) -> None:
         """Undo torch_npu's routing of this thread to the pool and the capture's pool use."""

@@ -60,8 +60,9 @@ class AscendCapturePool(CapturePool):
             logger.warning(
                 "AscendCapturePool.close: %d graph(s) captured on pool %s were not reset; its "
                 "memory is released once they are (reset graphs before closing their pool).",
-                held, self.id,
-            )  # fmt: skip
+                held,
+                self.id,
+            )
         self._mempool = None  # the MemPool's destructor releases its use of the pool
 
     def __repr__(self) -> str:

@@ -70,9 +70,11 @@ def availability() -> Availability:
         return Availability(False, why, versions)
     if facts["missing"]:
         return Availability(
-            False, f"torch_npu {facts['version']} lacks {', '.join(facts['missing'])} (ACL "
-            "graphs need torch_npu from the 7.0.0 branches and CANN >= 8.1)", versions,
-        )  # fmt: skip
+            False,
+            f"torch_npu {facts['version']} lacks {', '.join(facts['missing'])} (ACL "
+            "graphs need torch_npu from the 7.0.0 branches and CANN >= 8.1)",
+            versions,
+        )
     era = versions["pool era"] = facts["era"]
     shared = "on" if era == "owner" else "off: falls back to shared-pool"
     return Availability(

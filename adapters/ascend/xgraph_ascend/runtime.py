@@ -129,19 +129,33 @@ class NpuRuntime(ABC):
 
     @abstractmethod
     def fused_infer_attention(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        block_table: torch.Tensor, seq_lens: Sequence[int], out: torch.Tensor,
-        lse: torch.Tensor, workspace: torch.Tensor | None, *, scale: float,
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: Sequence[int],
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        workspace: torch.Tensor | None,
+        *,
+        scale: float,
     ) -> None:
         """npu_fused_infer_attention_score (.out) for decode over a paged cache:
-        query/out [b, hq, d], caches [blocks, block_size, hkv, d], host seq_lens."""  # fmt: skip
+        query/out [b, hq, d], caches [blocks, block_size, hkv, d], host seq_lens."""
 
     @abstractmethod
     def fused_attention_workspace(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        block_table: torch.Tensor, seq_lens: Sequence[int], *, scale: float,
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: Sequence[int],
+        *,
+        scale: float,
     ) -> torch.Tensor | None:
-        """The largest workspace the op may need for these shapes (allocated once)."""  # fmt: skip
+        """The largest workspace the op may need for these shapes (allocated once)."""
 
     # -- memory and reporting --------------------------------------------------------------
 
@@ -191,8 +205,13 @@ def torch_npu_facts() -> dict[str, Any]:
     return facts
 
 
-def _paged_kwargs(query: torch.Tensor, key_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: Sequence[int], scale: float) -> dict[str, Any]:  # fmt: skip
+def _paged_kwargs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: Sequence[int],
+    scale: float,
+) -> dict[str, Any]:
     """npu_fused_infer_attention_score keyword arguments for paged decode (BNSD query)."""
     bs, hkv = key_cache.shape[1], key_cache.shape[2]
     return {
@@ -313,10 +332,18 @@ class TorchNpuRuntime(NpuRuntime):
     # -- kernels ---------------------------------------------------------------------------
 
     def fused_infer_attention(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        block_table: torch.Tensor, seq_lens: Sequence[int], out: torch.Tensor,
-        lse: torch.Tensor, workspace: torch.Tensor | None, *, scale: float,
-    ) -> None:  # fmt: skip
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: Sequence[int],
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        workspace: torch.Tensor | None,
+        *,
+        scale: float,
+    ) -> None:
         b, hq, d = query.shape
         blocks, bs = key_cache.shape[:2]
         self._tn.npu_fused_infer_attention_score.out(
@@ -329,9 +356,15 @@ class TorchNpuRuntime(NpuRuntime):
         )
 
     def fused_attention_workspace(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        block_table: torch.Tensor, seq_lens: Sequence[int], *, scale: float,
-    ) -> torch.Tensor | None:  # fmt: skip
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: Sequence[int],
+        *,
+        scale: float,
+    ) -> torch.Tensor | None:
         fn = getattr(self._tn, "_npu_fused_infer_attention_score_get_max_workspace", None)
         if fn is None:
             return None  # the op then allocates its workspace itself

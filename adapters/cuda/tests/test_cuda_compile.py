@@ -42,8 +42,7 @@ def test_compiled_forward_matches_eager_within_bf16_rounding(backend):
     eager, comp = _workload(torch.bfloat16), _workload(torch.bfloat16)
     comp.model.compile_layers()
     ex_e = eager.executor(backend=backend, buckets=BUCKETS, on_capture_error="raise")
-    ex_c = comp.executor(backend=backend, buckets=BUCKETS, compiled=True,
-                         on_capture_error="raise")  # fmt: skip
+    ex_c = comp.executor(backend=backend, buckets=BUCKETS, compiled=True, on_capture_error="raise")
     for step in _steps(ref):
         expected = ref.eager(ref.padded(step, Buckets(BUCKETS), full=step.attn.is_decode))
         expected = expected[: step.num_tokens].float()

@@ -20,8 +20,10 @@ BUCKETS = [8, 16, 32, 64]
 def heavy(dev: torch.device, depth: int = 24, width: int = 4096):  # type: ignore[no-untyped-def]
     """A forward whose replay keeps the GPU busy for milliseconds: queued work at close."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    ws = [(torch.randn(width, width, generator=g) / width**0.5).to(dev, torch.bfloat16)
-          for _ in range(depth)]  # fmt: skip
+    ws = [
+        (torch.randn(width, width, generator=g) / width**0.5).to(dev, torch.bfloat16)
+        for _ in range(depth)
+    ]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         h = x.repeat(1, width // x.shape[1])
@@ -42,8 +44,13 @@ def context_is_healthy(dev: torch.device) -> None:
 def test_close_right_after_queued_replays_needs_no_synchronize(backend, memory):
     dev = backend.device
     fwd = heavy(dev)
-    ex = xgraph.GraphExecutor(fwd, backend=backend, buckets=BUCKETS, memory=memory,
-                              inputs=[Input("x", torch.bfloat16, ("num_tokens", 256))])  # fmt: skip
+    ex = xgraph.GraphExecutor(
+        fwd,
+        backend=backend,
+        buckets=BUCKETS,
+        memory=memory,
+        inputs=[Input("x", torch.bfloat16, ("num_tokens", 256))],
+    )
     for n in BUCKETS:  # capture every bucket
         ex(x=torch.randn(n, 256, dtype=torch.bfloat16))
     torch.cuda.synchronize(dev)
@@ -67,8 +74,12 @@ def test_close_after_a_failed_capture_and_an_interrupt(backend):
             x = x * (x.sum().item() != 0)  # a host read: this key fails to capture
         return fwd(x)
 
-    ex = xgraph.GraphExecutor(flaky, backend=backend, buckets=BUCKETS,
-                              inputs=[Input("x", torch.bfloat16, ("num_tokens", 256))])  # fmt: skip
+    ex = xgraph.GraphExecutor(
+        flaky,
+        backend=backend,
+        buckets=BUCKETS,
+        inputs=[Input("x", torch.bfloat16, ("num_tokens", 256))],
+    )
     before = books(backend.virtual_memory())
     ex(x=torch.randn(8, 256, dtype=torch.bfloat16))
     with pytest.raises(KeyboardInterrupt):
@@ -83,8 +94,16 @@ def test_close_after_a_failed_capture_and_an_interrupt(backend):
     assert books(backend.virtual_memory()) == before
 
 
-@pytest.mark.parametrize("call,nth", [("cuMemCreate", 1), ("cuMemCreate", 3), ("cuMemMap", 2),
-                                      ("cuMemSetAccess", 2), ("cuMemAddressReserve", 1)])
+@pytest.mark.parametrize(
+    "call,nth",
+    [
+        ("cuMemCreate", 1),
+        ("cuMemCreate", 3),
+        ("cuMemMap", 2),
+        ("cuMemSetAccess", 2),
+        ("cuMemAddressReserve", 1),
+    ],
+)
 def test_injected_driver_failure_rolls_back_with_balanced_books(backend, monkeypatch, call, nth):
     """The first capture (2 MiB activations: 20 MiB segments of ten 2 MiB chunks) fails at
     the n-th driver call."""
@@ -95,9 +114,14 @@ def test_injected_driver_failure_rolls_back_with_balanced_books(backend, monkeyp
     start = books(vm)
     fwd = heavy(dev, depth=4, width=16384)
     mem = GraphMemory(backend, "shared-physical")
-    ex = xgraph.GraphExecutor(fwd, backend=backend, buckets=BUCKETS, memory=mem,
-                              on_capture_error="raise",
-                              inputs=[Input("x", torch.bfloat16, ("num_tokens", 256))])  # fmt: skip
+    ex = xgraph.GraphExecutor(
+        fwd,
+        backend=backend,
+        buckets=BUCKETS,
+        memory=mem,
+        on_capture_error="raise",
+        inputs=[Input("x", torch.bfloat16, ("num_tokens", 256))],
+    )
     real, seen = getattr(cu, call), {"n": 0}
 
     def failing(*args):  # type: ignore[no-untyped-def]
@@ -109,8 +133,9 @@ def test_injected_driver_failure_rolls_back_with_balanced_books(backend, monkeyp
 
     monkeypatch.setattr(cu, call, failing)
     try:
-        with pytest.raises(xgraph.VirtualMemoryError,
-                           match=f"{call} failed: CUDA_ERROR_OUT_OF_MEMORY"):  # fmt: skip
+        with pytest.raises(
+            xgraph.VirtualMemoryError, match=f"{call} failed: CUDA_ERROR_OUT_OF_MEMORY"
+        ):
             ex(x=torch.randn(64, 256, dtype=torch.bfloat16))
     finally:
         monkeypatch.undo()

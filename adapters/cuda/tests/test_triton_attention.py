@@ -41,10 +41,21 @@ class Case:
     """A random paged step: caches NaN wherever no real token lives (unused blocks, the tail
     of each last block, the dummy block), tables shuffled, bucket padding included."""
 
-    def __init__(self, query_lens: list[int], seq_lens: list[int], hq: int = 4, hkv: int = 2,
-                 dim: int = 32, block_size: int = 4, num_blocks: int = 48, pad_seqs: int = 0,
-                 pad_tokens: int = 3, width: int | None = None, dtype: torch.dtype = torch.float32,
-                 seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        hq: int = 4,
+        hkv: int = 2,
+        dim: int = 32,
+        block_size: int = 4,
+        num_blocks: int = 48,
+        pad_seqs: int = 0,
+        pad_tokens: int = 3,
+        width: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+    ) -> None:
         rng = random.Random(seed)
         g = torch.Generator().manual_seed(seed)
         bs, free = block_size, list(range(num_blocks))
@@ -212,8 +223,20 @@ def test_prefill_kernel_with_several_tiles_per_sequence() -> None:
     cache = case.cache.clone()
     store_kv(case.k, case.v, (cache[0], cache[1]), ref_md.slot_mapping, case.num_tokens)
     out = torch.full_like(case.q, 5.0)
-    varlen_prefill(case.q, (cache[0], cache[1]), tiles, ref_md.seq_lens, ref_md.block_tables,
-                   out, case.num_tokens, case.scale, 16, 16, 4, 1)  # fmt: skip
+    varlen_prefill(
+        case.q,
+        (cache[0], cache[1]),
+        tiles,
+        ref_md.seq_lens,
+        ref_md.block_tables,
+        out,
+        case.num_tokens,
+        case.scale,
+        16,
+        16,
+        4,
+        1,
+    )
     torch.testing.assert_close(out, want, **F32_TOL)
 
 

@@ -76,8 +76,15 @@ class SDPAPrefillRunner(PlannedRunner):
             ids = self._blocks[(i, bs)] = s.row[: -(-s.seq_len // bs)].long()
         return ids
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            kv_cache: KVCache, scale: float) -> None:  # fmt: skip
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: KVCache,
+        scale: float,
+    ) -> None:
         n = self.store_step(k, v, kv_cache).num_tokens
         bs, hkv = kv_cache[0].shape[1], kv_cache[0].shape[2]
         hq = q.shape[1]

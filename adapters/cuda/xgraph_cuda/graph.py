@@ -31,6 +31,7 @@ class _StreamOwner(Protocol):
 
     def capture_stream(self) -> torch.cuda.Stream: ...
 
+
 logger = logging.getLogger("xgraph")
 
 

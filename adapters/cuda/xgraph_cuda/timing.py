@@ -59,8 +59,10 @@ class LeadTimer:
         if not hasattr(torch.cuda, "_sleep"):  # a torch without the spin kernel: plain events
             if not self._warned:
                 self._warned = True
-                logger.warning("torch.cuda._sleep is missing: device times include the "
-                               "host's time to queue the work")  # fmt: skip
+                logger.warning(
+                    "torch.cuda._sleep is missing: device times include the "
+                    "host's time to queue the work"
+                )
             return self._time(fn, 0)[0]
         rate = self.cycles_per_s()
         device, host = self._time(fn, int(self.lead_s * rate))

@@ -33,8 +33,9 @@ class AttentionKernelError(XGraphError, ValueError):
     """Tensors a Triton attention runner cannot take (shape, dtype, device, layout)."""
 
 
-def check_inputs(runner: str, q: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
-                 kv_cache: KVCache) -> None:  # fmt: skip
+def check_inputs(
+    runner: str, q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, kv_cache: KVCache
+) -> None:
     """Raise AttentionKernelError naming what does not fit the kernels, and what to do."""
     k_cache, v_cache = kv_cache
     problem = ""
@@ -117,8 +118,15 @@ class TritonPagedDecodeRunner(PlannedRunner):
             )
         self.num_splits = num_splits
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            kv_cache: KVCache, scale: float) -> None:  # fmt: skip
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: KVCache,
+        scale: float,
+    ) -> None:
         md = self.planned()
         name = type(self).__name__
         check_inputs(name, q, k, out, kv_cache)
@@ -181,8 +189,15 @@ class TritonVarlenPrefillRunner(PlannedRunner):
             t = self._tables[block_m] = host.to(md.block_tables.device)
         return t
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            kv_cache: KVCache, scale: float) -> None:  # fmt: skip
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: KVCache,
+        scale: float,
+    ) -> None:
         md = self.planned()
         name = type(self).__name__
         check_inputs(name, q, k, out, kv_cache)
@@ -201,9 +216,19 @@ class TritonVarlenPrefillRunner(PlannedRunner):
         for i, cfg in enumerate(configs):
             try:
                 varlen_prefill(
-                    q, kv_cache, self._table(cfg.block_m), md.seq_lens, md.block_tables, out,
-                    n, scale, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                )  # fmt: skip
+                    q,
+                    kv_cache,
+                    self._table(cfg.block_m),
+                    md.seq_lens,
+                    md.block_tables,
+                    out,
+                    n,
+                    scale,
+                    cfg.block_m,
+                    cfg.block_n,
+                    cfg.num_warps,
+                    cfg.num_stages,
+                )
             except OutOfResources:
                 if i == len(configs) - 1:
                     raise

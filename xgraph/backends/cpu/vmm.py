@@ -76,9 +76,13 @@ class HostVirtualMemory(CheckedVirtualMemory):
 
     def _placeholder(self, address: int, size: int) -> None:
         r = _libc.mmap(
-            address, size, _PROT_NONE,
-            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0,
-        )  # fmt: skip
+            address,
+            size,
+            _PROT_NONE,
+            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED,
+            -1,
+            0,
+        )
         if r in (None, _MAP_FAILED):
             raise VirtualMemoryError("mmap(PROT_NONE)", _errno_name())
 
@@ -86,9 +90,13 @@ class HostVirtualMemory(CheckedVirtualMemory):
         gran = self.granularity
         # over-reserve, then trim, so the start is aligned to the granularity
         raw = _libc.mmap(
-            None, size + gran, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
-            -1, 0,
-        )  # fmt: skip
+            None,
+            size + gran,
+            _PROT_NONE,
+            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+            -1,
+            0,
+        )
         if raw in (None, _MAP_FAILED):
             raise VirtualMemoryError("reserve (mmap)", _errno_name(), "Reserve less address space.")
         start = (raw + gran - 1) // gran * gran
@@ -132,9 +140,13 @@ class HostVirtualMemory(CheckedVirtualMemory):
 
     def _map_chunk(self, address: int, handle: int, size: int) -> None:
         r = _libc.mmap(
-            address, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED,
-            self._fd, handle,
-        )  # fmt: skip
+            address,
+            size,
+            mmap.PROT_READ | mmap.PROT_WRITE,
+            mmap.MAP_SHARED | _MAP_FIXED,
+            self._fd,
+            handle,
+        )
         if r in (None, _MAP_FAILED):
             raise VirtualMemoryError("map (mmap MAP_FIXED)", _errno_name())
 

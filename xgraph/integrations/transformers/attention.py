@@ -75,21 +75,35 @@ def _current(module: Any) -> Binding:
     return stack[-1]
 
 
-def _check_call(b: Binding, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kwargs: dict[str, Any]) -> int:  # fmt: skip
+def _check_call(
+    b: Binding,
+    module: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kwargs: dict[str, Any],
+) -> int:
     """The layer index of a call the paged cache can serve; refuse anything else by name."""
     layer = getattr(module, "layer_idx", None)
     where = f"layer {layer} ({type(module).__name__})"
     if not isinstance(layer, int) or not 0 <= layer < len(b.cache.layers):
-        raise b.spec.refuse(f"{where} has no layer_idx in 0..{len(b.cache.layers) - 1}, so "
-                            "xgraph cannot pick its cache")
+        raise b.spec.refuse(
+            f"{where} has no layer_idx in 0..{len(b.cache.layers) - 1}, so "
+            "xgraph cannot pick its cache"
+        )
     if q.dim() != 4 or q.shape[0] != 1:
-        raise XGraphError(f"{b.spec.name}: {where} got q of shape {tuple(q.shape)}; the GraphModel "
-                          "forward runs batch 1, [1, heads, tokens, dim].")
+        raise XGraphError(
+            f"{b.spec.name}: {where} got q of shape {tuple(q.shape)}; the GraphModel "
+            "forward runs batch 1, [1, heads, tokens, dim]."
+        )
     k_cache = b.cache.layers[layer][0]
     want = (k_cache.shape[2], k_cache.shape[3])
-    if (k.shape[1], k.shape[3]) != want or v.shape[1] != want[0] or v.shape[3] != want[1] \
-            or q.shape[3] != want[1]:  # fmt: skip
+    if (
+        (k.shape[1], k.shape[3]) != want
+        or v.shape[1] != want[0]
+        or v.shape[3] != want[1]
+        or q.shape[3] != want[1]
+    ):
         raise b.spec.refuse(
             f"{where} has q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, but the "
             f"cache was built for {want[0]} kv heads of dim {want[1]} (its attention layers "
@@ -99,13 +113,16 @@ def _check_call(b: Binding, module: Any, q: torch.Tensor, k: torch.Tensor, v: to
     if window is not None and window < b.max_model_len:
         raise b.spec.refuse(
             f"{where} uses a sliding window of {window} tokens, shorter than max_model_len="
-            f"{b.max_model_len}", f"Build it with max_model_len <= {window}.",
+            f"{b.max_model_len}",
+            f"Build it with max_model_len <= {window}.",
         )
     bad = [n for n in _UNSUPPORTED_KWARGS if kwargs.get(n) is not None]
     if bad or kwargs.get("dropout", 0.0) or not getattr(module, "is_causal", True):
         what = bad or ["dropout" if kwargs.get("dropout") else "non-causal attention"]
-        raise b.spec.refuse(f"{where} asks for {what}, which the paged runners do not compute",
-                            "Put the model in eval mode (no dropout); the rest is not supported.")
+        raise b.spec.refuse(
+            f"{where} asks for {what}, which the paged runners do not compute",
+            "Put the model in eval mode (no dropout); the rest is not supported.",
+        )
     return layer
 
 
@@ -125,8 +142,11 @@ def attention_forward(
         # a mask function registered under "xgraph" makes transformers build one; the paged
         # metadata already says which keys each token sees, so it is not used
         _masks_noted.add(b.spec.name)
-        logger.warning("%s: the attention mask transformers built is ignored; xgraph's paged "
-                       "metadata defines causal attention within each sequence", b.spec.name)
+        logger.warning(
+            "%s: the attention mask transformers built is ignored; xgraph's paged "
+            "metadata defines causal attention within each sequence",
+            b.spec.name,
+        )
     # [1, heads, tokens, dim] -> [tokens, heads, dim]; contiguous, since device runners of
     # other backends may take raw pointers
     q = query[0].transpose(0, 1).contiguous()
@@ -148,19 +168,24 @@ def use_xgraph_attention(model: Any) -> str:
     model.set_attn_implementation(IMPLEMENTATION)
     if model.config._attn_implementation != IMPLEMENTATION:
         raise UnsupportedModelError(
-            model_name(model), "it did not switch to the 'xgraph' attention implementation "
+            model_name(model),
+            "it did not switch to the 'xgraph' attention implementation "
             "(transformers could not set it dynamically), so its attention would bypass "
             "xgraph's paged cache",
         )
     # a module with a config of its own (swapped in from another model) keeps that config's
     # implementation and would call its own attention directly
-    stray = [n for n, m in model.named_modules()
-             if getattr(getattr(m, "config", None), "_attn_implementation",
-                        IMPLEMENTATION) != IMPLEMENTATION]  # fmt: skip
+    stray = [
+        n
+        for n, m in model.named_modules()
+        if getattr(getattr(m, "config", None), "_attn_implementation", IMPLEMENTATION)
+        != IMPLEMENTATION
+    ]
     if stray:
         restore_attention(model, previous)
         raise UnsupportedModelError(
-            model_name(model), f"modules {stray[:4]} have a config of their own whose attention "
+            model_name(model),
+            f"modules {stray[:4]} have a config of their own whose attention "
             "implementation is not 'xgraph', so they would bypass xgraph's paged cache",
             "Give them the model's config (module.config = model.config).",
         )

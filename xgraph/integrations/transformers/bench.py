@@ -37,25 +37,43 @@ from .loading import DTYPES, load_model
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m xgraph.integrations.transformers.bench",
-                                description=__doc__.splitlines()[0])  # fmt: skip
-    p.add_argument("--backend", default=None,
-                   help="backend name (default: XGRAPH_BACKEND, else the best available one)")
-    p.add_argument("--model", default="tiny",
-                   help=f"a local model folder, or a config name with random weights: "
-                   f"{', '.join(NAMED)}")
-    p.add_argument("--dtype", default=None, choices=list(DTYPES),
-                   help="default: bfloat16 on accelerators, float32 on the CPU backend")
+    p = argparse.ArgumentParser(
+        prog="python -m xgraph.integrations.transformers.bench", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="backend name (default: XGRAPH_BACKEND, else the best available one)",
+    )
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help=f"a local model folder, or a config name with random weights: {', '.join(NAMED)}",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=list(DTYPES),
+        help="default: bfloat16 on accelerators, float32 on the CPU backend",
+    )
     p.add_argument("--batches", default="1,32", help="comma-separated decode batch sizes")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per sequence")
     p.add_argument("--iters", type=int, default=3, help="timed runs per measurement (best kept)")
-    p.add_argument("--hf-compile", default="auto", choices=["auto", "on", "off"],
-                   help="torch.compile transformers' generate (auto: on for CUDA only)")
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="float32: the largest |logit difference| from transformers (default "
-                   "1e-4); 16-bit: how many times transformers' own distance from float32 "
-                   "logits xgraph's may be (default 2)")
+    p.add_argument(
+        "--hf-compile",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="torch.compile transformers' generate (auto: on for CUDA only)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="float32: the largest |logit difference| from transformers (default "
+        "1e-4); 16-bit: how many times transformers' own distance from float32 "
+        "logits xgraph's may be (default 2)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
 
@@ -79,8 +97,11 @@ def _passed(check: dict[str, Any], dtype: torch.dtype, tolerance: float | None) 
 
 
 def _load(args: argparse.Namespace, device: torch.device) -> tuple[Any, torch.dtype]:
-    dtype = DTYPES[args.dtype] if args.dtype else (
-        torch.float32 if device.type == "cpu" else torch.bfloat16)  # fmt: skip
+    dtype = (
+        DTYPES[args.dtype]
+        if args.dtype
+        else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    )
     if args.model in NAMED:
         return build_named(args.model, dtype, device), dtype
     if os.path.isdir(args.model):
@@ -94,25 +115,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, dtype = _load(args, backend.device)
     reference = copy.deepcopy(model)  # transformers' own attention, same weights
     reference.set_attn_implementation("sdpa")
-    compile_hf = args.hf_compile == "on" or (args.hf_compile == "auto"
-                                             and backend.device.type == "cuda")  # fmt: skip
+    compile_hf = args.hf_compile == "on" or (
+        args.hf_compile == "auto" and backend.device.type == "cuda"
+    )
     check = check_logits(model, reference, backend, args.prompt_len)
     check["passed"] = _passed(check, dtype, args.tolerance)
     rows = []
     for b in _batches(args.batches):
         x = xgraph_decode(model, backend, b, args.prompt_len, args.new_tokens, args.iters)
-        t = transformers_decode(reference, b, args.prompt_len, args.new_tokens, args.iters,
-                                compile_hf)  # fmt: skip
-        ratio = x["decode_tokens_per_second"] / t["decode_tokens_per_second"] \
-            if t["decode_tokens_per_second"] else None  # fmt: skip
+        t = transformers_decode(
+            reference, b, args.prompt_len, args.new_tokens, args.iters, compile_hf
+        )
+        ratio = (
+            x["decode_tokens_per_second"] / t["decode_tokens_per_second"]
+            if t["decode_tokens_per_second"]
+            else None
+        )
         rows.append({"batch": b, "xgraph": x, "transformers": t, "speedup": ratio})
     return {
-        "model": args.model, "model_class": type(model).__name__, "dtype": str(dtype),
-        "backend": backend.name, "device": str(backend.device),
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "iters": args.iters,
+        "model": args.model,
+        "model_class": type(model).__name__,
+        "dtype": str(dtype),
+        "backend": backend.name,
+        "device": str(backend.device),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "iters": args.iters,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "check": check, "decode": rows,
-    }  # fmt: skip
+        "check": check,
+        "decode": rows,
+    }
 
 
 def report(data: dict[str, Any]) -> str:
@@ -122,14 +154,22 @@ def report(data: dict[str, Any]) -> str:
         f"check: max |xgraph - transformers| = {c['max_abs_diff']:.3g} (largest logit "
         f"{c['max_abs_logit']:.3g}), argmax agreement {c['argmax_agreement']:.4f} over "
         f"{c['rows']} rows: {'pass' if c['passed'] else 'FAIL'}",
-        *([f"distance from float32 logits: xgraph {c['xgraph_vs_float32']:.3g}, transformers "
-           f"{c['transformers_vs_float32']:.3g}"] if "xgraph_vs_float32" in c else []),
+        *(
+            [
+                f"distance from float32 logits: xgraph {c['xgraph_vs_float32']:.3g}, transformers "
+                f"{c['transformers_vs_float32']:.3g}"
+            ]
+            if "xgraph_vs_float32" in c
+            else []
+        ),
         f"{'batch':>5}  {'xgraph tok/s':>13}  {'transformers tok/s':>18}  {'ratio':>6}",
     ]
     for r in data["decode"]:
         ratio = f"{r['speedup']:.2f}" if r["speedup"] else "-"
-        lines.append(f"{r['batch']:>5}  {r['xgraph']['decode_tokens_per_second']:>13.1f}  "
-                     f"{r['transformers']['decode_tokens_per_second']:>18.1f}  {ratio:>6}")
+        lines.append(
+            f"{r['batch']:>5}  {r['xgraph']['decode_tokens_per_second']:>13.1f}  "
+            f"{r['transformers']['decode_tokens_per_second']:>18.1f}  {ratio:>6}"
+        )
     return "\n".join(lines)
 
 

@@ -28,27 +28,64 @@ from .deps import require
 from .model import GraphModel
 
 NAMED = {  # config name -> (config class, fields): random weights in the shape of the model
-    "tiny": ("Qwen3Config", dict(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=16,
-                                 max_position_embeddings=2048)),
-    "qwen3-0.6b": ("Qwen3Config", dict(vocab_size=151_936, hidden_size=1024,
-                                       intermediate_size=3072, num_hidden_layers=28,
-                                       num_attention_heads=16, num_key_value_heads=8,
-                                       head_dim=128, max_position_embeddings=40_960,
-                                       tie_word_embeddings=True)),
-    "tiny-llama": ("LlamaConfig", dict(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                       num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=16,
-                                       max_position_embeddings=2048)),
+    "tiny": (
+        "Qwen3Config",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=2048,
+        ),
+    ),
+    "qwen3-0.6b": (
+        "Qwen3Config",
+        dict(
+            vocab_size=151_936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40_960,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "tiny-llama": (
+        "LlamaConfig",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=2048,
+        ),
+    ),
     # Llama 3.2 1B's shape (its llama3 rope scaling left out: it changes no shape or kernel)
-    "llama-3.2-1b": ("LlamaConfig", dict(vocab_size=128_256, hidden_size=2048,
-                                         intermediate_size=8192, num_hidden_layers=16,
-                                         num_attention_heads=32, num_key_value_heads=8,
-                                         head_dim=64, rms_norm_eps=1e-5, rope_theta=500_000.0,
-                                         max_position_embeddings=131_072,
-                                         tie_word_embeddings=True)),
-}  # fmt: skip
+    "llama-3.2-1b": (
+        "LlamaConfig",
+        dict(
+            vocab_size=128_256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            rms_norm_eps=1e-5,
+            rope_theta=500_000.0,
+            max_position_embeddings=131_072,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
 
 
 def build_named(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Any:
@@ -73,8 +110,9 @@ def _logits(model: Any, tokens: list[int], device: torch.device) -> torch.Tensor
     return out.float().cpu()
 
 
-def check_logits(model: Any, reference: Any, backend: Backend, prompt_len: int,
-                 new_tokens: int = 8) -> dict[str, Any]:  # fmt: skip
+def check_logits(
+    model: Any, reference: Any, backend: Backend, prompt_len: int, new_tokens: int = 8
+) -> dict[str, Any]:
     """Every logit of every step of an xgraph run against transformers' forward (sdpa).
 
     In 16-bit, rounding differs between any two implementations, so the run is also held
@@ -83,9 +121,15 @@ def check_logits(model: Any, reference: Any, backend: Backend, prompt_len: int,
     lengths = [prompt_len, prompt_len // 2 + 1, min(17, prompt_len)]
     prompts = random_prompts(model.config.vocab_size, lengths, seed=1)
     chunk = max(16, prompt_len // 2)  # the long prompt is prefilled in chunks
-    with GraphModel(model, backend=backend, block_size=16, max_seqs=len(prompts),
-                    max_model_len=prompt_len + new_tokens, max_num_tokens=chunk,
-                    name="bench-check") as gm:  # fmt: skip
+    with GraphModel(
+        model,
+        backend=backend,
+        block_size=16,
+        max_seqs=len(prompts),
+        max_model_len=prompt_len + new_tokens,
+        max_num_tokens=chunk,
+        name="bench-check",
+    ) as gm:
         result = gm.generate(prompts, new_tokens, record_logits=True)
     assert result.logits is not None
     exact = copy.deepcopy(reference).float() if reference.dtype != torch.float32 else None
@@ -98,33 +142,48 @@ def check_logits(model: Any, reference: Any, backend: Backend, prompt_len: int,
         m["rows"] += want.shape[0]
         if exact is not None:
             truth = _logits(exact, prompt + tokens[:-1], backend.device)
-            m["xgraph_vs_float32"] = max(m["xgraph_vs_float32"],
-                                         float((got - truth).abs().max()))  # fmt: skip
-            m["transformers_vs_float32"] = max(m["transformers_vs_float32"],
-                                               float((want - truth).abs().max()))  # fmt: skip
+            m["xgraph_vs_float32"] = max(m["xgraph_vs_float32"], float((got - truth).abs().max()))
+            m["transformers_vs_float32"] = max(
+                m["transformers_vs_float32"], float((want - truth).abs().max())
+            )
     out = {k: float(v) for k, v in m.items() if k not in ("agree", "rows")}
-    out.update(rel_diff=m["max_abs_diff"] / (m["max_abs_logit"] or 1.0), rows=m["rows"],
-               argmax_agreement=m["agree"] / m["rows"], steps=result.steps,
-               graph_steps=result.graph_steps)  # fmt: skip
+    out.update(
+        rel_diff=m["max_abs_diff"] / (m["max_abs_logit"] or 1.0),
+        rows=m["rows"],
+        argmax_agreement=m["agree"] / m["rows"],
+        steps=result.steps,
+        graph_steps=result.graph_steps,
+    )
     return out
 
 
-def xgraph_decode(model: Any, backend: Backend, batch: int, prompt_len: int, new_tokens: int,
-                  iters: int) -> dict[str, Any]:  # fmt: skip
+def xgraph_decode(
+    model: Any, backend: Backend, batch: int, prompt_len: int, new_tokens: int, iters: int
+) -> dict[str, Any]:
     """Decode tokens/s of GraphModel.generate: the prompts prefill in one piecewise step, then
     every step is a full-graph decode of the whole batch."""
     prompts = random_prompts(model.config.vocab_size, [prompt_len] * batch, seed=2)
     buckets = sorted({*default_sizes(batch), batch * prompt_len})
     best: dict[str, Any] = {}
-    with GraphModel(model, backend=backend, block_size=16, max_seqs=batch, buckets=buckets,
-                    max_model_len=prompt_len + new_tokens, max_num_tokens=batch * prompt_len,
-                    name=f"bench-b{batch}") as gm:  # fmt: skip
+    with GraphModel(
+        model,
+        backend=backend,
+        block_size=16,
+        max_seqs=batch,
+        buckets=buckets,
+        max_model_len=prompt_len + new_tokens,
+        max_num_tokens=batch * prompt_len,
+        name=f"bench-b{batch}",
+    ) as gm:
         gm.generate(prompts, new_tokens)  # warm-up: captures every graph the run needs
         for _ in range(iters):
             r = gm.generate(prompts, new_tokens)
             if r.decode_tokens_per_second > best.get("decode_tokens_per_second", 0.0):
-                best = {"decode_tokens_per_second": r.decode_tokens_per_second,
-                        "decode_steps": r.decode_steps, "graph_steps": r.graph_steps}
+                best = {
+                    "decode_tokens_per_second": r.decode_tokens_per_second,
+                    "decode_steps": r.decode_steps,
+                    "graph_steps": r.graph_steps,
+                }
         best["captures"] = gm.stats()["captures"]
     return best
 
@@ -146,16 +205,23 @@ def _step_clock() -> Any:
     return StepClock()
 
 
-def transformers_decode(reference: Any, batch: int, prompt_len: int, new_tokens: int,
-                        iters: int, compile: bool) -> dict[str, Any]:  # fmt: skip
+def transformers_decode(
+    reference: Any, batch: int, prompt_len: int, new_tokens: int, iters: int, compile: bool
+) -> dict[str, Any]:
     """Decode tokens/s of transformers' generate() with a static cache (compiled on a GPU)."""
     transformers = require()
     device = next(reference.parameters()).device
     prompts = random_prompts(reference.config.vocab_size, [prompt_len] * batch, seed=2)
     ids = torch.tensor(prompts, device=device)
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                  min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                  pad_token_id=0, disable_compile=not compile)  # fmt: skip
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=0,
+        disable_compile=not compile,
+    )
     best = 0.0
     for i in range(iters + 2):  # two warm-ups: compilation, then graph recording
         clock = _step_clock()

@@ -27,6 +27,11 @@ class PagedCache(PagedKVCache):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, num_blocks, block_size,
-            dtype or spec.dtype, device,
-        )  # fmt: skip
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            num_blocks,
+            block_size,
+            dtype or spec.dtype,
+            device,
+        )

@@ -17,34 +17,72 @@ MODES = ("auto", "full", "piecewise", "eager")
 
 def add_parser(sub: Any) -> None:
     """Add the `generate` sub-command to the `xgraph` command line's subparsers."""
-    p = sub.add_parser("generate", help="generate with a local transformers model folder "
-                       "through xgraph and print tokens per second")  # fmt: skip
-    p.add_argument("--model", required=True,
-                   help="local model folder: config.json and *.safetensors (no download, no "
-                   "pickle); a tokenizer there is used when present")
-    p.add_argument("--prompt", action="append", required=True,
-                   help="a prompt: text when the folder has a tokenizer, else token ids such "
-                   "as '1 2 3'; repeat the option for several sequences")
-    p.add_argument("--max-new-tokens", type=int, default=32,
-                   help="tokens to generate per prompt (default 32)")
-    p.add_argument("--backend", default=None,
-                   help="backend name (default: XGRAPH_BACKEND, else the best available one)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and cache dtype (auto: float32 on the CPU backend, the "
-                   "checkpoint's elsewhere)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 (the default) decodes greedily; above 0 samples")
-    p.add_argument("--top-k", type=int, default=0,
-                   help="sample among the k most likely tokens only (0: all)")
+    p = sub.add_parser(
+        "generate",
+        help="generate with a local transformers model folder "
+        "through xgraph and print tokens per second",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="local model folder: config.json and *.safetensors (no download, no "
+        "pickle); a tokenizer there is used when present",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        help="a prompt: text when the folder has a tokenizer, else token ids such "
+        "as '1 2 3'; repeat the option for several sequences",
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)"
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="backend name (default: XGRAPH_BACKEND, else the best available one)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and cache dtype (auto: float32 on the CPU backend, the "
+        "checkpoint's elsewhere)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (the default) decodes greedily; above 0 samples",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k most likely tokens only (0: all)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
-    p.add_argument("--max-num-tokens", type=int, default=256,
-                   help="tokens per step: the prefill chunk size and the largest bucket")
-    p.add_argument("--mode", default="auto", choices=MODES,
-                   help="executor mode (auto: decode full graphs, prefill piecewise)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="always generate --max-new-tokens tokens, even past end-of-sequence")
+    _add_engine_options(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _add_engine_options(p: Any) -> None:
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument(
+        "--max-num-tokens",
+        type=int,
+        default=256,
+        help="tokens per step: the prefill chunk size and the largest bucket",
+    )
+    p.add_argument(
+        "--mode",
+        default="auto",
+        choices=MODES,
+        help="executor mode (auto: decode full graphs, prefill piecewise)",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="always generate --max-new-tokens tokens, even past end-of-sequence",
+    )
 
 
 def _prompts(texts: list[str], tokenizer: Any, folder: str) -> list[list[int]]:
@@ -80,14 +118,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _prompts(args.prompt, tokenizer, args.model)
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     with GraphModel.from_pretrained(
-        args.model, dtype=args.dtype, backend=backend, mode=args.mode, name="generate",
-        block_size=args.block_size, max_model_len=longest, max_seqs=len(prompts),
+        args.model,
+        dtype=args.dtype,
+        backend=backend,
+        mode=args.mode,
+        name="generate",
+        block_size=args.block_size,
+        max_model_len=longest,
+        max_seqs=len(prompts),
         max_num_tokens=args.max_num_tokens,
-    ) as gm:  # fmt: skip
+    ) as gm:
         result = gm.generate(
-            prompts, args.max_new_tokens, eos_token_id=_eos(gm.model, args.ignore_eos),
+            prompts,
+            args.max_new_tokens,
+            eos_token_id=_eos(gm.model, args.ignore_eos),
             sampling=SamplingParams(args.temperature, args.top_k, args.seed),
-        )  # fmt: skip
+        )
     for i, tokens in enumerate(result.tokens):
         shown = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer else tokens
         print(f"[{i}] {shown}")

@@ -37,8 +37,13 @@ class StepModel(Protocol):
     executor: GraphExecutor
     device: torch.device
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
-                 clone: bool = False) -> torch.Tensor: ...  # fmt: skip
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionInputs,
+        clone: bool = False,
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -85,16 +90,20 @@ def graph_step_counts(executor: GraphExecutor) -> Counter:
     return out
 
 
-def _sequences(gm: StepModel, prompts: Sequence[Sequence[int]],
-               max_new_tokens: int | Sequence[int]) -> list[SeqState]:  # fmt: skip
+def _sequences(
+    gm: StepModel, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]
+) -> list[SeqState]:
     """Refuse, before any step, a prompt that could never run."""
     lim = gm.limits
     assert lim.max_model_len is not None and lim.num_blocks is not None
-    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) \
-        else list(max_new_tokens)  # fmt: skip
+    budgets = (
+        [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    )
     if len(budgets) != len(prompts) or min(budgets, default=1) < 1:
-        raise CapacityError(f"max_new_tokens must be >= 1, one int or one per prompt; got "
-                            f"{max_new_tokens} for {len(prompts)} prompts.")
+        raise CapacityError(
+            f"max_new_tokens must be >= 1, one int or one per prompt; got "
+            f"{max_new_tokens} for {len(prompts)} prompts."
+        )
     seqs = []
     for i, (p, new) in enumerate(zip(prompts, budgets)):
         seq = SeqState(i, [int(t) for t in p], len(p), new)
@@ -115,16 +124,18 @@ def _sequences(gm: StepModel, prompts: Sequence[Sequence[int]],
     return seqs
 
 
-def _advance(batch: Batch, logits: torch.Tensor, sampler: Sampler, eos: set[int],
-             record: bool) -> list[SeqState]:  # fmt: skip
+def _advance(
+    batch: Batch, logits: torch.Tensor, sampler: Sampler, eos: set[int], record: bool
+) -> list[SeqState]:
     """Book the step's tokens as cached, sample where a sequence reached its end; returns
     the sequences that finished."""
     rows: list[int] = []
     ready: list[SeqState] = []
     for c in batch.chunks:
         if record:  # a copy: the step's logits are views the next step overwrites
-            c.seq.logits.append(logits[c.start : c.start + c.length].to("cpu", torch.float32,
-                                                                          copy=True))
+            c.seq.logits.append(
+                logits[c.start : c.start + c.length].to("cpu", torch.float32, copy=True)
+            )
         c.seq.computed += c.length
         if c.seq.pending == 0:
             rows.append(c.start + c.length - 1)

@@ -35,15 +35,17 @@ class Limits:
 
     def resolve(self, spec: ModelSpec) -> Limits:
         """Defaults filled in from the model; nonsensical values refused."""
-        length = self.max_model_len or min(spec.max_position or DEFAULT_MAX_MODEL_LEN,
-                                           DEFAULT_MAX_MODEL_LEN)  # fmt: skip
+        length = self.max_model_len or min(
+            spec.max_position or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
+        )
         out = dataclasses.replace(self, max_model_len=length)
         if out.num_blocks is None:
             out = dataclasses.replace(out, num_blocks=out.max_seqs * out.max_blocks_per_seq)
         for field in dataclasses.fields(out):
             if getattr(out, field.name) < 1:
-                raise CapacityError(f"{spec.name}: {field.name} must be >= 1, got "
-                                    f"{getattr(out, field.name)}.")
+                raise CapacityError(
+                    f"{spec.name}: {field.name} must be >= 1, got {getattr(out, field.name)}."
+                )
         if spec.max_position is not None and length > spec.max_position:
             raise CapacityError(
                 f"{spec.name}: max_model_len={length} is above the model's "

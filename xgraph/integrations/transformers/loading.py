@@ -41,13 +41,18 @@ def check_folder(folder: str) -> None:
         )
     files = os.listdir(folder)
     if "config.json" not in files:
-        raise ModelFolderError(f"{folder!r} has no config.json; save the model there with "
-                               "model.save_pretrained(folder).")
+        raise ModelFolderError(
+            f"{folder!r} has no config.json; save the model there with "
+            "model.save_pretrained(folder)."
+        )
     if not any(f.endswith(".safetensors") for f in files):
         pickled = [f for f in files if f.endswith((".bin", ".pt", ".pth"))]
-        hint = (f" It has {pickled}: pickled weights are not loaded (unpickling runs code); "
-                "convert them with model.save_pretrained(folder, safe_serialization=True)."
-                if pickled else "")
+        hint = (
+            f" It has {pickled}: pickled weights are not loaded (unpickling runs code); "
+            "convert them with model.save_pretrained(folder, safe_serialization=True)."
+            if pickled
+            else ""
+        )
         raise ModelFolderError(f"{folder!r} has no *.safetensors weights.{hint}")
 
 
@@ -73,5 +78,6 @@ def load_tokenizer(folder: str) -> Any | None:
     """The folder's tokenizer, or None when it has no tokenizer files."""
     if not any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
         return None
-    return require().AutoTokenizer.from_pretrained(folder, local_files_only=True,
-                                                   trust_remote_code=False)
+    return require().AutoTokenizer.from_pretrained(
+        folder, local_files_only=True, trust_remote_code=False
+    )

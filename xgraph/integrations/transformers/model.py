@@ -64,8 +64,10 @@ class GraphModel:
         self.spec = inspect_model(model)
         unknown = set(limit_fields) - {f.name for f in dataclasses.fields(Limits)}
         if unknown:
-            raise XGraphError(f"GraphModel got unknown arguments {sorted(unknown)}; the limits "
-                              f"are {[f.name for f in dataclasses.fields(Limits)]}.")
+            raise XGraphError(
+                f"GraphModel got unknown arguments {sorted(unknown)}; the limits "
+                f"are {[f.name for f in dataclasses.fields(Limits)]}."
+            )
         self.limits = dataclasses.replace(limits or Limits(), **limit_fields).resolve(self.spec)
         self.backend = get_backend(backend)
         self.device = self.backend.device
@@ -82,22 +84,27 @@ class GraphModel:
                 inputs=self.inputs(),
                 backend=self.backend,
                 buckets=buckets if buckets is not None else default_sizes(lim.max_num_tokens),
-                attention=PagedAttention.for_cache(self.cache, lim.max_seqs,
-                                                   lim.max_blocks_per_seq),
+                attention=PagedAttention.for_cache(
+                    self.cache, lim.max_seqs, lim.max_blocks_per_seq
+                ),
                 memory=memory,
                 mode=mode,
                 on_capture_error=on_capture_error,
                 name=name,
-            )  # fmt: skip
+            )
         except BaseException:  # a refused setting: the model keeps its own attention
             restore_attention(model, self._previous_attention)
             raise
 
     @classmethod
     def from_pretrained(
-        cls, folder: str, *, dtype: torch.dtype | str | None = None,
-        backend: str | Backend | None = None, **kwargs: Any,
-    ) -> GraphModel:  # fmt: skip
+        cls,
+        folder: str,
+        *,
+        dtype: torch.dtype | str | None = None,
+        backend: str | Backend | None = None,
+        **kwargs: Any,
+    ) -> GraphModel:
         """Load a local folder (config.json + safetensors) and wrap it; keeps its tokenizer."""
         b = get_backend(backend)
         gm = cls(load_model(folder, dtype=dtype, device=b.device), backend=b, **kwargs)
@@ -109,22 +116,36 @@ class GraphModel:
         so a bad id is an InputError naming it, not a failure inside a replay)."""
         assert self.limits.max_model_len is not None
         return [
-            Input("input_ids", torch.int64, ("num_tokens",), fill=0,
-                  bounds=(0, self.spec.vocab_size)),
-            Input("positions", torch.int64, ("num_tokens",), fill=0,
-                  bounds=(0, self.limits.max_model_len)),
-        ]  # fmt: skip
+            Input(
+                "input_ids", torch.int64, ("num_tokens",), fill=0, bounds=(0, self.spec.vocab_size)
+            ),
+            Input(
+                "positions",
+                torch.int64,
+                ("num_tokens",),
+                fill=0,
+                bounds=(0, self.limits.max_model_len),
+            ),
+        ]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[tokens] ids and positions -> [tokens, vocab] logits: the model's own forward, on
         one batch row, with position_ids from the step (rotary tables index by them)."""
         with bound(self.binding):
-            out = self.model(input_ids=input_ids.unsqueeze(0),
-                             position_ids=positions.unsqueeze(0), use_cache=False)
+            out = self.model(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                use_cache=False,
+            )
         return out.logits[0]
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
-                 clone: bool = False) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionInputs,
+        clone: bool = False,
+    ) -> torch.Tensor:
         """One step through the executor (views of its output buffer unless clone=True)."""
         return self.executor(input_ids=input_ids, positions=positions, attn=attn, clone=clone)
 
@@ -138,11 +159,13 @@ class GraphModel:
         if self.executor.mode in (Mode.AUTO, Mode.FULL):
             self.executor.capture(decode, kind=Kind.FULL, progress=progress)
         if self.executor.mode in (Mode.AUTO, Mode.PIECEWISE):
-            self.executor.capture(sorted(sizes, reverse=True), kind=Kind.PIECEWISE,
-                                  progress=progress)
+            self.executor.capture(
+                sorted(sizes, reverse=True), kind=Kind.PIECEWISE, progress=progress
+            )
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int] = 16,
-                 **kwargs: Any) -> GenerationResult:  # fmt: skip
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int | list[int] = 16, **kwargs: Any
+    ) -> GenerationResult:
         """Generate for many prompts at once; see generate.generate for the arguments."""
         return generate(self, prompts, max_new_tokens, **kwargs)
 

@@ -75,8 +75,13 @@ class Batch:
         return self.attn.is_decode
 
 
-def admit(waiting: deque[SeqState], running: list[SeqState], allocator: BlockAllocator,
-          max_seqs: int, block_size: int) -> None:  # fmt: skip
+def admit(
+    waiting: deque[SeqState],
+    running: list[SeqState],
+    allocator: BlockAllocator,
+    max_seqs: int,
+    block_size: int,
+) -> None:
     """Move waiting sequences to running, in order, while seats and blocks last."""
     while waiting and len(running) < max_seqs:
         need = waiting[0].blocks_needed(block_size)
@@ -123,5 +128,9 @@ def build_batch(plan: list[tuple[SeqState, int]], cache: PagedCache) -> Batch:
         block_tables=[seq.blocks for seq, _ in plan],
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
     )
-    return Batch(chunks, torch.tensor(ids, dtype=torch.int64),
-                 torch.tensor(positions, dtype=torch.int64), attn)  # fmt: skip
+    return Batch(
+        chunks,
+        torch.tensor(ids, dtype=torch.int64),
+        torch.tensor(positions, dtype=torch.int64),
+        attn,
+    )

@@ -79,20 +79,28 @@ def _check_kind(model: Any, name: str) -> None:
     """A causal text decoder whose attention goes through the AttentionInterface."""
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(name, "it is an encoder-decoder model; xgraph runs causal "
-                                    "decoders (every attention layer causal self-attention)")
+        raise UnsupportedModelError(
+            name,
+            "it is an encoder-decoder model; xgraph runs causal "
+            "decoders (every attention layer causal self-attention)",
+        )
     if getattr(config, "sub_configs", None):
         raise UnsupportedModelError(
-            name, f"it is a composite model (sub-configs {sorted(config.sub_configs)})",
+            name,
+            f"it is a composite model (sub-configs {sorted(config.sub_configs)})",
             "Load its text decoder on its own (the *ForCausalLM class of the text config).",
         )
     can_generate = getattr(model, "can_generate", None)
     if not (callable(can_generate) and can_generate()):
-        raise UnsupportedModelError(name, "it is not a causal language model (no LM head to "
-                                    "generate with)", "Load it with AutoModelForCausalLM.")
+        raise UnsupportedModelError(
+            name,
+            "it is not a causal language model (no LM head to generate with)",
+            "Load it with AutoModelForCausalLM.",
+        )
     if not getattr(model, "_supports_attention_backend", False):
         raise UnsupportedModelError(
-            name, "its attention does not go through transformers' AttentionInterface "
+            name,
+            "its attention does not go through transformers' AttentionInterface "
             "(_supports_attention_backend is False), so xgraph cannot route it to the paged "
             "KV cache",
         )
@@ -106,18 +114,23 @@ def _check_layers(config: Any, name: str, num_layers: int) -> tuple[int | None, 
         other = sorted(set(types) - {FULL, SLIDING})
         if other:
             raise UnsupportedModelError(
-                name, f"it has layers of type {other}; xgraph's paged cache holds the keys and "
+                name,
+                f"it has layers of type {other}; xgraph's paged cache holds the keys and "
                 "values of softmax attention only",
             )
         sliding = tuple(i for i, t in enumerate(types) if t == SLIDING)
     else:  # Mistral-style configs: a window in the config applies to every layer
         sliding = tuple(range(num_layers)) if window else ()
     if sliding and not window:
-        raise UnsupportedModelError(name, f"layers {_short(sliding)} are sliding-window layers "
-                                    "but the config gives no sliding_window")
+        raise UnsupportedModelError(
+            name,
+            f"layers {_short(sliding)} are sliding-window layers "
+            "but the config gives no sliding_window",
+        )
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise UnsupportedModelError(
-            name, "its attention soft-caps the logits (attn_logit_softcapping); xgraph's "
+            name,
+            "its attention soft-caps the logits (attn_logit_softcapping); xgraph's "
             "runners compute plain scaled softmax",
         )
     return (window if sliding else None), sliding
@@ -128,16 +141,21 @@ def _heads(config: Any, name: str) -> tuple[int, int, int]:
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    for field_name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv),
-                              ("head_dim", head_dim)):  # fmt: skip
+    for field_name, value in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", kv),
+        ("head_dim", head_dim),
+    ):
         if not isinstance(value, int):
             raise UnsupportedModelError(
-                name, f"its attention layers differ ({field_name} is {value!r}, not one number)",
+                name,
+                f"its attention layers differ ({field_name} is {value!r}, not one number)",
                 "xgraph allocates one cache layout for every layer.",
             )
     if getattr(config, "kv_lora_rank", None) is not None:
         raise UnsupportedModelError(
-            name, "it uses multi-head latent attention (kv_lora_rank): keys and values have "
+            name,
+            "it uses multi-head latent attention (kv_lora_rank): keys and values have "
             "different sizes, and the paged cache stores both at one head dim",
         )
     return heads, kv, head_dim

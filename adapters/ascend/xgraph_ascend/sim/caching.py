@@ -185,10 +185,11 @@ class SimCachingAllocator:
             origin = "device"
         if not ptr:
             raise AclRuntimeError(
-                MEMORY_ALLOCATION, "NPUCachingAllocator",
+                MEMORY_ALLOCATION,
+                "NPUCachingAllocator",
                 f"NPU out of memory: tried to allocate {nbytes} bytes for graph pool {pool.id} "
                 f"({origin} returned NULL)",
-            )  # fmt: skip
+            )
         pool.origins[ptr] = origin
         return ptr
 

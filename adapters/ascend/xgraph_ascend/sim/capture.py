@@ -77,10 +77,11 @@ class UpdateSession:
         got = [t.kind for t in self.issued]
         if want != got:
             raise AclRuntimeError(
-                UPDATE_MISMATCH, "aclmdlRICaptureTaskUpdateEnd",
+                UPDATE_MISMATCH,
+                "aclmdlRICaptureTaskUpdateEnd",
                 f"the update issued {got}, the task group holds {want}: an update must "
                 "re-issue the group's tasks, same count and type",
-            )  # fmt: skip
+            )
         for old, new in zip(self.handle.tasks, self.issued):
             old.args, old.kwargs = new.args, new.kwargs
 

@@ -40,11 +40,12 @@ class SimExternalEvent:
     def _wait_now(self) -> None:
         if not self.recorded:
             raise AclRuntimeError(
-                WAIT_TIMEOUT, "aclmdlRIExecuteAsync",
+                WAIT_TIMEOUT,
+                "aclmdlRIExecuteAsync",
                 f"the graph waits on ExternalEvent #{self.id}, which nothing recorded since its "
                 "last reset: the graph task update before this replay was skipped. On an NPU "
                 "this replay would block forever; run the update (Graph.replay does) first",
-            )  # fmt: skip
+            )
 
     def _reset_now(self) -> None:
         self.recorded = False

@@ -17,7 +17,7 @@ class _Fault:
 class Faults:
     """Armed failures by ACL call name, and a count of every call made (tests read both).
 
-        faults.inject("aclrtMallocPhysical", 207001, after=3)  # the 4th call fails once
+    faults.inject("aclrtMallocPhysical", 207001, after=3)  # the 4th call fails once
     """
 
     def __init__(self) -> None:

@@ -72,10 +72,7 @@ class SimAcl:
         self._next = 0x100
         self.violations: list[str] = []
         self._msg = ctypes.create_string_buffer(1024)
-        impls = {
-            name: self._entry(name, getattr(self, "_" + name))
-            for name in acl.PROTOTYPES
-        }
+        impls = {name: self._entry(name, getattr(self, "_" + name)) for name in acl.PROTOTYPES}
         self.functions = acl.AclFunctions.from_python(impls, "simulated libascendcl")
 
     # -- the C boundary --------------------------------------------------------------------
@@ -139,8 +136,7 @@ class SimAcl:
         _rule(bool(handle_out) and bool(prop_ptr), INVALID_PARAM, "handle or prop is NULL")
         gran = self._check_prop(prop_ptr.contents)
         _rule(flags == 0, INVALID_PARAM, f"flags must be 0, got {flags}")
-        _rule(size > 0 and size % gran == 0, INVALID_PARAM, f"size {size} not a multiple "
-              f"of {gran}")  # fmt: skip
+        _rule(size > 0 and size % gran == 0, INVALID_PARAM, f"size {size} not a multiple of {gran}")
         _rule(self.used_bytes() + size <= self.capacity, MEMORY_ALLOCATION, "device memory full")
         h = self._new_id()
         self._handles[h] = self.hbm.create(size)
@@ -149,13 +145,22 @@ class SimAcl:
 
     def _check_prop(self, prop: acl.aclrtPhysicalMemProp) -> int:
         _rule(prop.handleType == acl.ACL_MEM_HANDLE_TYPE_NONE, INVALID_PARAM, "handleType")
-        _rule(prop.allocationType == acl.ACL_MEM_ALLOCATION_TYPE_PINNED, INVALID_PARAM,
-              "allocationType must be PINNED")  # fmt: skip
+        _rule(
+            prop.allocationType == acl.ACL_MEM_ALLOCATION_TYPE_PINNED,
+            INVALID_PARAM,
+            "allocationType must be PINNED",
+        )
         _rule(prop.memAttr in acl.HBM_ATTRS, INVALID_PARAM, f"memAttr {prop.memAttr} is not HBM")
-        _rule(prop.location.type == acl.ACL_MEM_LOCATION_TYPE_DEVICE, INVALID_PARAM,
-              f"location.type {prop.location.type} is not DEVICE")  # fmt: skip
-        _rule(prop.location.id == self.device_index, INVALID_PARAM,
-              f"location.id {prop.location.id} is not device {self.device_index}")  # fmt: skip
+        _rule(
+            prop.location.type == acl.ACL_MEM_LOCATION_TYPE_DEVICE,
+            INVALID_PARAM,
+            f"location.type {prop.location.type} is not DEVICE",
+        )
+        _rule(
+            prop.location.id == self.device_index,
+            INVALID_PARAM,
+            f"location.id {prop.location.id} is not device {self.device_index}",
+        )
         _rule(prop.reserve == 0, INVALID_PARAM, "reserve must be 0")
         huge1g = prop.memAttr in (acl.ACL_HBM_MEM_HUGE1G, 11)
         return acl.HUGE_1G if huge1g else GRAN
@@ -171,8 +176,11 @@ class SimAcl:
         _rule(offset == 0 and flags == 0, INVALID_PARAM, "offset and flags must be 0")
         _rule(h in self._handles, INVALID_HANDLE, f"handle {h or 0:#x} is not live")
         chunk = self._handles[h]
-        _rule(size == chunk.size, INVALID_PARAM, f"size {size} is not the handle's "
-              f"{chunk.size}: a map covers a whole handle")  # fmt: skip
+        _rule(
+            size == chunk.size,
+            INVALID_PARAM,
+            f"size {size} is not the handle's {chunk.size}: a map covers a whole handle",
+        )
         va = va or 0
         _rule(va % GRAN == 0, ADDR_UNALIGNED, f"{va:#x} is not 2 MiB aligned")
         inside = any(s <= va and va + size <= s + n for s, (_, n) in self._reservations.items())

@@ -62,8 +62,10 @@ class SimRuntime(NpuRuntime):
         me = threading.get_ident()
         for s in self.streams.capturing():
             cap = s.capture
-            if cap is not None and cap.mode != "relaxed" and (
-                cap.mode == "global" or cap.thread == me
+            if (
+                cap is not None
+                and cap.mode != "relaxed"
+                and (cap.mode == "global" or cap.thread == me)
             ):
                 why = "synchronize while a stream is capturing"
                 cap.invalidate(CAPTURE_MODE_NOT_SUPPORT, why)
@@ -170,10 +172,11 @@ class SimRuntime(NpuRuntime):
             raise AclRuntimeError(107000, call, "the task group's graph is not captured (reset?)")
         if self._busy:
             raise AclRuntimeError(
-                MODEL_RUNNING, call,
+                MODEL_RUNNING,
+                call,
                 "a replay may still be running and reading the parameters this update "
                 "replaces; synchronize before updating",
-            )  # fmt: skip
+            )
         stream.update = UpdateSession(handle)
 
     def task_update_end(self, stream: Any) -> None:
@@ -190,19 +193,42 @@ class SimRuntime(NpuRuntime):
     # -- kernels ---------------------------------------------------------------------------
 
     def fused_infer_attention(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        block_table: torch.Tensor, seq_lens: Sequence[int], out: torch.Tensor,
-        lse: torch.Tensor, workspace: torch.Tensor | None, *, scale: float,
-    ) -> None:  # fmt: skip
-        args = (query, key_cache, value_cache, block_table, [int(n) for n in seq_lens], out,
-                lse, workspace, scale)  # fmt: skip
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: Sequence[int],
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        workspace: torch.Tensor | None,
+        *,
+        scale: float,
+    ) -> None:
+        args = (
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            [int(n) for n in seq_lens],
+            out,
+            lse,
+            workspace,
+            scale,
+        )
         task = Task("FusedInferAttentionScore", kernels.fused_infer_attention, args)
         _route(self.streams, None, task, run_at_capture=True)
 
     def fused_attention_workspace(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        block_table: torch.Tensor, seq_lens: Sequence[int], *, scale: float,
-    ) -> torch.Tensor | None:  # fmt: skip
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: Sequence[int],
+        *,
+        scale: float,
+    ) -> torch.Tensor | None:
         return torch.empty(kernels.WORKSPACE_BYTES, dtype=torch.uint8)
 
     # -- memory and reporting --------------------------------------------------------------

@@ -24,12 +24,16 @@ from .online import load_rows, page_slots, softmax_step
 LOG2E = 1.4426950408889634
 
 
+# fmt: off
+# Triton kernels take every pointer, stride and tile size as its own argument; one per
+# line would bury each kernel under its signature, so these keep them packed.
+
 @triton.jit
 def _walk(q, K, V, table_row, table_width, lo, hi, scale_log2,
           s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
           PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-          PRECISION: tl.constexpr):  # fmt: skip
+          PRECISION: tl.constexpr):
     """Online softmax of q [BLOCK_G, BLOCK_D] over key positions [lo, hi) of one kv head
     (K, V point at it): (acc, running max, denominator)."""
     d = tl.arange(0, BLOCK_D)
@@ -60,7 +64,7 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
                    GROUP: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr):  # fmt: skip
+                   PRECISION: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,7 +85,7 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
         q, K + h * s_kh, V + h * s_vh, Tables + b * s_tb, table_width, lo, hi, scale_log2,
         s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
         PAGE, BLOCK_G, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST, PRECISION,
-    )  # fmt: skip
+    )
     # an empty share (or seq_len 0) has den == 0: it writes zeros and a -inf log-sum-exp
     safe = tl.where(den > 0, den, 1.0)
     o = acc / safe[:, None]
@@ -98,7 +102,7 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
 @triton.jit
 def _merge_kernel(Part, Lse, Out, s_ob, s_oh, s_od,
                   SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                  HEAD_DIM: tl.constexpr):  # fmt: skip
+                  HEAD_DIM: tl.constexpr):
     """Out[b, h] = the splits' partials weighted by their share of the softmax mass."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -116,10 +120,21 @@ def _merge_kernel(Part, Lse, Out, s_ob, s_oh, s_od,
     tl.store(Out + b * s_ob + h * s_oh + d * s_od, o.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def paged_decode(q: torch.Tensor, kv_cache: KVCache, seq_lens: torch.Tensor,
-                 block_tables: torch.Tensor, out: torch.Tensor, scale: float,
-                 splits: int, block_n: int = 64, num_warps: int = 4,
-                 num_stages: int = 2) -> None:  # fmt: skip
+# fmt: on
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    splits: int,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> None:
     """out[b] = attention of q[b] [hq, dim] over the first seq_lens[b] positions of sequence
     b's pages; `splits` programs share each (sequence, kv head)."""
     k_cache, v_cache = kv_cache
@@ -132,17 +147,50 @@ def paged_decode(q: torch.Tensor, kv_cache: KVCache, seq_lens: torch.Tensor,
         part = torch.empty((b, hq, splits, dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
     _decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, out, part, lse, seq_lens, block_tables,
-        block_tables.shape[1], scale * LOG2E, *q.stride(), *out.stride(),
-        *k_cache.stride()[:4], *v_cache.stride()[:4], block_tables.stride(0),
-        GROUP=group, PAGE=k_cache.shape[1], SPLITS=splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        HEAD_DIM=dim, UPCAST=dot_upcast(), PRECISION=dot_precision(k_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part,
+        lse,
+        seq_lens,
+        block_tables,
+        block_tables.shape[1],
+        scale * LOG2E,
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride()[:4],
+        *v_cache.stride()[:4],
+        block_tables.stride(0),
+        GROUP=group,
+        PAGE=k_cache.shape[1],
+        SPLITS=splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        HEAD_DIM=dim,
+        UPCAST=dot_upcast(),
+        PRECISION=dot_precision(k_cache.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if splits > 1:
-        _merge_kernel[(b, hq)](
-            part, lse, out, *out.stride(), SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, HEAD_DIM=dim,
-            num_warps=1 if dim <= 128 else 2,
-        )  # fmt: skip
+        _merge(part, lse, out, splits, block_d, dim)
+
+
+def _merge(
+    part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, splits: int, block_d: int, dim: int
+) -> None:
+    """out[b, h] from the splits' partials and log-sum-exps."""
+    b, hq = out.shape[0], out.shape[1]
+    _merge_kernel[(b, hq)](
+        part,
+        lse,
+        out,
+        *out.stride(),
+        SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_D=block_d,
+        HEAD_DIM=dim,
+        num_warps=1 if dim <= 128 else 2,
+    )

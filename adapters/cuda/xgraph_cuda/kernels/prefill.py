@@ -25,12 +25,16 @@ COLUMNS: tl.constexpr = tl.constexpr(_COLUMNS)
 LOG2E = 1.4426950408889634
 
 
+# fmt: off
+# Triton kernels take every pointer, stride and tile size as its own argument; one per
+# line would bury each kernel under its signature, so these keep them packed.
+
 @triton.jit
 def _attend_range(acc, m, den, q, K, V, table_row, lo, hi, qpos, seq_len, scale_log2,
                   s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
                   MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr):  # fmt: skip
+                  PRECISION: tl.constexpr):
     """Fold keys [lo, hi) of one kv head into (acc, m, den); MASKED adds the causal and
     context masks (unmasked ranges hold only keys every query row sees)."""
     d = tl.arange(0, BLOCK_D)
@@ -61,7 +65,7 @@ def _attend_tile(Q, K, V, Out, Tiles, SeqLens, Tables, tile, head, scale_log2,
                  s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, s_tb,
                  PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr):  # fmt: skip
+                 PRECISION: tl.constexpr):
     row = Tiles + tile * COLUMNS
     seq = tl.load(row).to(tl.int64)
     q_start = tl.load(row + 1)
@@ -89,12 +93,12 @@ def _attend_tile(Q, K, V, Out, Tiles, SeqLens, Tables, tile, head, scale_log2,
         acc, m, den, q, K, V, table_row, 0, full, qpos, seq_len, scale_log2,
         s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
         False, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST, PRECISION,
-    )  # fmt: skip
+    )
     acc, m, den = _attend_range(
         acc, m, den, q, K, V, table_row, full, end, qpos, seq_len, scale_log2,
         s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
         True, PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST, PRECISION,
-    )  # fmt: skip
+    )
     o = acc / tl.where(den > 0, den, 1.0)[:, None]
     o_ptr = Out + tok[:, None] * s_ot + head * s_oh + d[None, :] * s_od
     tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=mask)
@@ -107,7 +111,7 @@ def _prefill_kernel(Q, K, V, Out, Tiles, SeqLens, Tables, num_tiles, num_tokens,
                     HEADS: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-                    PRECISION: tl.constexpr):  # fmt: skip
+                    PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     tile = pid // HEADS  # the q heads of a tile run next to each other: its keys stay in L2
     head = pid % HEADS
@@ -118,7 +122,7 @@ def _prefill_kernel(Q, K, V, Out, Tiles, SeqLens, Tables, num_tiles, num_tokens,
             scale_log2, s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
             s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, s_tb,
             PAGE, BLOCK_M, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST, PRECISION,
-        )  # fmt: skip
+        )
     else:
         # bucket padding: rows [num_tokens, total_rows) come back zeroed
         tok = num_tokens + (tile - num_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -128,10 +132,23 @@ def _prefill_kernel(Q, K, V, Out, Tiles, SeqLens, Tables, num_tiles, num_tokens,
         tl.store(Out + tok[:, None] * s_ot + head * s_oh + d[None, :] * s_od, zero, mask=mask)
 
 
-def varlen_prefill(q: torch.Tensor, kv_cache: KVCache, tiles: torch.Tensor,
-                   seq_lens: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
-                   num_tokens: int, scale: float, block_m: int, block_n: int,
-                   num_warps: int, num_stages: int) -> None:  # fmt: skip
+# fmt: on
+
+
+def varlen_prefill(
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    tiles: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    out: torch.Tensor,
+    num_tokens: int,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> None:
     """out = causal attention of q's first num_tokens rows over the paged cache, tile by
     planned tile (`tiles`: int32 [tiles, COLUMNS] on device, from kernels.tiles); rows past
     num_tokens are zeroed."""
@@ -143,10 +160,31 @@ def varlen_prefill(q: torch.Tensor, kv_cache: KVCache, tiles: torch.Tensor,
     if grid[0] == 0:
         return
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, tiles, seq_lens, block_tables, num_tiles, num_tokens, rows,
-        scale * LOG2E, *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        tiles,
+        seq_lens,
+        block_tables,
+        num_tiles,
+        num_tokens,
+        rows,
+        scale * LOG2E,
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
         block_tables.stride(0),
-        HEADS=hq, GROUP=hq // hkv, PAGE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(dim), HEAD_DIM=dim, UPCAST=dot_upcast(),
-        PRECISION=dot_precision(k_cache.dtype), num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+        HEADS=hq,
+        GROUP=hq // hkv,
+        PAGE=k_cache.shape[1],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(dim),
+        HEAD_DIM=dim,
+        UPCAST=dot_upcast(),
+        PRECISION=dot_precision(k_cache.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

@@ -21,9 +21,21 @@ NARROW = 2048  # from 2 rows on, only outputs this narrow gain (cuBLAS idles SMs
 
 
 @triton.jit
-def _skinny_kernel(X, W, Y, M, N, K, s_xm, s_wn, s_ym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr):  # fmt: skip
+def _skinny_kernel(
+    X,
+    W,
+    Y,
+    M,
+    N,
+    K,
+    s_xm,
+    s_wn,
+    s_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -96,8 +108,20 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, config: Config | None = None
     c = config or pick(m, n, k)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _skinny_kernel[(triton.cdiv(n, c.block_n),)](
-        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        EVEN_K=k % c.block_k == 0, num_warps=c.warps, num_stages=c.stages,
-    )  # fmt: skip
+        x,
+        w,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k,
+        EVEN_K=k % c.block_k == 0,
+        num_warps=c.warps,
+        num_stages=c.stages,
+    )
     return y

@@ -10,11 +10,33 @@ from xgraph.metadata import KVCache
 
 
 @triton.jit
-def _store_kernel(K, V, KC, VC, Slots, num_slots,
-                  s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
-                  s_kcb, s_kcs, s_kch, s_kcd, s_vcb, s_vcs, s_vch, s_vcd,
-                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+def _store_kernel(
+    K,
+    V,
+    KC,
+    VC,
+    Slots,
+    num_slots,
+    s_kt,
+    s_kh,
+    s_kd,
+    s_vt,
+    s_vh,
+    s_vd,
+    s_kcb,
+    s_kcs,
+    s_kch,
+    s_kcd,
+    s_vcb,
+    s_vcs,
+    s_vch,
+    s_vcd,
+    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + t).to(tl.int64)
     blk = slot // PAGE
@@ -43,9 +65,20 @@ def store_kv(
     k_cache, v_cache = kv_cache
     heads, dim = k.shape[1], k.shape[2]
     _store_kernel[(n,)](
-        k, v, k_cache, v_cache, slots, k_cache.shape[0] * k_cache.shape[1],
-        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
-        HEADS=heads, HEAD_DIM=dim, PAGE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        k_cache.shape[0] * k_cache.shape[1],
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        HEADS=heads,
+        HEAD_DIM=dim,
+        PAGE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(heads),
+        BLOCK_D=triton.next_power_of_2(dim),
         num_warps=1 if heads * dim <= 1024 else 4,
-    )  # fmt: skip
+    )

@@ -119,6 +119,9 @@ _ADVICE: dict[int, str] = {
     "update never ran, or a kernel that does not finish.",
     507047: "An event synchronize timed out: a captured ExternalEvent wait whose graph task "
     "update never ran, or a kernel that does not finish.",
+    161002: "An aclnn op refused its arguments (dtype, layout, contiguity or a tiling limit "
+    "such as the paged block size); the op's message names the argument. FusedDecodeRunner's "
+    "limits are in docs/ascend.md.",
     507903: "An earlier error (often a synchronizing call) invalidated the capture; find it in "
     "the log, keep it out of the captured forward.",
 }

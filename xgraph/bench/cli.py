@@ -10,7 +10,7 @@ from typing import Any
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..cli_types import positive_int, sizes
 from ..interfaces import Backend
-from . import decode, host, memory, prefill, soak
+from . import decode, host, memory, memory_plot, prefill, soak
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
@@ -199,7 +199,7 @@ def _memory(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
     )
     plot_path = args.plot or (os.path.join(args.out, "memory.png") if args.out else None)
     if plot_path:
-        memory.plot(data, plot_path)
+        memory_plot.plot(data, plot_path)
     return data, memory.summarize(data)
 
 

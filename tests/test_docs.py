@@ -34,11 +34,11 @@ def test_program_runs(code):
 
 
 def test_the_api_reference_builds_without_a_warning(tmp_path):
-    """scripts/build_api_docs.py: pdoc over every public module, any pdoc warning fails it."""
+    """tools/build_api_docs.py: pdoc over every public module, any pdoc warning fails it."""
     pytest.importorskip("pdoc")
     out = tmp_path / "api"
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "build_api_docs.py"), str(out)],
+        [sys.executable, os.path.join(ROOT, "tools", "build_api_docs.py"), str(out)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -1,6 +1,6 @@
 """Build the API reference (HTML, from the docstrings) with pdoc; fail on any pdoc warning.
 
-    python scripts/build_api_docs.py OUT_DIR
+    python tools/build_api_docs.py OUT_DIR
 
 Documents every public module of xgraph and of the two device adapters. The adapter modules
 that need Triton (the CUDA attention kernels and their runners) are documented where Triton

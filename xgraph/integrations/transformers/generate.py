@@ -177,7 +177,7 @@ def generate(
         plan = schedule(running, lim.max_num_tokens)
         if not plan:  # cannot happen with the checks above; never spin
             raise CapacityError(f"{gm.spec.name}: no sequence could be scheduled.")
-        batch = build_batch(plan, gm.cache)
+        batch = build_batch(plan, gm.cache, gm.spec.pad_position)
         t0 = time.perf_counter()
         logits = gm(batch.input_ids, batch.positions, batch.attn)
         finished = _advance(batch, logits, sampler, eos, record_logits)

@@ -48,8 +48,9 @@ class Limits:
                 )
         if spec.max_position is not None and length > spec.max_position:
             raise CapacityError(
-                f"{spec.name}: max_model_len={length} is above the model's "
-                f"max_position_embeddings={spec.max_position}; lower it."
+                f"{spec.name}: max_model_len={length} is above the {spec.max_position} "
+                "positions the model's position embeddings hold (max_position_embeddings, "
+                "less the positions its embeddings skip); lower it."
             )
         spec.check_context(length)
         return out

@@ -23,7 +23,12 @@ from .errors import UnsupportedModelError
 from .spec import ModelSpec
 
 # keyword arguments that change what attention computes and that the paged runners do not do
-UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")
+UNSUPPORTED_KWARGS = {
+    "softcap": "logit soft-capping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias",
+}
 
 
 @dataclass(frozen=True)
@@ -121,12 +126,13 @@ class Probe:
                 where,
                 f"uses a sliding window of {window} tokens, shorter than max_model_len="
                 f"{self.max_model_len}",
-                f"Build it with max_model_len <= {window}: the window then never cuts a "
-                "sequence.",
+                f"Build it with max_model_len <= {window}: the window then never cuts a sequence.",
             )
-        bad = [n for n in UNSUPPORTED_KWARGS if kwargs.get(n) is not None]
+        bad = [f"{w} ({n}=)" for n, w in UNSUPPORTED_KWARGS.items() if kwargs.get(n) is not None]
         if bad:
-            raise self._refuse(where, f"asks for {bad}, which the paged runners do not compute")
+            raise self._refuse(
+                where, f"asks for {', '.join(bad)}, which the paged runners do not compute"
+            )
         if kwargs.get("dropout"):
             raise self._refuse(
                 where,

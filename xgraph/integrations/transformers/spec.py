@@ -188,8 +188,7 @@ def _heads(config: Any, name: str, num_layers: int) -> tuple[int, int, int]:
                 f"layer {i} has num_key_value_heads={kv}, which does not divide "
                 f"num_attention_heads={h}: every kv head must serve the same number of "
                 "query heads",
-                "Fix the config: num_attention_heads must be a multiple of "
-                "num_key_value_heads.",
+                "Fix the config: num_attention_heads must be a multiple of num_key_value_heads.",
             )
         first = first or (h, kv, d)
     assert first is not None

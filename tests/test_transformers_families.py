@@ -182,7 +182,8 @@ def _skip_if_transformers_fails(ref: torch.nn.Module, prompt: list[int]) -> None
         with torch.no_grad():
             ref(input_ids=torch.tensor([prompt]))
     except Exception as exc:
-        raise NoTinyConfig(f"transformers' own forward fails: {type(exc).__name__}: {exc}")
+        failure = f"{type(exc).__name__}: {exc}"
+        raise NoTinyConfig(f"transformers' own forward fails: {failure}") from None
 
 
 def check_family(model_type: str) -> tuple[str, str]:

@@ -167,6 +167,31 @@ def test_gpt2_with_a_pad_token_runs_as_graphs():
 # -- attention the runners do not compute -------------------------------------------------
 
 
+class TokenShift(torch.nn.Module):
+    """An MLP that mixes each token with the one before it (RWKV-style token shift): the
+    forward then depends on other tokens outside attention."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        before = torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1]
+        return self.inner(0.5 * (x + before))
+
+
+def test_tokens_mixed_outside_attention_are_refused_before_the_first_step():
+    model = build("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2)
+    model.model.layers[0].mlp = TokenShift(model.model.layers[0].mlp)
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"LlamaForCausalLM.*earlier tokens come through the cache.*outside attention "
+        r"mixes tokens",
+    ):
+        GraphModel(model, backend="cpu", **LIMITS)
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_bidirectional_attention_is_refused_before_the_first_step():
     model = build("BertConfig", "BertLMHeadModel", is_decoder=False)
     with pytest.raises(

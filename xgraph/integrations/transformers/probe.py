@@ -51,9 +51,10 @@ class Probe:
         self.names = {id(m): n for n, m in model.named_modules()}
         self.is_decoder = getattr(model.config, "is_decoder", None)
         self.calls: list[AttentionCall] = []
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # each call's keys and values
 
     def begin(self) -> None:
-        self.calls = []
+        self.calls, self.kv = [], []
 
     def end(self) -> None:
         if not self.calls:
@@ -80,6 +81,7 @@ class Probe:
         self.calls.append(
             AttentionCall(len(self.calls), where, k.shape[1], k.shape[3], k.dtype, module)
         )
+        self.kv.append((k, v))
         groups = q.shape[1] // k.shape[1]
         out = F.scaled_dot_product_attention(
             q,
@@ -179,16 +181,22 @@ class Probe:
 
 
 def probe(
-    forward: Callable[[Probe, torch.Tensor, torch.Tensor], Any],
+    forward: Callable[[Any, torch.Tensor, torch.Tensor], Any],
     spec: ModelSpec,
     model: Any,
     max_model_len: int,
     device: torch.device,
 ) -> tuple[AttentionCall, ...]:
-    """Run `forward(probe, input_ids, positions)` once on a few tokens; the calls it made."""
+    """Run `forward(answer, input_ids, positions)` on a few tokens, then on the last one
+    alone as a decode step would (decode_check.py); the attention calls it made."""
+    from .decode_check import check_decode
+
     n = min(4, max_model_len)
     ids = torch.arange(1, n + 1, device=device) % spec.vocab_size
+    positions = torch.arange(n, device=device)
     p = Probe(spec, model, max_model_len, n)
     with torch.no_grad():
-        forward(p, ids, torch.arange(n, device=device))
+        logits = forward(p, ids, positions)
+        if n > 1:
+            check_decode(forward, p, logits, ids, positions)
     return tuple(p.calls)

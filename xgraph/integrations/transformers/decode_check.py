@@ -17,13 +17,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .probe import Probe
-
 
 class DecodeProbe:
-    """Answers the decode forward's calls from the first forward's keys and values."""
+    """Answers the decode forward's calls from the first forward's keys and values.
 
-    def __init__(self, first: Probe) -> None:
+    `first` is the probe.Probe of the first forward (its calls, kv, spec and tokens); not
+    imported, since probe.py runs this check."""
+
+    def __init__(self, first: Any) -> None:
         self.first = first
         self.count = 0
 
@@ -67,7 +68,7 @@ class DecodeProbe:
 
 def check_decode(
     forward: Callable[[Any, torch.Tensor, torch.Tensor], Any],
-    first: Probe,
+    first: Any,
     logits: torch.Tensor,
     ids: torch.Tensor,
     positions: torch.Tensor,

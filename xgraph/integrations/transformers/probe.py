@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .decode_check import check_decode
 from .errors import UnsupportedModelError
 from .spec import ModelSpec
 
@@ -189,8 +190,6 @@ def probe(
 ) -> tuple[AttentionCall, ...]:
     """Run `forward(answer, input_ids, positions)` on a few tokens, then on the last one
     alone as a decode step would (decode_check.py); the attention calls it made."""
-    from .decode_check import check_decode
-
     n = min(4, max_model_len)
     ids = torch.arange(1, n + 1, device=device) % spec.vocab_size
     positions = torch.arange(n, device=device)

@@ -421,6 +421,11 @@ class GraphExecutor(PreCapture):
         e = self._graphs.get(key)
         return e.graph if e else None
 
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran (or the executor was released when collected)."""
+        return self._held.closed
+
     def close(self) -> None:
         """Wait for queued work, reset every graph, give back graph memory (if owned).
 

@@ -32,12 +32,25 @@ def _modules(package: str) -> dict[str, str]:
     return out
 
 
+def _typing_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (annotations only: never run)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 def _imports(module: str, path: str, known: set[str]) -> set[str]:
-    """Modules of `known` that `module` imports anywhere (function-level imports included)."""
+    """Modules of `known` that `module` imports anywhere (function-level imports included,
+    imports for annotations only left out)."""
     tree = ast.parse(open(path).read(), path)
     is_pkg = path.endswith("__init__.py")
+    typing_only = _typing_only(tree)
     found = set()
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]

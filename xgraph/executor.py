@@ -133,6 +133,7 @@ class GraphExecutor:
         self.on_capture_error = Fallback.parse(on_capture_error, "on_capture_error")
         self.forward, self.name, self.compiled = forward, name, compiled
         self.backend = get_backend(backend)
+        self.backend.activate()  # its kernels serve the core's ops (xgraph.linear) from now on
         self.device = self.backend.device
         self.buckets = Buckets.of(buckets, DEFAULT_MAX_TOKENS)
         self.attention = attention
@@ -167,7 +168,7 @@ class GraphExecutor:
     ) -> tuple[AttentionRunner | None, AttentionRunner | None]:
         if attention is None:
             return None, None
-        runners = {**reference_runners(), **self.backend.attention_runners()}
+        runners = {**reference_runners(), **self.backend.kernels().attention}
         decode = attention.decode_runner or runners["decode"]
         prefill = attention.prefill_runner or runners["prefill"]
         if self.mode in (Mode.AUTO, Mode.FULL) and not decode.graph_safe:

@@ -23,13 +23,11 @@ class TestCUDAConformance(ConformanceSuite):
 
 @needs_cuda
 def test_routed_pool_places_capture_segments_in_the_address_space(backend) -> None:  # type: ignore[no-untyped-def]
-    from xgraph_cuda.pool import CUDACapturePool
-
     vm = backend.virtual_memory()
     live = vm.live()
     physical = xgraph.SharedPhysicalPool(vm)
     space = physical.new_space()
-    pool = CUDACapturePool(segments=space, device=backend.device)
+    pool = backend.new_pool(segments=space)
     graph = backend.new_graph()
     dev = backend.device
     x = torch.randn(64, 256, device=dev)

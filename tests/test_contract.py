@@ -17,6 +17,7 @@ from xgraph.adapter import (
     CheckedGraph,
     CheckedVirtualMemory,
     Graph,
+    IncompleteBackendError,
     check_backend_class,
 )
 from xgraph.plugins import registry
@@ -175,7 +176,7 @@ def test_removing_any_duty_is_refused_naming_it(part, method):
         body = {"graph_class": graph, "virtual_memory_class": vm}
         variant = type("CPUBackend", (backend,), body)
         owner = {"backend": backend, "graph": graph, "pool": pool, "vm": vm}[part]
-    with pytest.raises(xgraph.IncompleteBackendError) as info:
+    with pytest.raises(IncompleteBackendError) as info:
         check_backend_class(variant)
     assert f"{owner.__name__}.{method}" in str(info.value)
 
@@ -184,7 +185,7 @@ def test_a_torch_style_backend_without_a_runtime_is_refused():
     from xgraph_dummy.backend import DummyBackend
 
     variant = type("DummyBackend", (DummyBackend,), {"runtime_class": None})
-    with pytest.raises(xgraph.IncompleteBackendError, match=r"DummyBackend\.runtime_class"):
+    with pytest.raises(IncompleteBackendError, match=r"DummyBackend\.runtime_class"):
         check_backend_class(variant)
 
 
@@ -195,9 +196,7 @@ def test_a_graph_that_is_not_a_checked_graph_is_refused():
         pass
 
     variant = type("CPUBackend", (backend,), {"graph_class": Raw})
-    with pytest.raises(
-        xgraph.IncompleteBackendError, match=r"subclass of xgraph\.adapter\.CheckedGraph"
-    ):
+    with pytest.raises(IncompleteBackendError, match=r"subclass of xgraph\.adapter\.CheckedGraph"):
         check_backend_class(variant)
 
 
@@ -217,7 +216,7 @@ def test_a_class_named_unlike_its_spec_is_refused():
             ]
 
     registry.register(Plugin(), name="renamed-plugin")
-    with pytest.raises(xgraph.IncompleteBackendError, match="is named 'cpu'"):
+    with pytest.raises(IncompleteBackendError, match="is named 'cpu'"):
         xgraph.get_backend("renamed")
     info = {b.name: b for b in xgraph.list_backends(hidden=True)}["renamed"]
     assert not info.available and "make them equal" in info.reason

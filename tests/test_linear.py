@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import xgraph
 from xgraph import linear as core_linear
+from xgraph.adapter import IncompleteBackendError, Kernels
 from xgraph.backends.cpu.backend import CPUBackend
-from xgraph.interfaces import Kernels
 from xgraph.models import Workload
 from xgraph.testing.kernels import KernelTests
 
@@ -109,7 +109,7 @@ def test_activating_a_backend_installs_its_kernel_and_a_bad_one_is_refused() -> 
         assert core_linear.installed("cpu") is None  # getting a backend installs nothing
         with_kernel.activate()
         assert core_linear.installed("cpu") is rec
-        with pytest.raises(xgraph.IncompleteBackendError, match="is not callable"):
+        with pytest.raises(IncompleteBackendError, match="is not callable"):
             BadKernel().activate()
         CPUBackend().activate()  # no kernel of its own: F.linear again
         assert core_linear.installed("cpu") is None

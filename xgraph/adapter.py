@@ -3,14 +3,15 @@
 An engine needs `import xgraph`; an adapter imports from here:
 
 - the contract (`xgraph.interfaces`): `Backend`, `CapturePool`, `AttentionRunner`,
-  `HostCopier`, `SegmentAllocator`, `Availability`, `PhysicalChunk`, and the raw `Graph` /
-  `VirtualMemory` ABCs that document the templates;
+  `HostCopier`, `Kernels`, `BenchmarkHooks`, `SegmentAllocator`, `Availability`,
+  `PhysicalChunk`, and the raw `Graph` / `VirtualMemory` ABCs that document the templates;
 - the templates that implement the public halves once: `CheckedGraph`,
   `CheckedVirtualMemory`;
 - the torch-style device layer (`xgraph.device`): `TorchRuntime`, the port an adapter
   writes as one-liners over its torch module, and `TorchBackend`, `StreamGraph`,
   `MemPoolCapturePool` written over it;
-- registration and checks: `BackendSpec`, `hookimpl`, `check_backend_class`;
+- registration and checks: `BackendSpec`, `hookimpl`, `check_backend_class`,
+  `IncompleteBackendError`;
 - what runners see: `AttentionMetadata`, `KVCache`, `capturing_graph`.
 docs/writing-an-adapter.md says which to write and how to prove it.
 """
@@ -19,15 +20,18 @@ from __future__ import annotations
 
 from .contract import check_backend_class
 from .device import MemPoolCapturePool, PoolId, StreamGraph, TorchBackend, TorchRuntime
+from .errors import IncompleteBackendError
 from .graphs import CheckedGraph, capturing_graph
 from .hooks import BackendSpec, hookimpl
 from .interfaces import (
     AttentionRunner,
     Availability,
     Backend,
+    BenchmarkHooks,
     CapturePool,
     Graph,
     HostCopier,
+    Kernels,
     PhysicalChunk,
     SegmentAllocator,
     VirtualMemory,
@@ -41,12 +45,15 @@ __all__ = [
     "Availability",
     "Backend",
     "BackendSpec",
+    "BenchmarkHooks",
     "CapturePool",
     "CheckedGraph",
     "CheckedVirtualMemory",
     "Graph",
     "HostCopier",
+    "IncompleteBackendError",
     "KVCache",
+    "Kernels",
     "MemPoolCapturePool",
     "PhysicalChunk",
     "PoolId",

@@ -187,8 +187,8 @@ class Registry:
             ) from exc
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise IncompleteBackendError(
-                f"Backend {spec.name!r}: {spec.backend} is not a subclass of xgraph.Backend. "
-                "Adapters subclass xgraph.Backend (see docs/writing-an-adapter.md)."
+                f"Backend {spec.name!r}: {spec.backend} is not a subclass of "
+                "xgraph.adapter.Backend. Adapters subclass it (see docs/writing-an-adapter.md)."
             )
         check_backend_class(cls)
         check_spec_name(cls, spec)

@@ -37,6 +37,7 @@ import torch
 import xgraph
 from xgraph import Buckets, CaptureError, GraphExecutor, GraphMemory, Input
 from xgraph.models import Workload
+from xgraph.pool import SharedPhysicalPool
 from xgraph.runners import PagedDecodeRunner
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -209,7 +210,7 @@ def check_stream_ceiling(backend: Any, args: argparse.Namespace) -> str:
 def check_teardown(backend: Any, args: argparse.Namespace) -> str:
     before = backend.memory_in_use()
     assert before is not None, "the backend reports no memory in use"
-    pool = xgraph.SharedPhysicalPool(backend.virtual_memory())
+    pool = SharedPhysicalPool(backend.virtual_memory())
     n = 64 << 20
     for _ in range(4):
         backend.as_tensor(pool.new_space().alloc(n), n).fill_(1)

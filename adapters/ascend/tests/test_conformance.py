@@ -2,15 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 
+import pytest
+
 from xgraph.testing import ConformanceSuite
+
+ACL_CALLS = {
+    "create": "aclrtMallocPhysical",
+    "map": "aclrtMapMem",
+    "reserve": "aclrtReserveMemAddress",
+}
 
 
 class TestAscendSimConformance(ConformanceSuite):
     backend_name = "ascend-sim"
+
+    @pytest.fixture
+    def inject_driver_failure(self, backend):  # type: ignore[no-untyped-def]
+        """Fail the simulated libascendcl call itself (out of memory), not its wrapper."""
+
+        @contextlib.contextmanager
+        def inject(kind: str, nth: int):  # type: ignore[no-untyped-def]
+            backend.runtime.faults.inject(ACL_CALLS[kind], 207001, after=nth - 1)
+            try:
+                yield
+            finally:
+                backend.runtime.faults.clear()
+
+        return inject
 
 
 def _cli_conformance(era: str, *pytest_args: str) -> str:

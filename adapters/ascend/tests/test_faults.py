@@ -12,6 +12,7 @@ from xgraph_ascend.errors import AclRuntimeError
 
 import xgraph
 from xgraph import CaptureError, GraphExecutor, Input, VirtualMemoryError, XGraphWarning
+from xgraph.pool import SharedPhysicalPool
 
 SIZES = [64, 256, 1024]
 
@@ -248,7 +249,7 @@ def test_unmap_comes_after_the_device_synchronized(make_sim) -> None:  # type: i
 def test_graph_level_capture_names_the_vmm_call(sim) -> None:  # type: ignore[no-untyped-def]
     """Outside an executor too: the op's out-of-memory error becomes the VMM call's error."""
     rt = sim.runtime
-    physical = xgraph.SharedPhysicalPool(sim.virtual_memory())
+    physical = SharedPhysicalPool(sim.virtual_memory())
     space = physical.new_space()
     graph, pool = sim.new_graph(), sim.new_pool(segments=space)
     x = torch.randn(256, 256)

@@ -184,7 +184,8 @@ class Graph(ABC):
     def capture_begin(
         self, pool: CapturePool, op_check: OpCheck | None = None, check_ops: bool = True
     ) -> None:
-        """Start recording the work issued from now on; allocations come from `pool`."""
+        """Start recording the work issued from now on; allocations come from `pool`. Low
+        level: engines capture through GraphExecutor or the `xgraph.graph()` context."""
 
     @abstractmethod
     def capture_end(self) -> None:

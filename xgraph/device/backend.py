@@ -80,6 +80,7 @@ class TorchBackend(Backend):
             self.runtime.current_stream().synchronize()
         else:
             self.runtime.synchronize()
+            captures.drain()  # pools parked behind a capture that has ended since
 
     # -- pools and memory ------------------------------------------------------------------
 

@@ -70,11 +70,12 @@ class CaptureBook:
             self._stuck.append(stream)
 
     def any_stuck(self) -> bool:
-        """Whether a stream given up is still capturing (a device synchronize would fail)."""
+        """Whether a stream given up is still capturing (a device synchronize would fail);
+        the driver is asked again to end each one (what failed once may work now)."""
         with self._lock:
             runtime = self._runtime()
-            if runtime is not None:
-                self._stuck = [s for s in self._stuck if runtime.is_capturing(s)]
+            if runtime is not None and self._stuck:
+                self._stuck = [s for s in self._stuck if _still_capturing(runtime, s)]
             return bool(self._stuck)
 
     def _quiet(self) -> bool:
@@ -103,6 +104,16 @@ class CaptureBook:
         with self._lock:
             if self._quiet():
                 self._parked = [item for item in self._parked if not item.drop()]
+
+
+def _still_capturing(runtime: TorchRuntime, stream: Any) -> bool:
+    if not runtime.is_capturing(stream):
+        return False
+    try:
+        runtime.end_capture(stream)
+    except Exception:  # the driver still refuses (another thread's capture, for example)
+        return True
+    return runtime.is_capturing(stream)
 
 
 _books: weakref.WeakKeyDictionary[TorchRuntime, CaptureBook] = weakref.WeakKeyDictionary()

@@ -104,7 +104,8 @@ def keeper_graph(runtime: TorchRuntime, mempool: Any) -> Any:
                 torch.zeros(1, device=runtime.device),
             )
     stream, scratch = kit
-    pool_id, base = tuple(mempool.id), mempool_use_count(mempool)
+    pool_id: PoolId = tuple(mempool.id)  # type: ignore[assignment]
+    base = mempool_use_count(mempool)
     g = runtime.new_graph()
     stream.wait_stream(runtime.current_stream())
     captures = book(runtime)
@@ -117,7 +118,7 @@ def keeper_graph(runtime: TorchRuntime, mempool: Any) -> Any:
             finally:
                 g.capture_end()
     except BaseException:
-        undo_pool_capture(runtime, pool_id, mempool_use_count(mempool), base)  # type: ignore[arg-type]
+        undo_pool_capture(runtime, pool_id, mempool_use_count(mempool), base)
         if runtime.is_capturing(stream) and not runtime.end_capture(stream):
             book(runtime).stuck(stream)
         with _lock:

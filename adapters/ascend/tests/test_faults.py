@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-from xgraph_ascend.errors import AclRuntimeError
 
 import xgraph
 from xgraph import CaptureError, GraphExecutor, Input, VirtualMemoryError, XGraphWarning
@@ -156,30 +155,31 @@ def test_capture_torch_npu_cannot_end_is_ended_through_acl(sim) -> None:  # type
 
 
 def test_a_capture_that_cannot_be_ended_moves_to_a_new_stream(sim) -> None:  # type: ignore[no-untyped-def]
-    """Neither torch_npu nor ACL can end it: later captures run on a new capture stream, and
-    the backend synchronizes streams, not the device (which refuses while one captures)."""
+    """Neither torch_npu nor ACL can end it at first: later captures run on a new capture
+    stream, and the capture is ended once ACL can (the layer asks again at the next
+    synchronize; tests/test_device_layer.py covers one that stays on)."""
     import threading
 
     ex, mlp = _executor(sim, on_error="eager")
     rt, seen = sim.runtime, {}
 
-    def run() -> None:  # a thread of its own: the stuck capture's recorder stays in it
+    def run() -> None:  # the capture's thread: only it can end the capture
         old = sim.capture_stream()
         rt.faults.inject("aclmdlRICaptureEnd", 107025, after=1, times=2)
         with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
             _serves(ex, mlp, [256])  # fails, runs eagerly
         seen.update(old=old, new=sim.capture_stream())
+        sim.synchronize()
+        seen["ended"] = not rt.is_capturing(old)
         _serves(ex, mlp, [1024, 64, 1024])  # captured on the new stream, replayed
 
     th = threading.Thread(target=run)
     th.start()
     th.join(60)
-    assert seen["new"] is not seen["old"] and rt.is_capturing(seen["old"])
+    assert seen["new"] is not seen["old"] and seen["ended"], seen
+    assert rt.faults.calls["aclmdlRICaptureEnd"] >= 4  # keeper, NPUGraph, the layer, again
     assert set(ex.stats()["hits"]) == {("full", 64), ("full", 1024)}
-    with pytest.raises(AclRuntimeError, match="ACL_ERROR_RT_STREAM_CAPTURED"):
-        rt.synchronize()  # the rule the backend works around
-    sim.synchronize()
     ex.close()
 
 

@@ -116,10 +116,11 @@ class SimGraph:
             raise RuntimeError("Graphs must be captured on a non-default stream.")
         if stream.capture is not None:
             raise rt.error(rt.STREAM_CAPTURED, self.BEGIN, "the stream is already capturing")
-        pool_id = tuple(pool) if pool is not None and tuple(pool) != (0, 0) else graph_pool_id()
-        private = rt.caching.begin_allocate_to_pool(pool_id)  # type: ignore[arg-type]
-        self._pool_id = pool_id  # type: ignore[assignment]
-        rt.caching.host_begin(pool_id)  # type: ignore[arg-type]
+        given = tuple(pool) if pool is not None else (0, 0)
+        pool_id: PoolId = (given[0], given[1]) if given != (0, 0) else graph_pool_id()
+        private = rt.caching.begin_allocate_to_pool(pool_id)
+        self._pool_id = pool_id
+        rt.caching.host_begin(pool_id)
         rt.check_fault(self.BEGIN)
         self._recording = self._recorder(stream, private, capture_error_mode)
         self._recording.start()

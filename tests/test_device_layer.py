@@ -40,6 +40,16 @@ def _replays(backend, graph, x, y, fn) -> None:  # type: ignore[no-untyped-def]
     assert torch.equal(y, fn(x))
 
 
+def _captures_on_a_new_pool(backend, x) -> None:  # type: ignore[no-untyped-def]
+    """The device captures again: a fresh pool, a graph that replays right, all given back."""
+    pool = backend.new_pool()
+    graph, y = _capture(backend, pool, torch.exp, x)
+    _replays(backend, graph, x, y, torch.exp)
+    graph.reset()
+    del y
+    pool.close()
+
+
 def _clean(backend) -> None:  # type: ignore[no-untyped-def]
     books = backend.runtime.books()
     assert books == dict.fromkeys(books, 0), books
@@ -56,13 +66,8 @@ def test_a_failed_begin_gives_back_the_routing_and_poisons_the_pool(backend) -> 
     assert pool.poisoned and pool.id in rt.caching.host_routed()  # what no binding undoes
     with pytest.raises(xgraph.XGraphError, match="takes no more captures"):
         _capture(backend, pool, torch.exp, x)
-    fresh = backend.new_pool()
-    graph, y = _capture(backend, fresh, torch.exp, x)
-    _replays(backend, graph, x, y, torch.exp)
-    graph.reset()
-    del y
     pool.close()
-    fresh.close()
+    _captures_on_a_new_pool(backend, x)
     _clean(backend)
 
 
@@ -80,12 +85,7 @@ def test_a_failed_end_is_ended_by_the_driver_once_and_the_stream_replaced(backen
     assert rt.caching.routes() == 0 and book(rt).parked() == 0
     rt.synchronize()  # no stream is left capturing: the device synchronizes again
     pool.close()
-    second = backend.new_pool()
-    graph, y = _capture(backend, second, torch.exp, x)
-    _replays(backend, graph, x, y, torch.exp)
-    graph.reset()
-    del y
-    second.close()
+    _captures_on_a_new_pool(backend, x)
     _clean(backend)
 
 

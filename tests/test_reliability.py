@@ -316,7 +316,7 @@ def test_two_executors_sharing_memory_in_two_threads_step_one_at_a_time(share):
     if share == "GraphMemory":
         shared = GraphMemory(backend, "shared-physical")
     else:
-        shared = xgraph.SharedPhysicalPool(backend.virtual_memory())
+        shared = xgraph.pool.SharedPhysicalPool(backend.virtual_memory())
     exs = [
         ex_w.executor(backend=backend, buckets=BUCKETS, memory=shared, name=f"ex{i}")
         for i in range(2)

@@ -73,7 +73,7 @@ class GraphExecutor(PreCapture):
         inputs: declared inputs; shapes use "num_tokens" and the names of `dims`.
         backend: a name, a Backend, or None (XGRAPH_BACKEND, else the best available).
         buckets: the num_tokens bucket sizes (a list or a Buckets); default: 1, 2, 4, 8, then
-            multiples of 16 up to 512 (`xgraph.default_sizes`).
+            multiples of 16 up to 512 (`xgraph.buckets.default_sizes`).
         dims: further symbolic dims (shape-determining ones carry their own buckets).
         attention: paged-attention settings when the model calls `xgraph.attention`.
         memory: a MemoryMode name ("shared-physical", the default with VMM; "shared-pool";

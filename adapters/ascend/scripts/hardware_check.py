@@ -2,6 +2,7 @@
 
     python adapters/ascend/scripts/hardware_check.py                 # the NPU (backend ascend)
     python adapters/ascend/scripts/hardware_check.py --backend ascend-sim   # the simulator
+    python adapters/ascend/scripts/hardware_check.py --backend ascend-sim --sim-era context
     python adapters/ascend/scripts/hardware_check.py --json out.json
 
 Each check prints PASS, FAIL or SKIP with its numbers or reason; the exit status is the
@@ -350,6 +351,16 @@ def npu_settings() -> dict[str, str]:
     return {"allow_internal_format": "False"}
 
 
+def make_backend(args: argparse.Namespace) -> Any:
+    """The backend to check: the registry's, or a simulator of the era `--sim-era` names."""
+    if args.sim_era is None:
+        return xgraph.get_backend(args.backend)
+    from xgraph_ascend.backend import AscendSimBackend
+    from xgraph_ascend.sim import SimRuntime
+
+    return AscendSimBackend(SimRuntime(era=args.sim_era))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="ascend", help="ascend (an NPU) or ascend-sim")
@@ -361,10 +372,19 @@ def main(argv: list[str] | None = None) -> int:
         help="dtype of the fused_decode check (the fused op takes no float32)",
     )
     p.add_argument("--max-graphs", type=int, default=2048)
+    p.add_argument(
+        "--sim-era",
+        default=None,
+        choices=("owner", "context"),
+        help="with --backend ascend-sim: the torch_npu memory-pool era to simulate (owner: "
+        ">= 2.13, context: <= 2.12; default: XGRAPH_ASCEND_SIM_ERA, else owner)",
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
+    if args.sim_era is not None and args.backend != "ascend-sim":
+        p.error("--sim-era applies to --backend ascend-sim only")
     args.dtype = DTYPES[args.dtype]
-    backend = xgraph.get_backend(args.backend)
+    backend = make_backend(args)
     args.settings = npu_settings()
     print(f"xgraph-ascend hardware check on {backend!r}", flush=True)
     results = run(backend, args)

@@ -317,6 +317,11 @@ class SimAcl:
             held = sum(h.chunk.size for h in self._handles.values() if h.on_device)
             return held + sum(c.size for c in self._mallocs.values())
 
+    def reservation_sizes(self) -> list[int]:
+        """The size of each live aclrtReserveMemAddress range (rounded up), in VA order."""
+        with self._lock:
+            return [size for _, (_, size) in sorted(self._reservations.items())]
+
     def books(self) -> dict[str, int]:
         """Live objects of each kind (a leak shows as a count that does not go back)."""
         with self._lock:

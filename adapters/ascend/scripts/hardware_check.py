@@ -22,8 +22,8 @@ The checks, in the order of docs/ascend.md ("only hardware can prove"):
                       aclrtMallocPhysical / aclrtMapMem while the stream captures; graph
                       memory is max(shape), not sum, in ascending order (SKIP in the
                       MemPoolContext era, torch_npu <= 2.12, which has no routed pools)
-  recapture_pool      reset every graph of a pool, capture on it again (is a keeper graph
-                      needed, as on CUDA?)
+  recapture_pool      reset every graph of a pool, capture on it again (the pool's keeper
+                      graph keeps torch_npu from asserting use_count > 0)
   fused_decode        decode through npu_fused_infer_attention_score with graph task update
                       against the reference decode runner (numerics of the fused op), in
                       bfloat16 (--fused-dtype) with block sizes 16 and 128

@@ -11,6 +11,7 @@ import logging
 from .attention import attention, eager_attention
 from .buckets import Buckets, Dim, Input, default_sizes, vllm_capture_sizes
 from .contract import check_backend_class
+from .distributed import Parallel
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
@@ -79,6 +80,7 @@ __all__ = [
     "Mode",
     "PagedAttention",
     "PagedKVCache",
+    "Parallel",
     "PhysicalChunk",
     "PoolClosedError",
     "SegmentAllocator",

@@ -23,13 +23,14 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .attention import InlineRunner, StepContext, step_context
+from .attention import InlineRunner, step_context
 from .buckets import Buckets, Dim, Input
+from .distributed import Parallel, attach
 from .errors import (
     CaptureError,
     ConcurrentStepError,
@@ -42,7 +43,7 @@ from .memory import GraphMemory, Lease, OutsidePoolMeter, settle
 from .metadata import AttentionInputs
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
-from .piecewise import FullGraph, PiecewiseGraph, guarded_storages
+from .piecewise import FullGraph, PiecewiseGraph, Recording, guarded_storages
 from .plugins import get_backend
 from .pool import SharedPhysicalPool
 from .progress import progress as show_progress
@@ -52,19 +53,6 @@ from .steps import Step, StepPlanner
 logger = logging.getLogger("xgraph")
 
 DEFAULT_MAX_TOKENS = 512
-
-
-class Recording(Protocol):
-    """A captured forward (FullGraph or PiecewiseGraph) as the executor caches it."""
-
-    context: StepContext | None
-
-    def begin(self) -> None: ...
-    def end(self) -> None: ...
-    def abort(self) -> None: ...
-    def replay(self) -> None: ...
-    def reset(self) -> None: ...
-    def describe(self) -> list[str]: ...
 
 
 @dataclass
@@ -111,6 +99,8 @@ class GraphExecutor:
             Dynamo would run the eager forward instead); a host read still fails the
             capture in the runtime, and Tensor.tolist / numpy stay blocked. Host-recording
             backends (cpu) keep the guard and record the eager ops.
+        parallel: the torch.distributed groups of this rank (xgraph.Parallel): the ranks then
+            agree on every step and capture together (docs/distributed.md). None: one rank.
     """
 
     def __init__(
@@ -128,6 +118,7 @@ class GraphExecutor:
         on_capture_error: Fallback | str = Fallback.EAGER,
         name: str = "executor",
         compiled: bool = False,
+        parallel: Parallel | None = None,
     ) -> None:
         self.mode = Mode.parse(mode, "mode")
         self.on_capture_error = Fallback.parse(on_capture_error, "on_capture_error")
@@ -148,6 +139,7 @@ class GraphExecutor:
             Fallback.parse(on_overflow, "on_overflow"),
             self.backend.host_copier,
         )
+        self.lockstep = attach(parallel, self)  # several ranks: self.planner agrees each step
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self.memory = GraphMemory.of(self.backend, memory)
         self._outside = OutsidePoolMeter(self.memory)
@@ -199,7 +191,7 @@ class GraphExecutor:
         try:
             if self._closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
-            out = self._run(self.planner.plan(inputs, attn))
+            out = self.lockstep.run(self._run, self.planner.plan(inputs, attn))
             if clone:  # inside the lock: the next step may overwrite the buffers right after
                 flat, spec = tree_flatten(out)
                 out = tree_unflatten([t.clone() for t in flat], spec)
@@ -330,7 +322,7 @@ class GraphExecutor:
         t0 = time.perf_counter()
         # warm-up: the forward runs eagerly once (lazy init, autotuning, workspaces) and its
         # outputs fix the persistent output buffers
-        with self.backend.warmup_context():
+        with self.backend.warmup_context(), self.lockstep.warm_up(step):
             warm = self._eager_forward(step.views, step, step.kind)
         layout = self._ensure_out_buffers(warm, step.padded["num_tokens"])
         del warm
@@ -346,7 +338,7 @@ class GraphExecutor:
         lease = self.memory.begin()
         graph: Recording | None = None
         try:
-            graph = self._recording(step.kind, lease)
+            graph = self.lockstep.checked(step, self._recording(step.kind, lease))
             self._record(step, graph)
         except BaseException as exc:  # a transaction: Ctrl-C mid-capture rolls back too
             try:
@@ -434,6 +426,14 @@ class GraphExecutor:
             with self._exclusive("capture"):
                 self._run(self.planner.plan(tensors, attn, kind=run, synthetic=True))
 
+    def idle_step(self) -> None:
+        """Under data parallelism, a step with no tokens on this rank: it runs the step the
+        others agree on over dummy tokens, so its collectives meet theirs. Returns nothing."""
+        with self._exclusive("idle step"):
+            step = self.lockstep.idle()  # None: no rank has tokens, nothing runs
+            if step is not None:
+                self.lockstep.run(self._run, step)
+
     # -- reporting and teardown ------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -452,6 +452,7 @@ class GraphExecutor:
             "graph_bytes": self.memory.graph_bytes(),
             "memory": self.memory.stats(),
             "keys": sorted(self._graphs, key=repr),
+            "parallel": self.lockstep.stats(),  # None for one rank
         }
 
     def graph(self, key: tuple) -> Recording | None:

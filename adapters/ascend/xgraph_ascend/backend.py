@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -146,6 +146,22 @@ class AscendBackend(Backend):
 
     def time_on_device(self, fn: Callable[[], Any]) -> float | None:
         return self.runtime.time_on_device(fn)
+
+    def prepare_collectives(self, groups: Sequence[Any]) -> None:
+        """On an NPU, HCCL groups only, each warmed by one all_reduce outside any capture
+        (HCCL sets its communicator up on first use); captures already run in thread-local
+        mode on the capture stream. The simulated runtime (host tensors) takes gloo groups,
+        whose collectives it records as ops (docs/distributed.md)."""
+        import torch.distributed as dist
+
+        if self.device.type == "npu":
+            for g in groups:
+                if "hccl" not in str(dist.get_backend(g)):
+                    raise XGraphError(
+                        f"group {g.group_name!r} has backend {dist.get_backend(g)!r}: "
+                        "collectives inside ACL graphs need HCCL; create it with backend='hccl'."
+                    )
+        super().prepare_collectives(groups)
 
 
 class AscendSimBackend(AscendBackend):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from xgraph.errors import BackendUnavailableError
+from xgraph.errors import BackendUnavailableError, XGraphError
 from xgraph.interfaces import (
     AttentionRunner,
     Availability,
@@ -117,6 +117,20 @@ class CUDABackend(Backend):
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self._device)
+
+    def prepare_collectives(self, groups: Sequence[Any]) -> None:
+        """NCCL groups only (a gloo group moves cuda tensors through the host: not
+        capturable), each warmed by one all_reduce outside any capture; captures already run
+        in thread-local mode on the capture stream, as NCCL requires (docs/distributed.md)."""
+        import torch.distributed as dist
+
+        for g in groups:
+            if "nccl" not in str(dist.get_backend(g)):
+                raise XGraphError(
+                    f"group {g.group_name!r} has backend {dist.get_backend(g)!r}: collectives "
+                    "inside CUDA graphs need NCCL; create the group with backend='nccl'."
+                )
+        super().prepare_collectives(groups)
 
     def host_copier(self, device: torch.Tensor, host: torch.Tensor) -> HostCopier | None:
         """cuMemcpyHtoDAsync and an event on the current stream, without torch's copy path

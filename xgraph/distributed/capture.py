@@ -55,6 +55,7 @@ class CaptureCheck:
         self.manifests: dict[str, list[Collective]] = {}
         self.phase = "warm-up"
         self.settled = False  # every rank knows how this capture ended
+        self.failed_everywhere = False  # ... and that it failed: errors from it are agreed
         self.fatal: BaseException | None = None  # the ranks cannot go on with this capture
 
     def recorder(self, phase: str) -> CollectiveRecorder:
@@ -96,6 +97,7 @@ class CaptureCheck:
             self.channel.gather_objects(_text(exc), "a failed capture's message")
         except DistributedError:
             return  # already broken: the caller's own error is the one to report
+        self.failed_everywhere = True
         mark_agreed(exc)
 
     def _exchange(self, mine: list[int], what: str) -> list[list[int]]:
@@ -116,6 +118,7 @@ class CaptureCheck:
         failed = [r for r, m in enumerate(table) if m[0] == RESULT and m[1] == 0]
         if failed:
             texts = self.channel.gather_objects(None, "a failed capture's message")
+            self.failed_everywhere = True
             why = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
             raise mark_agreed(
                 PeerCaptureError(
@@ -146,6 +149,7 @@ class CaptureCheck:
         )
 
     def _fatal(self, exc: XGraphError) -> XGraphError:
+        self.failed_everywhere = not isinstance(exc, DistributedError)
         self.fatal = mark_agreed(exc)
         return exc
 

@@ -14,8 +14,10 @@ DistributedError on every survivor. Failures carry their text in a second exchan
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
+import pickle
 import time
 from typing import Any
 
@@ -29,8 +31,13 @@ logger = logging.getLogger("xgraph")
 MESSAGE = 16  # int64 fields per rank and exchange
 
 # what a message is (field 0)
-STEP, ANNOUNCE, RESULT = 1, 2, 3
-TAGS = {STEP: "step agreement", ANNOUNCE: "a collective of a capture", RESULT: "a capture's end"}
+STEP, ANNOUNCE, RESULT, OBJECTS = 1, 2, 3, 4
+TAGS = {
+    STEP: "step agreement",
+    ANNOUNCE: "a collective of a capture",
+    RESULT: "a capture's end",
+    OBJECTS: "an error's details",
+}
 
 # all_gather_into_tensor under its newer name where torch has it (2.13 deprecates the old one)
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -77,15 +84,22 @@ class Channel:
         return self._recv_np.tolist()
 
     def gather_objects(self, obj: Any, what: str) -> list[Any]:
-        """Every rank's `obj` (picklable): the error path's texts and manifests."""
-        if self.broken is not None:
-            raise DistributedError(self.broken)
-        out: list[Any] = [None] * self.size
+        """Every rank's `obj` (picklable): the error path's texts and manifests. Pickled bytes
+        go through uint8 tensors read with ctypes: no Tensor.numpy or tolist, which a capture
+        in progress blocks (torch's all_gather_object uses them)."""
+        data = pickle.dumps(obj)
+        sizes = [m[1] for m in self.exchange([OBJECTS, len(data)], what)]
+        width = max(sizes)
+        out = torch.zeros(self.size * width, dtype=torch.uint8)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         try:
-            dist.all_gather_object(out, obj, group=self.group)
+            all_gather_single(out, mine, group=self.group)
         except Exception as exc:
             raise self.fail(what, exc) from exc
-        return out
+        base = out.data_ptr()
+        return [pickle.loads(ctypes.string_at(base + r * width, n)) for r, n in enumerate(sizes)]
 
     def fail(self, what: str, exc: BaseException) -> DistributedError:
         """Mark the channel unusable and say so, with the cause."""

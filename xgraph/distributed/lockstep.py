@@ -189,7 +189,7 @@ class Lockstep:
         return self._settle(decide(table, self.dims, self.comm))
 
     def _settle(self, agreed: Agreed) -> Agreed:
-        self.last = agreed
+        self.last, self.capture = agreed, None
         _local.comm = agreed.comm
         return agreed
 
@@ -244,7 +244,14 @@ class Lockstep:
         try:
             return run(step)
         except Exception as exc:
-            if self.channel is None or is_agreed(exc) or isinstance(exc, DistributedError):
+            check = self.capture
+            agreed = check is not None and check.key == step.key and check.failed_everywhere
+            if (
+                self.channel is None
+                or agreed
+                or is_agreed(exc)
+                or isinstance(exc, DistributedError)
+            ):
                 raise
             raise self._break(
                 f"step {step.key or step.reason!r} failed after the ranks agreed on it", exc

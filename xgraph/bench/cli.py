@@ -9,7 +9,7 @@ from typing import Any
 
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..interfaces import Backend
-from . import decode, host, memory, prefill, soak
+from . import decode, distributed, host, memory, prefill, soak
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
@@ -96,10 +96,12 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("bench", help="benchmarks: memory | prefill | decode | all | soak | host")
+    p = sub.add_parser(
+        "bench", help="benchmarks: memory | prefill | decode | all | soak | host | distributed"
+    )
     p.add_argument(
         "which",
-        choices=[*BENCHMARKS, "all", "soak", "host"],
+        choices=[*BENCHMARKS, "all", "soak", "host", "distributed"],
         help="which benchmark to run (all: memory, prefill and decode)",
     )
     p.add_argument(
@@ -244,12 +246,21 @@ def _host(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -
     return data, host.summarize(data)
 
 
+def _distributed(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    # under torchrun every rank runs this; rank 0 alone writes the JSON (all ranks' rows)
+    data = distributed.run(backend, args.model, sizes, iters=args.iters or 30, prefill=None)
+    if distributed.dist.get_rank() != 0:
+        args.json = None
+    return data, distributed.summarize(data)
+
+
 RUNNERS: dict[str, Runner] = {
     "memory": _memory,
     "prefill": _prefill,
     "decode": _decode,
     "soak": _soak,
     "host": _host,
+    "distributed": _distributed,
 }
 
 

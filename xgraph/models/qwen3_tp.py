@@ -73,7 +73,8 @@ class Shard:
         self.vocab = c.vocab_size // n
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
+        """Sum over the group; with a group of one too (a real collective, as on many ranks)."""
+        if self.group is not None:
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -266,7 +267,7 @@ class Qwen3TPModel(nn.Module):
             else self.lm_head.weight
         )
         part = linear(hidden, w)
-        if s.size == 1:
+        if s.group is None:
             return part
         out = part.new_empty((s.size * part.shape[0], part.shape[1]))
         all_gather_single(out, part.contiguous(), group=s.group)

@@ -78,6 +78,8 @@ def _child(
         import torch.distributed as dist
 
         torch.set_num_threads(1)  # several ranks share few cores
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per process
         dist.init_process_group(
             backend,
             rank=rank,

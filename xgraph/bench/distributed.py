@@ -51,12 +51,8 @@ def init_group(device_type: str) -> tuple[int, int, int]:
         backend = {"cuda": "nccl", "npu": "hccl"}.get(device_type, "gloo")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
-        else:
-            from ..distributed.spawn import free_port
-
-            dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-            )
+        else:  # alone: a group of one, its store in this process
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
 
 

@@ -98,9 +98,15 @@ def capture_worker(rank: int, world: int) -> dict:
     par = xgraph.Parallel(tp=group, timeout=20)
     ex = ex_w.executor(backend="cpu", buckets=BUCKETS, parallel=par)
     lazy = _lazy(ex, ex_w, ref_w, random.Random(1))
+    ex.capture([16, 2], progress=False)  # pre-capture in lockstep too: the same on every rank
+    ex.capture([16], kind="piecewise", progress=False)
+    captured = sorted(ex.stats()["keys"])
+    group = xgraph.distributed.group_stats(ex)
     ex.close()
     return {
         "lazy": lazy,
+        "captured": captured,
+        "same_keys": group["same_keys"],
         "eager": _failing_capture(rank, par, ex_w, ref_w, "eager"),
         "raise": _failing_capture(rank, par, ex_w, ref_w, "raise"),
     }
@@ -112,6 +118,8 @@ def test_lazy_capture_in_lockstep_and_a_capture_failing_on_one_rank():
     assert [r[2:] for r in a["lazy"]] == [r[2:] for r in b["lazy"]]
     assert [r[2] for r in a["lazy"]] == [1, 1, 2, 3, 3, 4]
     assert all(r[1] for r in a["lazy"] + b["lazy"])
+    assert a["captured"] == b["captured"] and a["same_keys"]
+    assert {("full", 2), ("full", 16), ("piecewise", 16)} <= set(a["captured"])
     for policy in ("eager", "raise"):
         ra, rb = a[policy], b[policy]
         assert rb["fired"] and not ra["fired"]

@@ -173,9 +173,40 @@ def single_rank_worker(rank: int, world: int) -> dict:
         equal.append(torch.equal(a(**step.kwargs(), clone=True), b(**step.kwargs(), clone=True)))
     planner_wrapped = type(a.planner).__name__
     st = a.stats()
+    group = xgraph.distributed.group_stats(a)
     a.close()
     b.close()
-    return {"equal": equal, "planner": planner_wrapped, "parallel": st["parallel"]}
+    return {
+        "equal": equal,
+        "planner": planner_wrapped,
+        "parallel": st["parallel"],
+        "group": group,
+        "duty": _duty_checked_once(w),
+    }
+
+
+def _duty_checked_once(w: Workload) -> dict:
+    """Backend.prepare_collectives runs once per group, and a failing one is named."""
+    backend = xgraph.get_backend("cpu")
+    calls = []
+    original = backend.prepare_collectives
+    backend.prepare_collectives = lambda groups: calls.append(len(groups)) or original(groups)
+    par = xgraph.Parallel(tp=dist.group.WORLD)
+    for name in ("a", "b"):  # two executors on one Parallel: one preparation
+        w.executor(backend=backend, buckets=[1], parallel=par, name=name).close()
+
+    def refuse(groups):
+        raise RuntimeError("no communicator")
+
+    backend.prepare_collectives = refuse
+    try:
+        w.executor(backend=backend, buckets=[1], parallel=xgraph.Parallel(tp=dist.group.WORLD))
+        error = None
+    except xgraph.XGraphError as exc:
+        error = str(exc)
+    finally:
+        del backend.prepare_collectives
+    return {"calls": calls, "error": error}
 
 
 def test_a_parallel_of_one_rank_exchanges_nothing_and_keeps_the_plain_planner():
@@ -185,6 +216,10 @@ def test_a_parallel_of_one_rank_exchanges_nothing_and_keeps_the_plain_planner():
     assert p["exchanges"] == 0 and p["agreements"] == 0 and p["world_size"] == 1
     assert set(p["manifests"]) == {("full", 4), ("full", 8), ("full", 1)}
     assert p["manifests"][("full", 4)] == []  # the single-rank model issues no collective
+    assert r["group"]["graph_bytes_total"] == r["group"]["ranks"][0]["graph_bytes"] > 0
+    assert r["duty"]["calls"] == [1]
+    assert "could not prepare collectives" in r["duty"]["error"]
+    assert "RuntimeError: no communicator" in r["duty"]["error"]
 
 
 # -- the launcher bounds every run ----------------------------------------------------------

@@ -115,7 +115,8 @@ def moe(backend: Backend, group: Any, plan: list[tuple], dtype: torch.dtype) -> 
     ex = ex_w.executor(backend=backend, buckets=sizes, dims=dims, parallel=par, name="moe")
     rng, rows = random.Random(rank), []
     for counts in plan:
-        n = counts[rank] if rank < len(counts) else 0
+        counts = tuple(counts[: dist.get_world_size(group)])  # a smaller group: its ranks
+        n = counts[rank]
         step = ex_w.decode_step(rng, n) if n else None
         out = ex(**step.kwargs(), clone=True) if step is not None else ex.idle_step()
         agreed = ex.stats()["parallel"]["comm"].get(COMM_DIM)

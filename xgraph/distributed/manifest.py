@@ -89,7 +89,10 @@ class GroupLabels:
 
     def __call__(self, group: Any) -> str:
         if isinstance(group, torch.ScriptObject):
-            group = dist.ProcessGroup.unbox(group)
+            unbox = getattr(dist.ProcessGroup, "unbox", None)
+            if unbox is None:  # a torch without it: groups are told apart by nothing
+                return "a group"
+            group = unbox(group)
         elif isinstance(group, str):
             name = group
             role = self.roles.get(name)

@@ -1,6 +1,6 @@
 """The multi-rank benchmark and the GPU run's script, dry-run on the CPU with gloo.
 
-`scripts/tp_graphs.py` under torchrun with two processes (every stage: TP decode and
+`adapters/cuda/tools/tp_graphs.py` under torchrun with two processes (every stage: TP decode and
 prefill, memory orders, the injected desync, DP + EP MoE), and `xgraph bench distributed`
 as a group of one (no torchrun), so both are exercised before any GPU machine runs them.
 Each subprocess is bounded by a timeout.
@@ -31,7 +31,8 @@ def _run(cmd: list[str], tmp_path, timeout: int) -> subprocess.CompletedProcess:
 
 def test_tp_graphs_script_dry_run_with_two_cpu_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = _run([*cmd, "scripts/tp_graphs.py", "--backend", "cpu", "--quick"], tmp_path, 300)
+    script = ["adapters/cuda/tools/tp_graphs.py", "--backend", "cpu", "--quick"]
+    proc = _run([*cmd, *script], tmp_path, 300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = json.load(open(tmp_path / "tp_graphs.json"))["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]

@@ -1,5 +1,5 @@
 """Collectives inside CUDA graphs through the executor: a world-size-1 NCCL group on one GPU
-(two ranks on one GPU are refused by NCCL; the two-GPU run is scripts/dist_device.sh 2).
+(two ranks on one GPU are refused by NCCL; the two-GPU run is `scripts/device.sh dist` on two GPUs).
 
 The TP model over a group of one still issues its all-reduces and its all-gather, so NCCL
 kernels are captured in the full graphs (decode) and the pieces (prefill), replayed, and

@@ -1,4 +1,5 @@
-"""Checks of graphs across ranks that a multi-GPU run makes besides timing (scripts/tp_graphs.py).
+"""Checks of graphs across ranks a multi-GPU run makes besides timing (tools/tp_graphs.py of
+the CUDA adapter).
 
 - `memory_orders`: shared-physical graph memory per rank, capturing the decode buckets in
   ascending, random and largest-first order, against the largest bucket captured alone: the

@@ -1,8 +1,9 @@
 """Tensor-parallel graphs with the collectives inside, one process per device, under torchrun.
 
-    OUT=out/x2 bash scripts/dist_device.sh 2     # two GPUs (nvidia-h200-x2)
-    OUT=out/x1 bash scripts/dist_device.sh 1     # one GPU: a world-size-1 NCCL group
-    torchrun --nproc-per-node 2 scripts/tp_graphs.py --backend cpu --quick   # CPU, gloo
+    OUT=out/dist bash scripts/device.sh dist     # every GPU of the machine, one process each
+    torchrun --standalone --nproc-per-node 2 adapters/cuda/tools/tp_graphs.py --backend cuda
+    torchrun --standalone --nproc-per-node 2 adapters/cuda/tools/tp_graphs.py --backend cpu \
+      --quick                                      # a dry run on the CPU, gloo
 
 Stages, each rank in step with the others (every stage is collective):
 
@@ -21,7 +22,9 @@ Stages, each rank in step with the others (every stage is collective):
 Rank 0 writes $OUT/tp_graphs.json (every rank's results; written after each stage, so a
 stage cut short keeps the earlier ones). NVLink multicast stays off: NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are set here before NCCL starts
-(and by dist_device.sh for every process it launches); nothing here calls cuMulticastCreate.
+(and by scripts/device.sh for every process it starts); nothing here calls cuMulticastCreate.
+With one process it runs as a world-size-1 group (NCCL on one GPU: the collectives are still
+issued and captured).
 """
 
 from __future__ import annotations

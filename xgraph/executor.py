@@ -140,6 +140,7 @@ class GraphExecutor:
             self.backend.host_copier,
         )
         self.lockstep = attach(parallel, self)  # several ranks: self.planner agrees each step
+        self._step = self.lockstep.runner(self._run)  # one rank: _run itself
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self.memory = GraphMemory.of(self.backend, memory)
         self._outside = OutsidePoolMeter(self.memory)
@@ -191,7 +192,7 @@ class GraphExecutor:
         try:
             if self._closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
-            out = self.lockstep.run(self._run, self.planner.plan(inputs, attn))
+            out = self._step(self.planner.plan(inputs, attn))
             if clone:  # inside the lock: the next step may overwrite the buffers right after
                 flat, spec = tree_flatten(out)
                 out = tree_unflatten([t.clone() for t in flat], spec)
@@ -432,7 +433,7 @@ class GraphExecutor:
         with self._exclusive("idle step"):
             step = self.lockstep.idle()  # None: no rank has tokens, nothing runs
             if step is not None:
-                self.lockstep.run(self._run, step)
+                self._step(step)
 
     # -- reporting and teardown ------------------------------------------------------------
 

@@ -13,15 +13,13 @@ copies).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import threading
 import time
 import warnings
-import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,34 +32,27 @@ from .distributed import Parallel, attach
 from .errors import (
     CaptureError,
     ConcurrentStepError,
+    ReplayError,
     VirtualMemoryError,
     XGraphError,
     XGraphWarning,
 )
 from .interfaces import AttentionRunner, Backend
+from .lifetime import Entry, Holdings, Recording, release_when_collected
 from .memory import GraphMemory, Lease, OutsidePoolMeter, settle
 from .metadata import AttentionInputs
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
-from .piecewise import FullGraph, PiecewiseGraph, Recording, guarded_storages
+from .piecewise import FullGraph, PiecewiseGraph, guarded_storages
 from .plugins import get_backend
 from .pool import SharedPhysicalPool
-from .progress import progress as show_progress
+from .precapture import PreCapture
 from .runners import reference_runners
 from .steps import Step, StepPlanner
 
 logger = logging.getLogger("xgraph")
 
 DEFAULT_MAX_TOKENS = 512
-
-
-@dataclass
-class _Entry:
-    kind: Kind
-    graph: Recording
-    lease: Lease
-    capture_seconds: float
-    hits: int = 0
 
 
 @dataclass
@@ -73,7 +64,7 @@ class ExecutorStats:
     failed_keys: dict[tuple, str] = field(default_factory=dict)
 
 
-class GraphExecutor:
+class GraphExecutor(PreCapture):
     """Runs a forward through cached graphs, one per bucket key (see the module docstring).
 
     Args:
@@ -139,21 +130,23 @@ class GraphExecutor:
             Fallback.parse(on_overflow, "on_overflow"),
             self.backend.host_copier,
         )
-        self.lockstep = attach(parallel, self)  # several ranks: self.planner agrees each step
-        self._step = self.lockstep.runner(self._run)  # one rank: _run itself
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
-        self.memory = GraphMemory.of(self.backend, memory)
-        self._outside = OutsidePoolMeter(self.memory)
-        self._owns_memory = not isinstance(memory, GraphMemory)
-        self._graphs: dict[tuple, _Entry] = {}
         self._eager_keys: dict[tuple, str] = {}
         self._out_bufs: list[torch.Tensor] | None = None
         self._out_spec: Any = None
         self._out_views: dict[int, Any] = {}
         self._stats = ExecutorStats()
-        self._closed = False
         self._busy = threading.Lock()  # one step at a time: outputs are shared buffers
-        _open_executors.add(self)
+        self.memory = GraphMemory.of(self.backend, memory)
+        self._steps = self.memory.steps  # steps over shared memory run one at a time
+        self._outside = OutsidePoolMeter(self.memory)
+        # graphs and memory live apart from this object: released by close(), or when it is
+        # collected (xgraph.lifetime), whichever comes first
+        self._held = Holdings(name, self.backend, self.memory, not isinstance(memory, GraphMemory))
+        self._graphs: dict[tuple, Entry] = self._held.graphs
+        self._finalizer = release_when_collected(self, self._held)
+        self.lockstep = attach(parallel, self)  # several ranks: self.planner agrees each step
+        self._step = self.lockstep.runner(self._run)  # one rank: _run itself
 
     def _runners(
         self, attention: PagedAttention | None
@@ -186,13 +179,19 @@ class GraphExecutor:
         Not reentrant and not for concurrent use: a call while another thread's step runs
         raises ConcurrentStepError (outputs are views of one set of persistent buffers, so
         two overlapping steps could not both be right). Serialize steps in the engine.
+        Steps of executors sharing graph memory wait for each other (`memory.steps`).
         """
         if not self._busy.acquire(blocking=False):  # not a context manager: the hot path
             self._refuse("step")
         try:
-            if self._closed:
+            if self._held.closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
-            out = self._step(self.planner.plan(inputs, attn))
+            step = self.planner.plan(inputs, attn)
+            self._steps.acquire(self.name)
+            try:
+                out = self._step(step)
+            finally:
+                self._steps.release()
             if clone:  # inside the lock: the next step may overwrite the buffers right after
                 flat, spec = tree_flatten(out)
                 out = tree_unflatten([t.clone() for t in flat], spec)
@@ -213,7 +212,7 @@ class GraphExecutor:
         if not self._busy.acquire(blocking=False):
             self._refuse(what)
         try:
-            if self._closed:
+            if self._held.closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
             yield
         finally:
@@ -237,12 +236,31 @@ class GraphExecutor:
     def _runner(self, kind: Kind) -> AttentionRunner | None:
         return self.decode_runner if kind is Kind.FULL else self.prefill_runner
 
-    def _replay(self, entry: _Entry, step: Step, hit: bool) -> None:
+    def _replay(self, entry: Entry, step: Step, hit: bool) -> None:
         entry.hits += hit
         self._stats.replays += 1
         if step.metadata is not None and (runner := self._runner(entry.kind)) is not None:
             runner.plan(step.metadata)
-        entry.graph.replay()
+        try:
+            entry.graph.replay()
+        except ReplayError as exc:  # no cost on the hot path until a replay fails
+            raise self._replay_failed(step, exc) from exc
+
+    def _replay_failed(self, step: Step, exc: ReplayError) -> ReplayError:
+        specs = self.planner.inputs
+        loose = [i.name for i in specs if not i.dtype.is_floating_point and i.bounds is None]
+        hint = (
+            f"Integer inputs without bounds: {', '.join(loose)}; an index outside its table "
+            "(a token id past the vocabulary, a position past the rotary table) fails so. "
+            "Declare Input(..., bounds=(low, high)) (the reference model's inputs() does) so "
+            "such a step is refused before anything runs."
+            if loose
+            else "Check the step's inputs against the model."
+        )
+        return ReplayError(
+            f"{self.name}: {exc} (key {step.key}). {hint} The graph is unchanged and "
+            "replays valid steps; this step's result is not available."
+        )
 
     def _outputs(self, n: int) -> Any:
         out = self._out_views.get(n)  # views of the output buffers, made once per size
@@ -336,9 +354,10 @@ class GraphExecutor:
                 for shp, dt, dev in layout
             ]
         self._outside.start()
-        lease = self.memory.begin()
+        lease: Lease | None = None
         graph: Recording | None = None
-        try:
+        try:  # a reservation that fails is a failed capture like any other
+            lease = self.memory.begin()
             graph = self.lockstep.checked(step, self._recording(step.kind, lease))
             self._record(step, graph)
         except BaseException as exc:  # a transaction: Ctrl-C mid-capture rolls back too
@@ -346,13 +365,14 @@ class GraphExecutor:
                 if graph is not None:
                     graph.abort()
             finally:
-                self.memory.rollback(lease)
+                if lease is not None:
+                    self.memory.rollback(lease)
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: re-raised
                 raise
-            failure = lease.space.failure if lease.space is not None else None
+            failure = lease.space.failure if lease and lease.space else None
             return self._capture_failed(step, failure or exc)
         seconds = time.perf_counter() - t0
-        entry = _Entry(step.kind, graph, lease, seconds)
+        entry = Entry(step.kind, graph, lease, seconds)
         self._graphs[step.key] = entry
         self._stats.captures += 1
         self._stats.capture_seconds += seconds
@@ -382,58 +402,18 @@ class GraphExecutor:
         logger.warning(msg)
         return self._run_padded(step, "capture failed")
 
-    # -- pre-capture -----------------------------------------------------------------------
-
-    def capture(
-        self,
-        sizes: Iterable[int] | None = None,
-        kind: Kind | str = Kind.FULL,
-        progress: bool = True,
-        **key_dims: int,
-    ) -> None:
-        """Capture graphs before serving: one per num_tokens size, in the order given.
-
-        Default: every bucket, largest first (what a shared native pool needs). Each capture
-        runs on a synthetic step that touches only the dummy slot and block; `key_dims` fix
-        the sizes of other shape-determining dims.
-        """
-        k = Kind.parse(kind, "kind")
-        if k is Kind.EAGER:
-            raise XGraphError("kind='eager': choose 'full' or 'piecewise'.")
-        self._synthetic(sizes, k, k, f"{self.name}: capturing {k.value} graphs", progress, key_dims)
-
-    def warm_up(
-        self, sizes: Iterable[int] | None = None, kind: Kind | str = Kind.FULL, **key_dims: int
-    ) -> None:
-        """Run the synthetic steps `capture` would record, eagerly, recording nothing: kernels
-        compile and load, and libraries set up, before any capture or memory reading."""
-        k = Kind.parse(kind, "kind")
-        if k is Kind.EAGER:
-            raise XGraphError("kind='eager': choose the layout, 'full' or 'piecewise'.")
-        self._synthetic(sizes, k, Kind.EAGER, f"{self.name}: warm-up", False, key_dims)
-
-    def _synthetic(
-        self,
-        sizes: Iterable[int] | None,
-        layout: Kind,
-        run: Kind,
-        what: str,
-        progress: bool,
-        key_dims: dict[str, int],
-    ) -> None:
-        todo = list(sizes) if sizes is not None else sorted(self.buckets.sizes, reverse=True)
-        for n in show_progress(todo, what, progress):
-            tensors, attn = self.planner.synthetic(n, layout, key_dims)
-            with self._exclusive("capture"):
-                self._run(self.planner.plan(tensors, attn, kind=run, synthetic=True))
-
     def idle_step(self) -> None:
         """Under data parallelism, a step with no tokens on this rank: it runs the step the
         others agree on over dummy tokens, so its collectives meet theirs. Returns nothing."""
         with self._exclusive("idle step"):
             step = self.lockstep.idle()  # None: no rank has tokens, nothing runs
-            if step is not None:
+            if step is None:
+                return
+            self._steps.acquire(self.name)  # as a step: one at a time over shared memory
+            try:
                 self._step(step)
+            finally:
+                self._steps.release()
 
     # -- reporting and teardown ------------------------------------------------------------
 
@@ -465,35 +445,17 @@ class GraphExecutor:
         """Wait for queued work, reset every graph, give back graph memory (if owned).
 
         Safe right after steps, with no synchronize of the caller's: replays still queued
-        on the device finish before any memory they use is unmapped or freed.
+        on the device finish before any memory they use is unmapped or freed. An executor
+        dropped without close() does the same when it is collected (xgraph.lifetime).
         """
-        if self._closed:
+        if self._held.closed:
             return
         with self._exclusive("close"):
-            self._closed = True
-            self.backend.synchronize()
-            for e in self._graphs.values():
-                e.graph.reset()
-            self._graphs.clear()
-            if self._owns_memory:
-                self.memory.close()
+            self._finalizer.detach()
+            self._held.release()
 
     def __enter__(self) -> GraphExecutor:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_open_executors: weakref.WeakSet[GraphExecutor] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_executors() -> None:
-    """At exit, close executors nobody closed, in order (wait, reset graphs, free memory),
-    before interpreter teardown destroys pools and tensors in whatever order it likes."""
-    for ex in list(_open_executors):
-        try:
-            ex.close()
-        except Exception:  # exiting anyway: report, never raise from an exit hook
-            logger.exception("closing %s at exit failed", ex.name)

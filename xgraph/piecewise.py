@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -26,19 +26,6 @@ from .errors import CaptureError, XGraphError
 from .interfaces import AttentionRunner, Backend, CapturePool, Graph
 from .metadata import KVCache
 from .safety import ScopedPatch, model_location
-
-
-class Recording(Protocol):
-    """A captured forward (FullGraph or PiecewiseGraph) as the executor caches it."""
-
-    context: StepContext | None
-
-    def begin(self) -> None: ...
-    def end(self) -> None: ...
-    def abort(self) -> None: ...
-    def replay(self) -> None: ...
-    def reset(self) -> None: ...
-    def describe(self) -> list[str]: ...
 
 
 class FullGraph:

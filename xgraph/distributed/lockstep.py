@@ -98,7 +98,9 @@ class Lockstep:
         self.parallel = parallel
         self.name = executor.name
         self.channel = parallel.channel
-        self.executor = executor  # its cache sizes prove the ranks are in step
+        # the cache sizes prove the ranks are in step (the dicts, not the executor: it must
+        # stay collectable, its memory released when it is)
+        self._cached = (executor._graphs, executor._eager_keys)
         planner = executor.planner
         self.planner = planner
         self.dims = list(planner.key_buckets)
@@ -275,7 +277,7 @@ class Lockstep:
     # -- state -------------------------------------------------------------------------------
 
     def _cache(self) -> tuple[int, int]:
-        return len(self.executor._graphs), len(self.executor._eager_keys)
+        return len(self._cached[0]), len(self._cached[1])
 
     def _usable(self) -> None:
         if self.broken is not None:

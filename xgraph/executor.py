@@ -146,7 +146,8 @@ class GraphExecutor(PreCapture):
         self._graphs: dict[tuple, Entry] = self._held.graphs
         self._finalizer = release_when_collected(self, self._held)
         self.lockstep = attach(parallel, self)  # several ranks: self.planner agrees each step
-        self._step = self.lockstep.runner(self._run)  # one rank: _run itself
+        # several ranks: a failure after the agreement stops the executor; one rank: none
+        self._lockstep_run = getattr(self.lockstep, "run", None)
 
     def _runners(
         self, attention: PagedAttention | None
@@ -189,7 +190,8 @@ class GraphExecutor(PreCapture):
             step = self.planner.plan(inputs, attn)
             self._steps.acquire(self.name)
             try:
-                out = self._step(step)
+                run = self._lockstep_run  # no frame between for one rank: warnings' lines
+                out = self._run(step) if run is None else run(self._run, step)
             finally:
                 self._steps.release()
             if clone:  # inside the lock: the next step may overwrite the buffers right after
@@ -411,7 +413,7 @@ class GraphExecutor(PreCapture):
                 return
             self._steps.acquire(self.name)  # as a step: one at a time over shared memory
             try:
-                self._step(step)
+                self.lockstep.run(self._run, step)  # idle() refused one rank already
             finally:
                 self._steps.release()
 

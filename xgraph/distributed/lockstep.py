@@ -55,16 +55,14 @@ def comm_sizes(**sizes: int) -> Iterator[None]:
 
 
 class SingleRank:
-    """The lockstep of an executor without `parallel`: every hook does nothing."""
+    """The lockstep of an executor without `parallel`: every hook does nothing, and it has no
+    `run`, so the executor calls its own `_run` directly (nothing added to one rank's step)."""
 
     def warm_up(self, step: Step) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def checked(self, step: Step, recording: Any) -> Any:
         return recording
-
-    def runner(self, run: Callable[[Step], Any]) -> Callable[[Step], Any]:
-        return run  # no frame in between: warnings still point at the caller's line
 
     def idle(self) -> Step | None:
         raise XGraphError(
@@ -240,9 +238,6 @@ class Lockstep:
         return step
 
     # -- running, capturing ----------------------------------------------------------------
-
-    def runner(self, run: Callable[[Step], Any]) -> Callable[[Step], Any]:
-        return lambda step: self.run(run, step)
 
     def run(self, run: Callable[[Step], Any], step: Step) -> Any:
         """Run the agreed step; a failure no peer knows of stops the executor."""

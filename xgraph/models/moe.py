@@ -25,6 +25,7 @@ from torch import nn
 from ..distributed.lockstep import comm_size
 from ..linear import linear
 from ..paging import PagedKVCache
+from .qwen3 import Qwen3Model
 from .qwen3_config import Qwen3Config
 from .qwen3_layers import Attention, RMSNorm, Rotary
 
@@ -140,6 +141,8 @@ class MoEModel(nn.Module):
                     w = w[model.layers[0].mlp.rank * p.shape[0] :][: p.shape[0]]
                 p.copy_(w)
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+    inputs = Qwen3Model.inputs  # the executor's declared inputs, bounds from the config
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -30,7 +30,7 @@ from ..distributed.channel import all_gather_single
 from ..linear import linear
 from ..metadata import KVCache
 from ..paging import PagedKVCache
-from .qwen3 import hf_parameters
+from .qwen3 import Qwen3Model, hf_parameters
 from .qwen3_config import Qwen3Config
 from .qwen3_layers import RMSNorm, Rotary, apply_rotary, rms_norm
 
@@ -241,6 +241,8 @@ class Qwen3TPModel(nn.Module):
                 p.mul_(0.1).add_(1.0)
             else:
                 p.mul_(0.02)
+
+    inputs = Qwen3Model.inputs  # the executor's declared inputs, bounds from the config
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel lookup: this rank's rows, zeros for the others', all-reduced."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ..errors import XGraphError
@@ -50,16 +51,23 @@ def is_agreed(exc: BaseException | None) -> bool:
 class CaptureCheck:
     """One key's warm-up and capture across ranks (see the module docstring)."""
 
-    def __init__(self, channel: Channel | None, labels: Any, key: tuple) -> None:
-        self.channel, self.labels, self.key = channel, labels, key
+    def __init__(
+        self, channel: Channel | None, labels: Any, key: tuple, record: bool = True
+    ) -> None:
+        self.channel, self.labels, self.key, self.record = channel, labels, key, record
         self.manifests: dict[str, list[Collective]] = {}
         self.phase = "warm-up"
         self.settled = False  # every rank knows how this capture ended
         self.failed_everywhere = False  # ... and that it failed: errors from it are agreed
         self.fatal: BaseException | None = None  # the ranks cannot go on with this capture
 
-    def recorder(self, phase: str) -> CollectiveRecorder:
+    def recorder(self, phase: str) -> AbstractContextManager[Any]:
+        """The pass's recorder; nothing for a compiled forward (under a dispatch mode Dynamo
+        would run it eagerly), whose manifest stays empty."""
         self.phase = phase
+        self.manifests[phase] = []
+        if not self.record:
+            return contextlib.nullcontext()
         rec = CollectiveRecorder(self.labels, self.announce if self.channel else None)
         self.manifests[phase] = rec.manifest
         return rec
@@ -184,7 +192,7 @@ class CheckedRecording:
     def __init__(self, inner: Any, check: CaptureCheck) -> None:
         self.inner = inner
         self.check = check
-        self._mode: CollectiveRecorder | None = None
+        self._mode: AbstractContextManager[Any] | None = None
 
     def __getattr__(self, name: str) -> Any:  # context, replay, reset, describe
         return getattr(self.inner, name)

@@ -94,7 +94,7 @@ class Lockstep:
 
     def __init__(self, parallel: Parallel, executor: Any) -> None:
         self.parallel = parallel
-        self.name = executor.name
+        self.name, self.compiled = executor.name, executor.compiled
         self.channel = parallel.channel
         # the cache sizes prove the ranks are in step (the dicts, not the executor: it must
         # stay collectable, its memory released when it is)
@@ -259,7 +259,8 @@ class Lockstep:
 
     def warm_up(self, step: Step) -> contextlib.AbstractContextManager[None]:
         assert step.key is not None
-        self.capture = CaptureCheck(self.channel, self.parallel.labels, step.key)
+        labels, record = self.parallel.labels, not self.compiled
+        self.capture = CaptureCheck(self.channel, labels, step.key, record)
         return warm_up_scope(self.capture)
 
     def checked(self, step: Step, recording: Any) -> CheckedRecording:

@@ -143,7 +143,6 @@ class CollectiveRecorder(TorchDispatchMode):
         self.announce = announce
         self.manifest: list[Collective] = []
 
-    @torch.compiler.disable  # library code: never traced into a compiled forward
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if is_collective(func):

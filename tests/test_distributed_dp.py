@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 
 import xgraph
-from xgraph import Buckets, Dim, Kind
+from xgraph import Buckets, Dim
 from xgraph.distributed import comm_sizes
 from xgraph.distributed.spawn import run_ranks
 from xgraph.models import Workload
 from xgraph.models.moe import COMM_DIM, MoEConfig, MoEModel
 from xgraph.models.workload import Step
+from xgraph.options import Kind
 from xgraph.runners import PagedPrefillRunner
 
 BUCKETS = [1, 2, 4, 8, 16]

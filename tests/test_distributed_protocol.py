@@ -13,11 +13,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
 import xgraph
-from xgraph import Buckets, Kind
+from xgraph import Buckets
 from xgraph.distributed import agreement as ag
 from xgraph.distributed.manifest import first_difference
 from xgraph.distributed.spawn import RanksFailed, run_ranks
 from xgraph.models import Workload
+from xgraph.options import Kind
 
 DIMS = ["num_tokens", "num_comm_tokens"]
 COMM = {"num_comm_tokens": Buckets([4, 16])}

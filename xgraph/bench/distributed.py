@@ -40,6 +40,7 @@ from ..models import Qwen3Model, Workload
 from ..models.qwen3_config import Qwen3Config
 from ..models.qwen3_tp import Qwen3TPModel, qwen3_8b
 from ..runners import PagedPrefillRunner
+from . import hooks
 from .anchors import static_inputs
 from .report import attempt, note, table
 from .timing import Timer, host_time
@@ -168,7 +169,7 @@ def _raw(backend: Backend, w: Workload, step: Any, timer: Timer, iters: int) -> 
             w.model.forward(ids, pos)
 
     cuda = backend.device.type == "cuda"
-    replay = hand_graph(forward) if cuda else backend.native_graph(forward)
+    replay = hand_graph(forward) if cuda else hooks.native_graph(backend, forward)
     return None if replay is None else {"raw_ms": timer(replay, iters) * 1e3}
 
 
@@ -221,7 +222,7 @@ def run(
     group = dist.group.WORLD
     par = xdist.Parallel(tp=group, timeout=120)
     w, w1 = workloads(backend, model, group, max(batches), 512 if accel else 64)
-    mine = {"rank": rank, "device": backend.device_name()}
+    mine = {"rank": rank, "device": hooks.device_name(backend)}
     mine["decode"] = decode_rows(backend, w, w1, par, batches, iters)
     mine["prefill"] = prefill_rows(backend, w, par, prefill, iters)
     everyone = par.channel.gather_objects(mine, "bench results") if par.channel else [mine]
@@ -229,7 +230,7 @@ def run(
         "backend": backend.name,
         "model": model,
         "world_size": world,
-        "timing": f"device time ({backend.device_name()})" if accel else Timer(backend).unit,
+        "timing": f"device time ({hooks.device_name(backend)})" if accel else Timer(backend).unit,
         "ranks": everyone,
         "mismatches": sum(
             not r.get("equal", True) for m in everyone for r in m["decode"] + m["prefill"]

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import xgraph
 from xgraph.bench import distributed as bench
 from xgraph.bench import distributed_checks as checks
+from xgraph.bench import hooks
 from xgraph.buckets import vllm_capture_sizes
 
 MOE_PLAN = [(3, 5), (0, 7), (6, 0), (4, 4), (1, 16)]  # tokens per rank; 0: idle
@@ -117,7 +118,11 @@ def main() -> int:
     prefill = [16] if args.quick else [128, 512]
     iters = 3 if args.quick else args.iters
     stages = args.stages.split(",")
-    results: dict[str, Any] = {"rank": rank, "world_size": world, "device": backend.device_name()}
+    results: dict[str, Any] = {
+        "rank": rank,
+        "world_size": world,
+        "device": hooks.device_name(backend),
+    }
     results["env"] = {k: os.environ.get(k) for k in NO_MULTICAST}
     results["versions"] = {"torch": torch.__version__, "nccl": _nccl_version()}
     for m in models if "tp" in stages else []:

@@ -11,6 +11,7 @@ import logging
 
 from .attention import attention
 from .buckets import Buckets, Dim, Input
+from .distributed import Parallel
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
@@ -53,6 +54,7 @@ __all__ = [
     "Mode",
     "PagedAttention",
     "PagedKVCache",
+    "Parallel",
     "PoolClosedError",
     "VirtualMemoryError",
     "XGraphError",

@@ -30,7 +30,7 @@ from .memory import GraphMemory
 from .metadata import AttentionInputs
 from .options import Fallback, MemoryMode, Mode
 from .paging import PagedAttention, PagedKVCache
-from .plugins import get_backend, list_backends
+from .plugins import get_backend
 
 __version__ = "0.1.0"
 
@@ -62,5 +62,4 @@ __all__ = [
     "attention",
     "get_backend",
     "graph",
-    "list_backends",
 ]

@@ -88,12 +88,15 @@ def _split_head(
     return split_head(full, hidden, model, ids, positions)
 
 
-def _compile_backend(compile: bool | str) -> str | None:
-    """None (not compiled), or the torch.compile backend (True: Inductor)."""
+def _compile_backend(compile: Any) -> Any:
+    """None (not compiled), or the torch.compile backend (True: Inductor; a name, or a
+    backend callable)."""
     if compile is True:
         return "inductor"
     if compile is False or compile is None:
         return None
+    if callable(compile):
+        return compile
     if not isinstance(compile, str) or not compile:
         raise XGraphError(
             f"GraphModel: compile={compile!r}; give True (Inductor), False, or a "
@@ -147,7 +150,7 @@ class GraphModel:
         memory: str | GraphMemory | SharedPhysicalPool | None = None,
         on_capture_error: Fallback | str = Fallback.EAGER,
         name: str = "transformers",
-        compile: bool | str = False,
+        compile: Any = False,
         compile_dynamic: bool = True,
         linear: bool | None = None,
         limits: Limits | None = None,
@@ -195,7 +198,7 @@ class GraphModel:
         self.compiled = self._compile(compiler, compile_dynamic, name)
         self._finalizer = weakref.finalize(self, _release, self.executor, model, name)
 
-    def _compile(self, compiler: str | None, dynamic: bool, name: str) -> TokenCompiled | None:
+    def _compile(self, compiler: Any, dynamic: bool, name: str) -> TokenCompiled | None:
         """The decoder under torch.compile, one compile for every bucket (or per bucket)."""
         if compiler is None:
             return None

@@ -189,3 +189,29 @@ def test_projections_reach_the_backends_linear_kernel_eager_and_compiled():
     finally:
         xlinear.install("cpu", None, "test")
         torch._dynamo.reset()
+
+
+def test_xgraph_generate_compile_and_stream(tmp_path, capsys):
+    from xgraph.cli import main
+
+    tiny(3, "Llama").save_pretrained(tmp_path)
+    base = ["generate", "--model", str(tmp_path), "--prompt", "1 2 3", "--prompt", "4 5"]
+    base += ["--max-new-tokens", "4", "--backend", "cpu", "--ignore-eos"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    torch._dynamo.reset()
+    assert main([*base, "--compile", "aot_eager", "--stream"]) == 0
+    streamed = capsys.readouterr().out
+    torch._dynamo.reset()
+    tokens = {
+        i: [int(t) for t in line.split("] ", 1)[1].strip("[]").split(", ")]
+        for line in plain.splitlines()
+        if line.startswith("[")
+        for i in [int(line[1 : line.index("]")])]
+    }
+    events = [line for line in streamed.splitlines() if line.startswith("[")]
+    assert len(events) == 8 and sum("(end)" in e for e in events) == 2
+    for i in (0, 1):
+        got = [int(e.split("] ")[1].split()[0]) for e in events if e.startswith(f"[{i}]")]
+        assert got == tokens[i]
+    assert "time to first token p50" in streamed and "per-token latency p50" in plain

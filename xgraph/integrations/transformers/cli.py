@@ -5,8 +5,9 @@
 Prints each sequence's generated token ids (or text, when the folder has a tokenizer; with
 --stream as they are chosen), the tokens per second, and the time to first token and
 per-token latency, p50 and p99. `--compile` runs the decoder torch.compile'd inside the
-graphs (one compile for every bucket). This module imports neither transformers nor torch at import time:
-the `xgraph` command line builds its parser from it whether or not the extra is installed.
+graphs (one compile for every bucket). This module imports neither transformers nor torch
+at import time: the `xgraph` command line builds its parser from it whether or not the
+extra is installed.
 """
 
 from __future__ import annotations

@@ -243,4 +243,5 @@ class Engine:
             ttft=[s.token_times[0] - s.arrival for s in seqs if s.token_times],
             per_token=[b - a for s in seqs for a, b in zip(s.token_times, s.token_times[1:])],
             finish_reasons=[s.finish_reason for s in seqs],
+            times=[list(s.token_times) for s in seqs],
         )

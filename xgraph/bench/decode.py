@@ -291,14 +291,7 @@ def run(
     steps = _steps(w, batches, seed, accel)
     rows = {b: {"batch": b, "kv_bytes": roofline.kv_bytes(w.cache, steps[b])} for b in batches}
     data["rows"] = list(rows.values())
-    ex = w.executor(w.model.forward, backend=backend, buckets=batches, on_capture_error="raise")
-    eager = w.executor(w.model.forward, backend=backend, buckets=batches, mode="eager")
-    for b in batches:
-        _measure(backend, w, steps[b], (ex, eager), timer, iters, rows[b])
-        _progress(rows[b])
-        save()
-    ex.close()
-    eager.close()
+    _eager_rows(backend, w, steps, rows, timer, iters, save)
     if table_check_batch:  # the eager forward's part now, the compiled one's with its rows
         data["table_check"] = check = table_check.start(table_check_batch, seed)
         table_check.run(backend, check, "xgraph", w.model, timer, iters)
@@ -307,6 +300,27 @@ def run(
     compiled = _Compiled(backend, w, chosen, compiler, compile_scope, compile_buckets)
     _compiled_rows(compiled, data, steps, timer, iters, save)
     return snapshot()
+
+
+def _eager_rows(
+    backend: Backend,
+    w: Workload,
+    steps: dict[int, Step],
+    rows: dict[int, dict[str, Any]],
+    timer: Timer,
+    iters: int,
+    save: Callable[[], None],
+) -> None:
+    """Each batch eagerly and through an executor over the eager forward."""
+    batches = list(rows)
+    ex = w.executor(w.model.forward, backend=backend, buckets=batches, on_capture_error="raise")
+    eager = w.executor(w.model.forward, backend=backend, buckets=batches, mode="eager")
+    for b in batches:
+        _measure(backend, w, steps[b], (ex, eager), timer, iters, rows[b])
+        _progress(rows[b])
+        save()
+    ex.close()
+    eager.close()
 
 
 def _ms(row: dict[str, Any], key: str, name: str) -> Any:

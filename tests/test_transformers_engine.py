@@ -11,6 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
+from torch._dynamo.utils import counters  # noqa: E402
+
 import xgraph.linear as xlinear  # noqa: E402
 from xgraph.backends.cpu import CPUBackend  # noqa: E402
 from xgraph.integrations.transformers import GraphModel, SamplingParams  # noqa: E402
@@ -162,12 +164,13 @@ def test_xgraph_linear_swap_is_bit_exact_on_the_cpu_backend_and_undone_on_close(
 
 
 def test_projections_reach_the_backends_linear_kernel_eager_and_compiled():
-    """With a kernel installed for the device, every swapped projection calls it with the
-    tokens as rows (a 2-d input), eagerly and from compiled code (the xgraph::linear op)."""
+    """With a kernel installed for the device, the projections call it with the tokens as
+    rows (a 2-d input), eagerly and from compiled code (the xgraph::linear op), q/k/v and
+    gate/up as one merged call each: four calls a layer, and the same tokens."""
     seen = []
 
     def kernel(x, w):  # type: ignore[no-untyped-def]
-        seen.append(x.dim())
+        seen.append((x.dim(), tuple(w.shape)))
         return torch.nn.functional.linear(x, w)
 
     class WithKernel(CPUBackend):
@@ -178,14 +181,20 @@ def test_projections_reach_the_backends_linear_kernel_eager_and_compiled():
     ps = prompts(9, (7, 3))
     with GraphModel(model, backend="cpu", linear=False, **LIMITS) as plain:
         want = plain.generate(ps, 4).tokens
+    layers, qkv = CONFIG["num_hidden_layers"], (4 + 2 + 2) * 16
     try:
         for compile in (False, "aot_eager"):
             torch._dynamo.reset()
-            seen.clear()
+            counters.clear()
             backend = WithKernel()
             with GraphModel(model, backend=backend, compile=compile, mode="eager", **LIMITS) as gm:
+                seen.clear()
+                gm.generate([ps[0]], 1)  # one step: one forward
+                assert len(seen) == 4 * layers and {d for d, _ in seen} == {2}
+                assert (qkv, 64) in {w for _, w in seen} and (256, 64) in {w for _, w in seen}
                 assert gm.generate(ps, 4).tokens == want
-            assert seen and set(seen) == {2}
+            assert dict(counters["graph_break"]) == {}
+            assert not any(type(m) is XLinear for m in model.modules())
     finally:
         xlinear.install("cpu", None, "test")
         torch._dynamo.reset()

@@ -33,7 +33,7 @@ from .errors import CapacityError
 from .metrics import TokenProgress
 from .prompts import token_lists
 from .results import GenerationResult, StepModel, graph_step_counts
-from .sampling import HostTokens, Sampler, SamplingParams, check_params
+from .sampling import HostTokens, Sampler, SamplingParams, check_params, device_index
 from .scheduler import Batch, SeqState, admit, build_batch, schedule
 
 
@@ -165,15 +165,16 @@ class Engine:
         ready = [c for c in batch.chunks if c.seq.pending == c.length]
         rows = [c.start + c.length - 1 for c in ready]
         every = len(rows) == out.shape[0] == batch.input_ids.shape[0]
+        index = None if every or not rows else device_index(rows, out.device)
         host: HostTokens | None = None
         if self.record_logits:
             logits = self.gm.logits(out)
             for c in batch.chunks:  # a copy: the step's outputs are overwritten next step
                 rows_of = logits[c.start : c.start + c.length]
                 c.seq.logits.append(rows_of.to("cpu", torch.float32, copy=True))
-            logits = logits if every else logits[rows]
+            logits = logits if index is None else logits.index_select(0, index)
         elif rows:
-            logits = self.gm.logits(out, None if every else rows)
+            logits = self.gm.logits(out, index)
         if rows:
             host = HostTokens(self.sampler(logits, [c.seq.sampling for c in ready]))
         for c in batch.chunks:  # host work while the device finishes the step

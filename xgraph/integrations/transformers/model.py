@@ -137,6 +137,7 @@ class GraphModel:
             single-token bucket; `compile_dynamic=False` compiles once per bucket instead.
         linear: the projections through xgraph.linear (the backend's kernel where it
             serves; linears.py): None (default) where the backend has a kernel, True, False.
+            Where there is a kernel, q/k/v and gate/up projections share one merged call.
         limits / block_size, max_model_len, max_seqs, num_blocks, max_num_tokens: see Limits.
     """
 
@@ -167,8 +168,9 @@ class GraphModel:
         assert lim.num_blocks is not None and lim.max_model_len is not None
         registration.acquire(model)
         try:
-            if linear or (linear is None and installed(self.device.type) is not None):
-                swap_linears(self.model)
+            kernel = installed(self.device.type) is not None
+            if linear or (linear is None and kernel):
+                swap_linears(self.model, merge=kernel)
             self._forward = ModelForward(self.model, self.spec)
             self.calls = probe(self._forward.run, self.spec, model, lim.max_model_len, self.device)
             self._forward.head = _split_head(
@@ -276,8 +278,10 @@ class GraphModel:
         return self.executor(input_ids=input_ids, positions=positions, attn=attn)
 
     def logits(self, out: torch.Tensor, rows: Any = None) -> torch.Tensor:
-        """Logits of `rows` (an index list or tensor, a slice; None: all) of a step's output."""
-        if rows is not None:
+        """Logits of `rows` (an index tensor, list or slice; None: all) of a step's output."""
+        if isinstance(rows, torch.Tensor):
+            out = out.index_select(0, rows.to(out.device))
+        elif rows is not None:
             out = out[rows]
         return out if self.head is None else self.head(out)
 

@@ -93,7 +93,7 @@ class Sampler:
             return self._choose(logits, next(iter(groups)))
         out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         for p, rows in groups.items():
-            index = torch.tensor(rows, device=logits.device)
+            index = device_index(rows, logits.device)
             out.index_copy_(0, index, self._choose(logits.index_select(0, index), p))
         return out
 
@@ -118,6 +118,15 @@ def check_params(params: object) -> SamplingParams:
             "top_p=..., seed=...)."
         )
     return params
+
+
+def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on `device` without a host sync: a pinned copy, sent non-blocking (a
+    pageable one would wait for the device to finish everything queued before it)."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 class HostTokens:

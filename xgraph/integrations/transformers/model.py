@@ -129,7 +129,7 @@ class GraphModel:
         model: a transformers *ForCausalLM (an object; see `from_pretrained` for a folder).
         backend: a backend name or object, or None (XGRAPH_BACKEND, else the best one). The
             model is moved to its device.
-        buckets: num_tokens buckets (default: xgraph.default_sizes(max_num_tokens)).
+        buckets: num_tokens buckets (default: xgraph.buckets.default_sizes(max_num_tokens)).
         mode, memory, on_capture_error, name: passed to the GraphExecutor.
         compile: run the decoder torch.compile'd inside the graphs: True (Inductor, no CUDA
             graphs of its own), or a torch.compile backend name ("aot_eager", "eager": CPU

@@ -17,6 +17,7 @@ import xgraph.linear as xlinear  # noqa: E402
 from xgraph.backends.cpu import CPUBackend  # noqa: E402
 from xgraph.integrations.transformers import GraphModel, SamplingParams  # noqa: E402
 from xgraph.integrations.transformers.linears import XLinear  # noqa: E402
+from xgraph.interfaces import Kernels  # noqa: E402
 
 CONFIG = dict(
     vocab_size=128,
@@ -174,8 +175,8 @@ def test_projections_reach_the_backends_linear_kernel_eager_and_compiled():
         return torch.nn.functional.linear(x, w)
 
     class WithKernel(CPUBackend):
-        def linear_kernel(self):  # type: ignore[no-untyped-def]
-            return kernel
+        def kernels(self) -> Kernels:
+            return Kernels(linear=kernel)
 
     model = tiny(2, "Qwen3")
     ps = prompts(9, (7, 3))

@@ -33,7 +33,6 @@ from ...compiled import TokenCompiled
 from ...errors import XGraphError
 from ...executor import GraphExecutor
 from ...interfaces import Backend
-from ...linear import installed
 from ...memory import GraphMemory
 from ...metadata import AttentionInputs
 from ...options import Fallback, Kind, Mode
@@ -168,7 +167,8 @@ class GraphModel:
         assert lim.num_blocks is not None and lim.max_model_len is not None
         registration.acquire(model)
         try:
-            kernel = installed(self.device.type) is not None
+            # the backend's kernels serve the core's ops from now on (the probe runs them)
+            kernel = self.backend.activate().linear is not None
             if linear or (linear is None and kernel):
                 swap_linears(self.model, merge=kernel)
             self._forward = ModelForward(self.model, self.spec)

@@ -66,6 +66,13 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
         "graph they share; forward: the whole forward as one graph, as reduce-overhead does)",
     )
     p.add_argument(
+        "--compile-buckets",
+        default="one",
+        choices=list(decode.COMPILE_BUCKETS),
+        help="decode: xgraph's compiled row compiles once for every batch size (one: the "
+        "token count dynamic), once per batch size (per-size: static shapes), or both rows",
+    )
+    p.add_argument(
         "--models",
         default="reference,hf-llama",
         type=_names(memory.targets.FAMILIES),
@@ -230,6 +237,7 @@ def _decode(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
         table_check_batch=args.table_check,
         checkpoint=Checkpoint(_json_path(args, "decode")),
         compile_scope=args.compile_scope,
+        compile_buckets=args.compile_buckets,
     )
     return data, decode.summarize(data)
 

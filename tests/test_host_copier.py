@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xgraph.buffers import BufferSpec, MemcpyCopier, StagedBuffers, _copier
+from xgraph.buffers import BufferSpec, MemcpyCopier, StagedBuffers, _copier, write_prefix
 from xgraph.errors import IncompleteBackendError
 from xgraph.interfaces import HostCopier
 
@@ -41,7 +41,8 @@ def test_staged_buffers_send_the_written_prefix_and_wait_before_writing() -> Non
     rec = Recording(staged.packed, staged.host_packed)
     staged._copier = rec  # the CPU backend's buffers, sent through a recording copier
     staged.begin()
-    view = staged.write("ids", torch.arange(5), (8,))
-    staged.flush()
+    target = staged.target("ids", (8,))
+    write_prefix(target.np, torch.arange(5).numpy(), target.fill)
+    staged.send(target.end)
     assert rec.calls == [("wait", 0), ("send", 64)]  # 8 int64 values, the extent written
-    assert view.tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+    assert target.device.tolist() == [0, 1, 2, 3, 4, 0, 0, 0]

@@ -6,13 +6,13 @@ read slices of those views, so their addresses never change. A step writes its h
 into the twin views in pinned host memory and then one asynchronous copy moves the touched
 prefix to the device, through a `HostCopier`: the backend's own where it has a cheaper one
 (`Backend.host_copier`), else a torch copy and an event. The CPU backend keeps a twin as
-well (its copy is a memcpy), so a step refused after staging has still written nothing a
-graph reads. Values already on the device are written on the device after that copy.
+well (its copy is a memcpy). Values already on the device are written on the device after
+that copy.
 
 Host writes go through numpy views of the twin: on the per-step path a numpy slice
 assignment costs well under a microsecond where a torch op on a small CPU tensor costs
-several. Device views of a given extent are made once and reused; `StagingPlan` holds one
-bucket's views and its copy, worked out once.
+several. The views of a given extent (`Target`) are made once and reused; what a step
+writes where is `xgraph.staging`'s.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def has_numpy_twin(dtype: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class _Target:
+class Target:
     """One buffer's extent: its host (numpy or torch) and device views, and where it ends."""
 
     np: np.ndarray | None
@@ -71,17 +71,6 @@ class BufferSpec:
 
 def _nbytes(s: BufferSpec) -> int:
     return _numel(s.shape) * torch.empty((), dtype=s.dtype).element_size()
-
-
-@dataclass(frozen=True)
-class StagingPlan:
-    """One bucket's staging, worked out once: numpy views of the host twin and device views
-    of every buffer's extent, and the one copy (a prefix of the packed twin) that sends them."""
-
-    host: dict[str, np.ndarray]
-    device: dict[str, torch.Tensor]
-    fills: dict[str, float | int]
-    nbytes: int  # the prefix of the packed twin the copy moves
 
 
 class StagedBuffers:
@@ -110,17 +99,13 @@ class StagedBuffers:
             self.host_views[s.name].fill_(s.fill)
         self.packed.copy_(self.host_packed)
         # on the host the copy is a memcpy: numpy does it without torch's dispatch
-        host = device.type == "cpu"
-        self._np_packed = (self.packed.numpy(), self.host_packed.numpy()) if host else None
         self._copier = (
             MemcpyCopier(self.packed, self.host_packed)
-            if host
+            if device.type == "cpu"
             else _copier(copier, self.packed, self.host_packed)
         )
-        self._dirty = 0  # bytes of the host twin written since the last flush
-        self._device_writes: list[tuple[torch.Tensor, torch.Tensor, float | int]] = []
         self._extents: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-        self._targets: dict[tuple[str, tuple[int, ...]], _Target] = {}
+        self._targets: dict[tuple[str, tuple[int, ...]], Target] = {}
 
     def _view(self, packed: torch.Tensor, s: BufferSpec) -> torch.Tensor:
         off = self.offsets[s.name]
@@ -138,7 +123,7 @@ class StagedBuffers:
         """Before writing a step: the previous step's copy must have read the host twin."""
         self._copier.wait()
 
-    def _target(self, name: str, extent: tuple[int, ...]) -> _Target:
+    def target(self, name: str, extent: tuple[int, ...]) -> Target:
         """Where a write of `extent` goes: made once per (buffer, extent), then looked up."""
         key = (name, extent)
         target = self._targets.get(key)
@@ -148,7 +133,7 @@ class StagedBuffers:
             index = tuple(slice(0, e) for e in extent)
             last = sum((e - 1) * st for e, st in zip(extent, host.stride()))
             end = self.offsets[name] + (last + 1) * host.element_size() if all(extent) else 0
-            target = _Target(
+            target = Target(
                 np_view[(*index, ...)] if np_view is not None else None,  # 0-d: a view too
                 host[index],
                 self.device_view(name, extent),
@@ -158,58 +143,10 @@ class StagedBuffers:
             self._targets[key] = target
         return target
 
-    def plan(self, extents: dict[str, tuple[int, ...]]) -> StagingPlan | None:
-        """The staging of one bucket (buffer -> extent), or None where a buffer's dtype has
-        no numpy twin (such executors stage through `write`)."""
-        targets = {name: self._target(name, e) for name, e in extents.items()}
-        if any(t.np is None for t in targets.values()):
-            return None
-        return StagingPlan(
-            host={n: t.np for n, t in targets.items()},  # type: ignore[misc]  # checked above
-            device={n: t.device for n, t in targets.items()},
-            fills={n: t.fill for n, t in targets.items()},
-            nbytes=max(t.end for t in targets.values()),
-        )
-
-    def write(self, name: str, value: Any, extent: Sequence[int]) -> torch.Tensor:
-        """Stage `value` (a tensor, numpy array or list) into the prefix of buffer[extent],
-        `fill` elsewhere in the extent; returns the device view buffer[extent] (valid once
-        `flush` has run)."""
-        t = self._target(name, extent if type(extent) is tuple else tuple(extent))
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            self._device_writes.append((t.device, value, t.fill))
-            return t.device
-        if t.np is not None:
-            _write_np(t.np, value, t.fill)
-        else:
-            _write(t.host, torch.as_tensor(value), t.fill)
-        if t.end > self._dirty:
-            self._dirty = t.end
-        return t.device
-
-    def flush(self) -> None:
-        """Send what was staged to the device (one asynchronous copy), then device writes."""
-        if self._dirty:
-            self.send(self._dirty)
-            self._dirty = 0
-        for view, value, fill in self._device_writes:
-            _write(view, value, fill)
-        self._device_writes.clear()
-
     def send(self, nbytes: int) -> None:
         """Copy the first `nbytes` of the host twin to the device: one copy, asynchronous on
         an accelerator (the next `begin` waits for it before the twin is written again)."""
         self._copier.send(nbytes)
-
-    def discard(self, nbytes: int) -> None:
-        """Undo writes to the first `nbytes` of the host twin that will not be sent (a step
-        refused after staging): the twin again holds what the device holds, so a later
-        copy sends no byte of the refused step."""
-        if self._np_packed is not None:
-            dst, src = self._np_packed
-            src[:nbytes] = dst[:nbytes]
-        else:  # the error path: a blocking copy back is fine
-            self.host_packed[:nbytes].copy_(self.packed[:nbytes])
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.device_views[name]
@@ -273,24 +210,19 @@ def _copier(factory: CopierFactory | None, device: torch.Tensor, host: torch.Ten
     return made
 
 
-def _write(view: torch.Tensor, value: torch.Tensor, fill: float | int) -> None:
-    """Copy `value` into the prefix of `view`; the rest of `view` gets `fill`."""
-    if tuple(value.shape) != tuple(view.shape):
-        view.fill_(fill)
-        view = view[tuple(slice(0, n) for n in value.shape)]
-    view.copy_(value)
-
-
-def _write_np(view: np.ndarray, value: Any, fill: float | int) -> None:
-    """The numpy twin of `_write`."""
-    if isinstance(value, torch.Tensor):
-        value = value.numpy()
-    elif not isinstance(value, np.ndarray):
-        value = np.asarray(value, dtype=view.dtype)
-    if value.shape != view.shape:
-        view.fill(fill)
-        view = view[tuple(slice(0, n) for n in value.shape)]
-    view[...] = value
+def write_prefix(view: Any, value: Any, fill: float | int) -> None:
+    """Copy `value` into the prefix of `view` (numpy arrays, or torch tensors); the rest of
+    `view` gets `fill`. Only the first dim shorter (a step's tokens): two slice writes."""
+    vs, ws = value.shape, view.shape
+    if vs == ws:
+        view[...] = value
+    elif vs[1:] == ws[1:]:
+        n = vs[0]
+        view[:n] = value
+        view[n:] = fill
+    else:
+        view[...] = fill
+        view[tuple(slice(0, n) for n in vs)] = value
 
 
 def _host_twin(packed: torch.Tensor) -> torch.Tensor:

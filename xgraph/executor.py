@@ -139,14 +139,14 @@ class GraphExecutor:
         self.decode_runner, self.prefill_runner = self._runners(attention)
         self.planner = StepPlanner(
             name,
-            inputs,
-            dims,
-            self.buckets,
-            attention,
-            self.device,
-            self.mode,
-            Fallback.parse(on_overflow, "on_overflow"),
-            self.backend.host_copier,
+            inputs=inputs,
+            dims=dims,
+            buckets=self.buckets,
+            attention=attention,
+            device=self.device,
+            mode=self.mode,
+            on_overflow=Fallback.parse(on_overflow, "on_overflow"),
+            copier=self.backend.host_copier,
         )
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self.memory = GraphMemory.of(self.backend, memory)

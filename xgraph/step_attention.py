@@ -300,8 +300,10 @@ class AttentionCheck:
         return seq, (sl - ql)[seq] + np.arange(len(seq)) - starts[seq]
 
     def _unique(self, h: StepAttention, seq: np.ndarray) -> None:
-        """No two tokens of the step write one slot (sorted, neighbours compared)."""
-        if len(h.slots) < 2:
+        """No two tokens of the step write one slot: a set of a few Python ints is cheaper
+        than numpy's calls; more are sorted and their neighbours compared."""
+        n = len(h.slots)
+        if n < 2 or (n <= 32 and len(set(h.slots.tolist())) == n):
             return
         s = h.slots.copy()
         s.sort()

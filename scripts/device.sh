@@ -2,17 +2,15 @@
 # CUDA checks and benchmarks on a GPU machine in one go, each stage under its own time limit.
 #   OUT=out/device bash scripts/device.sh [STAGES] [MODEL]
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
-# "all": every one, in that order; "host-copy", "host-costs", "graph-nodes", "skinny",
-# "decode-cublas", "decode-forward" and "soak" run only when named; DECODE_SCOPE=forward
-# compiles the decode stage's whole forward instead of its layers). MODEL: the reference shape
-# (default qwen3-0.6b). A stage past its limit is killed and the next one starts; the
-# limits add up to 690 s, more than one ten-minute device call, so name the stages a call
-# needs (the stages of a run on a fresh H200 took: host 17 + 25 s, host-copy 17 + 12 s, conformance 116 s,
-# attention 30 s, decode 93-130 s (190 s with DECODE_SCOPE=forward), prefill 62-90 s, memory
-# 104-108 s, host-costs 8 s, graph-nodes 6 s).
+# "all": every one, in that order; "host-copy", "skinny", "decode-cublas", "decode-forward"
+# and "soak" run only when named; DECODE_SCOPE=forward compiles the decode stage's whole
+# forward instead of its layers). MODEL: the reference shape (default qwen3-0.6b). A stage
+# past its limit is killed and the next one starts; the limits of "all" add up to 750 s,
+# more than one ten-minute device call, so name the stages a call needs (docs/benchmarks.md,
+# "Running on a GPU machine", lists every stage with its command and its time on an H200).
 # Output: $OUT/<stage>.json per benchmark (written as it goes, so a stage cut short keeps
-# what it measured), $OUT/memory.png, and $OUT/log.txt holding every stage's whole output
-# (seven files in all); the tail of each stage is printed as it ends.
+# what it measured), $OUT/memory.png, and $OUT/log.txt holding every stage's whole output;
+# the tail of each stage is printed as it ends.
 # The machine has torch and cuda-bindings but no network: install without dependencies.
 set -uo pipefail
 stages=${1:-all}
@@ -63,17 +61,12 @@ has host && stage host 30 20 xgraph bench host --backend cuda --model "$model" \
 # the reference model's forward instead of a trivial one (its graph is 849 kernels)
 has host && stage host-model 45 12 xgraph bench host --backend cuda --model "$model" \
   --forward model --iters 500 --json "$OUT/host-model.json"
-# host-copy: the core's torch copy instead of the adapter's driver copier, and the host
-# cost of each call a staged step makes
+# host-copy (only when named): the core's torch copy instead of the adapter's driver copier
 has host-copy && stage host-torch-copy 30 12 env XGRAPH_CUDA_STAGING=torch xgraph bench \
   host --backend cuda --model "$model" --json "$OUT/host-torch-copy.json"
-{ has host-copy || has host-costs; } && stage host-costs 30 16 python3 \
-  scripts/probe_host_costs.py "$OUT/host-costs.json"
-# graph-nodes: the driver's memory per instantiated graph against its kernel nodes
-has graph-nodes && stage graph-nodes 60 12 python3 scripts/probe_graph_nodes.py \
-  "$OUT/graph-nodes.json"
 has conformance && stage conformance 150 30 bash -c conformance
-has attention && stage attention 45 30 python3 scripts/bench_attention.py --json "$OUT/attention.json"
+has attention && stage attention 45 30 python3 adapters/cuda/tools/bench_attention.py \
+  --json "$OUT/attention.json"
 has decode && stage decode 240 45 xgraph bench decode --backend cuda --model "$model" \
   --compile 1,8,64 --table-check 64 --iters 30 --compile-scope "${DECODE_SCOPE:-layers}" \
   --json "$OUT/decode.json"
@@ -83,7 +76,8 @@ has decode-cublas && stage decode-cublas 150 20 env XGRAPH_CUDA_LINEAR=torch xgr
   decode --backend cuda --model "$model" --sizes 1 --compile 1 --iters 30 \
   --compile-scope "${DECODE_SCOPE:-layers}" --json "$OUT/decode-cublas.json"
 # skinny (only when named): the skinny linear kernel against cuBLAS, projection by projection
-has skinny && stage skinny 120 30 python3 scripts/probe_skinny_linear.py "$OUT/skinny.json"
+has skinny && stage skinny 120 30 python3 adapters/cuda/tools/probe_skinny_linear.py \
+  "$OUT/skinny.json"
 # decode-forward (only when named): the compiled row with the whole forward as one graph
 has decode-forward && stage decode-forward 180 30 xgraph bench decode --backend cuda \
   --model "$model" --sizes 1,8,64 --compile 1,8,64 --compile-scope forward --iters 30 \

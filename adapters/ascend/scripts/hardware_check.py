@@ -4,7 +4,13 @@
     python adapters/ascend/scripts/hardware_check.py --backend ascend-sim   # the simulator
     python adapters/ascend/scripts/hardware_check.py --json out.json
 
-Each check prints PASS or FAIL with its numbers; the exit status is the number of failures.
+Each check prints PASS, FAIL or SKIP with its numbers or reason; the exit status is the
+number of failures. Each check runs on a backend object of its own over the same runtime,
+so on a capture stream of its own: a capture one check could not end cannot make the next
+one's capture_begin fail. After each check, a capture still open on its stream is ended
+through aclmdlRICaptureEnd (while any stream of the device captures, every device
+synchronize fails with 107027). torch.npu.config.allow_internal_format is set to False
+first, so no MatMul falls back to an aclop operator, which cannot be captured.
 The checks, in the order of docs/ascend.md ("only hardware can prove"):
   versions            torch_npu, CANN, memory-pool era, device
   vmm_aliasing        one aclrtMallocPhysical handle mapped at two aclrtReserveMemAddress
@@ -13,18 +19,22 @@ The checks, in the order of docs/ascend.md ("only hardware can prove"):
   capture_replay      an MLP captured as an ACL graph on a side stream replays like eager
   vmm_inside_capture  shared-physical memory: the routed MemPool's ctypes callbacks run
                       aclrtMallocPhysical / aclrtMapMem while the stream captures; graph
-                      memory is max(shape), not sum, in ascending order
+                      memory is max(shape), not sum, in ascending order (SKIP in the
+                      MemPoolContext era, torch_npu <= 2.12, which has no routed pools)
   recapture_pool      reset every graph of a pool, capture on it again (is a keeper graph
                       needed, as on CUDA?)
   fused_decode        decode through npu_fused_infer_attention_score with graph task update
-                      against the reference decode runner (numerics of the fused op)
-  stream_ceiling      how many small graphs capture before ACL_ERROR_RT_NO_STREAM_RESOURCE
+                      against the reference decode runner (numerics of the fused op), in
+                      bfloat16 (--fused-dtype) with block sizes 16 and 128
+  stream_ceiling      how many small graphs capture before the runtime runs out of stream
+                      or model resources (207008, 207010, 207005, 207012)
   teardown            closing a shared-physical pool returns device memory to the baseline
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import random
 import sys
@@ -40,12 +50,25 @@ from xgraph.models import Workload
 from xgraph.runners import PagedDecodeRunner
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+FUSED_DTYPES = ("bfloat16", "float16")  # all npu_fused_infer_attention_score takes
+FUSED_BLOCK_SIZES = (16, 128)  # paged attention needs multiples of 16
 TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 6e-2, torch.float32: 1e-4}
+# the runtime ran out of what every captured graph holds: streams, model RIs, resources
+CEILING_CODES = {
+    207008: "ACL_ERROR_RT_NO_STREAM_RESOURCE",
+    207010: "ACL_ERROR_RT_NO_MODEL_RESOURCE",
+    207005: "ACL_ERROR_RT_RESOURCE_ALLOC_FAIL",
+    207012: "ACL_ERROR_RT_OVER_LIMIT",
+}
+
+
+class Skip(Exception):
+    """The check does not apply to this stack; its message says why."""
 
 
 def check_versions(backend: Any, args: argparse.Namespace) -> str:
     avail = type(backend).availability()
-    versions = {**avail.versions, **backend.runtime.versions()}
+    versions = {**avail.versions, **backend.runtime.versions(), **args.settings}
     return f"{backend.device_name()}; " + ", ".join(f"{k} {v}" for k, v in versions.items())
 
 
@@ -120,6 +143,9 @@ def _sizes_executor(backend: Any, memory: Any, sizes: list[int], mlp: Any, dtype
 
 
 def check_vmm_inside_capture(backend: Any, args: argparse.Namespace) -> str:
+    support = backend.segments_support()
+    if not support.available:  # shared-physical falls back to shared-pool: nothing to check
+        raise Skip(f"no routed capture pools on this torch_npu: {support.reason}")
     sizes = [64, 128, 256, 512, 1024, 2048]
     mlp = _mlp(backend, args.dtype, 512)
     results = {}
@@ -154,12 +180,18 @@ def check_recapture_pool(backend: Any, args: argparse.Namespace) -> str:
     return "3 capture/replay/reset rounds on one pool, no keeper graph"
 
 
-def check_fused_decode(backend: Any, args: argparse.Namespace) -> str:
+def _fused_decode(backend: Any, dtype: torch.dtype, block_size: int) -> tuple[dict, float]:
+    """Ten decode steps through the fused runner's graphs against the reference eager."""
     from xgraph_ascend.attention import FusedDecodeRunner
 
     ex_w, ref_w = (
         Workload.tiny(
-            device=backend.device, dtype=args.dtype, num_blocks=160, max_blocks=8, max_seqs=32
+            device=backend.device,
+            dtype=dtype,
+            block_size=block_size,
+            num_blocks=160,
+            max_blocks=8,
+            max_seqs=32,
         )
         for _ in range(2)
     )
@@ -171,16 +203,29 @@ def check_fused_decode(backend: Any, args: argparse.Namespace) -> str:
         backend=backend, buckets=buckets, attention=ex_w.attention(decode_runner=runner)
     )
     rng, worst = random.Random(7), 0.0
-    for batch in [3, 1, 16, 5, 8, 3, 12, 2, 7, 16]:
-        step = ex_w.decode_step(rng, batch)
-        out = ex(**step.kwargs()).float()
-        ref = ref_w.eager(ref_w.padded(step, buckets, full=True), runner=PagedDecodeRunner())
-        worst = max(worst, float((out - ref[:batch].float()).abs().max()))
-    s = ex.stats()
-    ex.close()
-    tol = 10 * TOLERANCE[args.dtype]  # logits after the whole model
-    assert worst <= tol, f"max |fused graph - reference eager| = {worst} > {tol}"
-    return f"{s['replays']} replays, {s['captures']} graphs; max |logit diff| = {worst:.2e}"
+    try:
+        for batch in [3, 1, 16, 5, 8, 3, 12, 2, 7, 16]:
+            step = ex_w.decode_step(rng, batch)
+            out = ex(**step.kwargs()).float()
+            ref = ref_w.eager(ref_w.padded(step, buckets, full=True), runner=PagedDecodeRunner())
+            worst = max(worst, float((out - ref[:batch].float()).abs().max()))
+        return ex.stats(), worst
+    finally:
+        ex.close()
+
+
+def check_fused_decode(backend: Any, args: argparse.Namespace) -> str:
+    dtype = DTYPES[args.fused_dtype]
+    tol = 10 * TOLERANCE[dtype]  # logits after the whole model
+    parts = []
+    for block_size in FUSED_BLOCK_SIZES:
+        s, worst = _fused_decode(backend, dtype, block_size)
+        assert worst <= tol, f"block {block_size}: max |fused graph - reference| = {worst} > {tol}"
+        parts.append(
+            f"block {block_size}: {s['replays']} replays, {s['captures']} graphs, "
+            f"max |logit diff| = {worst:.2e}"
+        )
+    return f"{args.fused_dtype}; " + "; ".join(parts)
 
 
 def check_stream_ceiling(backend: Any, args: argparse.Namespace) -> str:
@@ -194,9 +239,10 @@ def check_stream_ceiling(backend: Any, args: argparse.Namespace) -> str:
                 with xgraph.graph(g, pool):
                     x.add_(1)
             except CaptureError as exc:
-                if "207008" not in str(exc):
+                code = _code(exc)
+                if code not in CEILING_CODES:
                     raise
-                stop = "ACL_ERROR_RT_NO_STREAM_RESOURCE"
+                stop = f"{CEILING_CODES[code]} ({code})"
                 break
             graphs.append(g)
     finally:
@@ -204,6 +250,12 @@ def check_stream_ceiling(backend: Any, args: argparse.Namespace) -> str:
             g.reset()
         pool.close()
     return f"{len(graphs)} graphs captured ({stop})"
+
+
+def _code(exc: BaseException) -> int | None:
+    from xgraph_ascend.errors import acl_code
+
+    return acl_code(exc)
 
 
 def check_teardown(backend: Any, args: argparse.Namespace) -> str:
@@ -234,34 +286,90 @@ CHECKS: list[Callable[[Any, argparse.Namespace], str]] = [
 ]
 
 
+def fresh_backend(backend: Any) -> Any:
+    """A backend object over the same runtime, with streams (a capture stream) of its own."""
+    return type(backend)(backend.runtime)
+
+
+def end_stuck_capture(backend: Any) -> str:
+    """End a capture a check left open on its capture stream (through ACL); '' if none."""
+    rt = backend.runtime
+    stream = backend.capture_stream()
+    if not rt.is_capturing(stream) or not rt.acl.has("aclmdlRICaptureEnd", "aclmdlRIDestroy"):
+        return ""
+    ri = ctypes.c_void_p()
+    rc = rt.acl.aclmdlRICaptureEnd(rt.stream_handle(stream), ctypes.byref(ri))
+    if ri.value:
+        rt.acl.aclmdlRIDestroy(ri.value)
+    if rc:
+        return (
+            f"its capture stream is still capturing (aclmdlRICaptureEnd: {rc}); later checks "
+            "fail on any device synchronize (107027)"
+        )
+    return "a capture it left open was ended through aclmdlRICaptureEnd"
+
+
+def run_check(check: Callable[[Any, argparse.Namespace], str], backend: Any, args: Any) -> dict:
+    name = check.__name__.removeprefix("check_")
+    own = fresh_backend(backend)
+    t0 = time.perf_counter()
+    try:
+        status, detail = "PASS", check(own, args)
+    except Skip as why:
+        status, detail = "SKIP", str(why)
+    except Exception as exc:  # a failed check is a result, the next one still runs
+        status, detail = "FAIL", f"{type(exc).__name__}: {exc}"
+    try:
+        note = end_stuck_capture(own)
+    except Exception as exc:
+        note = f"ending a capture it left open failed: {type(exc).__name__}: {exc}"
+    if note:
+        detail = f"{detail} [{note}]"
+    seconds = time.perf_counter() - t0
+    print(f"{status:<5} {name:<19} {detail}  ({seconds:.1f} s)", flush=True)
+    return {
+        "check": name,
+        "status": status,
+        "ok": status != "FAIL",
+        "detail": detail,
+        "seconds": seconds,
+    }
+
+
 def run(backend: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    results = []
-    for check in CHECKS:
-        name = check.__name__.removeprefix("check_")
-        t0 = time.perf_counter()
-        try:
-            ok, detail = True, check(backend, args)
-        except Exception as exc:  # a failed check is a result, the next one still runs
-            ok, detail = False, f"{type(exc).__name__}: {exc}"
-        seconds = time.perf_counter() - t0
-        print(f"{'PASS' if ok else 'FAIL'}  {name:<19} {detail}  ({seconds:.1f} s)", flush=True)
-        results.append({"check": name, "ok": ok, "detail": detail, "seconds": seconds})
-    return results
+    return [run_check(check, backend, args) for check in CHECKS]
+
+
+def npu_settings() -> dict[str, str]:
+    """Settings that keep captures to aclnn operators (torch_npu only; none on the sim)."""
+    config = getattr(getattr(torch, "npu", None), "config", None)
+    if config is None or not hasattr(config, "allow_internal_format"):
+        return {}
+    config.allow_internal_format = False  # else MatMul may run as an aclop operator
+    return {"allow_internal_format": "False"}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="ascend", help="ascend (an NPU) or ascend-sim")
     p.add_argument("--dtype", default="float16", choices=sorted(DTYPES))
+    p.add_argument(
+        "--fused-dtype",
+        default="bfloat16",
+        choices=FUSED_DTYPES,
+        help="dtype of the fused_decode check (the fused op takes no float32)",
+    )
     p.add_argument("--max-graphs", type=int, default=2048)
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     args.dtype = DTYPES[args.dtype]
     backend = xgraph.get_backend(args.backend)
+    args.settings = npu_settings()
     print(f"xgraph-ascend hardware check on {backend!r}", flush=True)
     results = run(backend, args)
-    failed = sum(not r["ok"] for r in results)
-    print(f"{len(results) - failed} passed, {failed} failed")
+    counts = {k: sum(r["status"] == k for r in results) for k in ("PASS", "FAIL", "SKIP")}
+    failed = counts["FAIL"]
+    print(f"{counts['PASS']} passed, {failed} failed, {counts['SKIP']} skipped")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"backend": backend.name, "results": results}, f, indent=2)

@@ -1,43 +1,108 @@
 """The shipped hardware check runs end to end against the simulated runtime (its expected
-output on an NPU is in docs/ascend.md)."""
+output on an NPU is in docs/ascend.md), and one failed check cannot fail the others."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
 
+import torch
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "hardware_check.py")
+ORDER = [
+    "versions",
+    "vmm_aliasing",
+    "capture_replay",
+    "vmm_inside_capture",
+    "recapture_pool",
+    "fused_decode",
+    "stream_ceiling",
+    "teardown",
+]
 
 
-def test_hardware_check_passes_on_the_simulator(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+def _script():  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location("hardware_check", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = {"dtype": torch.float32, "fused_dtype": "bfloat16", "max_graphs": 16, "settings": {}}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_hardware_check_passes_on_the_simulator(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    module = _script()
     out = tmp_path / "hw.json"
-    argv = [
-        "--backend",
-        "ascend-sim",
-        "--dtype",
-        "float32",
-        "--max-graphs",
-        "64",
-        "--json",
-        str(out),
-    ]
-    failed = module.main(argv)
+    argv = ["--backend", "ascend-sim", "--dtype", "float32", "--max-graphs", "64"]
+    failed = module.main([*argv, "--json", str(out)])
     printed = capsys.readouterr().out
     assert failed == 0, printed
     results = json.loads(out.read_text())["results"]
-    assert [r["check"] for r in results] == [
-        "versions",
-        "vmm_aliasing",
-        "capture_replay",
-        "vmm_inside_capture",
-        "recapture_pool",
-        "fused_decode",
-        "stream_ceiling",
-        "teardown",
-    ]
-    assert "64 graphs captured" in printed and "8 passed, 0 failed" in printed
+    assert [r["check"] for r in results] == ORDER
+    assert all(r["status"] == "PASS" for r in results), printed
+    assert "64 graphs captured" in printed and "8 passed, 0 failed, 0 skipped" in printed
+    # the fused op's configuration: bfloat16, paged blocks of 16 and of 128
+    fused = next(r["detail"] for r in results if r["check"] == "fused_decode")
+    assert fused.startswith("bfloat16; block 16: 10 replays") and "block 128: 10 replays" in fused
+
+
+def test_vmm_inside_capture_is_skipped_in_the_mempool_context_era(make_sim, capsys) -> None:  # type: ignore[no-untyped-def]
+    module = _script()
+    r = module.run_check(module.check_vmm_inside_capture, make_sim(era="context"), _args())
+    assert r["status"] == "SKIP" and r["ok"] and "MemPoolContext" in r["detail"]
+    assert "SKIP  vmm_inside_capture" in capsys.readouterr().out
+
+
+def _capture_end_fails_during(module, rt):  # type: ignore[no-untyped-def]
+    """check_capture_replay with every aclmdlRICaptureEnd failing while it runs: its capture
+    can be ended neither by torch_npu nor by the adapter, and stays open on its stream."""
+    original = module.check_capture_replay
+
+    def check_capture_replay(backend, args):  # type: ignore[no-untyped-def]
+        rt.faults.inject("aclmdlRICaptureEnd", 507899, times=1000)
+        try:
+            return original(backend, args)
+        finally:
+            rt.faults.clear()
+
+    return check_capture_replay
+
+
+def test_a_failed_check_leaves_the_others_passing(make_sim, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    module = _script()
+    backend = make_sim()
+    rt = backend.runtime
+    failing = _capture_end_fails_during(module, rt)
+    checks = [failing if c.__name__ == failing.__name__ else c for c in module.CHECKS]
+    monkeypatch.setattr(module, "CHECKS", checks)
+    results = {r["check"]: r for r in module.run(backend, _args())}
+    assert list(results) == ORDER
+    failed = results.pop("capture_replay")
+    assert failed["status"] == "FAIL" and "ACL_ERROR_RT_DRV_INTERNAL_ERROR" in failed["detail"]
+    assert "was ended through aclmdlRICaptureEnd" in failed["detail"]
+    assert {r["status"] for r in results.values()} == {"PASS"}, results
+    assert rt.books() == dict.fromkeys(rt.books(), 0)
+
+
+def test_without_isolation_the_same_failure_fails_the_next_check(make_sim, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The control: one backend (one capture stream) for every check and no cleanup."""
+    module = _script()
+    backend = make_sim()
+    rt = backend.runtime
+    failing = _capture_end_fails_during(module, rt)
+    monkeypatch.setattr(module, "fresh_backend", lambda b: b)
+    monkeypatch.setattr(module, "end_stuck_capture", lambda b: "")
+    try:
+        first = module.run_check(failing, backend, _args())
+        second = module.run_check(module.check_recapture_pool, backend, _args())
+    finally:
+        monkeypatch.undo()
+        module.end_stuck_capture(backend)  # leave no capture open in this thread
+    assert first["status"] == "FAIL" and second["status"] == "FAIL", second
+    assert not rt.is_capturing(backend.capture_stream())

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -76,6 +77,62 @@ def test_any_import_failure_is_named(tmp_path, monkeypatch, body, words) -> None
     assert not avail.available
     for w in words:
         assert w in avail.reason, avail.reason
+
+
+def _fake_npu_stack(tmp_path, monkeypatch, c_attrs: str, top_attrs: str) -> None:  # type: ignore[no-untyped-def]
+    """An importable torch_npu of the 7.0.0 graph API with the given extras, and torch.npu."""
+    _fake_torch_npu(
+        tmp_path,
+        monkeypatch,
+        f"""
+        import types
+        __version__ = "2.6.0.fake"
+        npu = types.SimpleNamespace(memory=types.SimpleNamespace())
+        _C = types.SimpleNamespace({c_attrs})
+        {top_attrs}
+        """,
+    )
+    api = dict.fromkeys(("NPUGraph", "graph_task_group_begin", "graph_task_update_begin"), None)
+    npu = types.SimpleNamespace(
+        is_available=lambda: True,
+        device_count=lambda: 1,
+        get_device_name=lambda: "Ascend910B4",
+        ExternalEvent=object,
+        **api,
+    )
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+
+
+def test_a_torch_npu_without_npu_from_dlpack_is_unavailable(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """as_tensor needs torch_npu._C._npu_from_dlpack: the 7.3.0 branches on."""
+    _fake_npu_stack(tmp_path, monkeypatch, "", "")
+    avail = probe.availability()
+    assert not avail.available
+    assert "torch_npu._C._npu_from_dlpack" in avail.reason and "7.3.0" in avail.reason
+
+
+@pytest.mark.parametrize(
+    "top, support",
+    [
+        (
+            "npu_fused_infer_attention_score = _npu_fused_infer_attention_score_get_max_workspace"
+            " = print",
+            "yes",
+        ),
+        (
+            "npu_fused_infer_attention_score = print",
+            "no: this torch_npu lacks torch_npu._npu_fused_infer_attention_score_get_max_workspace",
+        ),
+    ],
+)
+def test_the_fused_runner_is_a_capability(tmp_path, monkeypatch, top, support) -> None:  # type: ignore[no-untyped-def]
+    """What only FusedDecodeRunner needs does not make the backend unavailable."""
+    _fake_npu_stack(tmp_path, monkeypatch, "_npu_from_dlpack=print", top)
+    avail = probe.availability()
+    assert avail.available, avail.reason
+    assert avail.versions["fused decode"] == support
+    assert f"FusedDecodeRunner {support}" in avail.reason
+    assert avail.versions["pool era"] == "owner"  # no MemPoolContext
 
 
 def test_selecting_ascend_raises_with_the_reason() -> None:

@@ -76,9 +76,7 @@ def _prop(**fields: int) -> acl.aclrtPhysicalMemProp:
     "kw, code",
     [
         ({"align": MB2}, 100000),
-        ({"expect": 1 << 44}, 100000),
         ({"flags": 2}, 100000),
-        ({"size": MB2 + 4096}, 100000),
         ({"size": 0}, 100000),
     ],
 )
@@ -88,37 +86,91 @@ def test_reserve_rules(rt: SimRuntime, kw, code) -> None:  # type: ignore[no-unt
     assert rt.books()["reservations"] == 0
 
 
+def test_reserve_takes_what_the_acl_layer_takes(rt: SimRuntime) -> None:
+    """No false strictness: flags 0 or 1, an expectPtr (a hint), sizes rounded up."""
+    for kw in ({"flags": 1}, {"expect": 1 << 44}, {"size": MB2 + 4096}):
+        rc, va = _reserve(rt, **kw)
+        assert rc == 0 and va % MB2 == 0, kw
+    assert rt.books()["reservations"] == 3
+    _, h = _malloc(rt, 2 * MB2)
+    # the rounded-up reservation holds a 4 MiB mapping
+    assert rt.acl.aclrtMapMem(va, 2 * MB2, 0, h, 0) == 0
+    assert rt.acl.aclrtUnmapMem(va) == 0 and rt.acl.aclrtFreePhysical(h) == 0
+
+
 @pytest.mark.parametrize(
-    "prop, size, flags",
+    "prop, size, flags, code",
     [
-        (_prop(memAttr=0), MB2, 0),
-        (_prop(memAttr=2), MB2, 0),
-        (_prop(location_type=0), MB2, 0),
-        (_prop(location_id=1), MB2, 0),
-        (_prop(allocationType=1), MB2, 0),
-        (_prop(handleType=2), MB2, 0),
-        (None, MB2 + 4096, 0),
-        (None, MB2, 1),
+        (_prop(location_type=2), MB2, 0, 100000),  # UNREGISTERED
+        (_prop(location_type=3), MB2, 0, 100000),  # MANAGED
+        (_prop(location_id=1), MB2, 0, 107001),  # no such device
+        (_prop(allocationType=1), MB2, 0, 100000),
+        (_prop(handleType=2), MB2, 0, 100000),
+        (None, 0, 0, 100000),
+        (None, MB2, 1, 100000),
     ],
 )
-def test_malloc_physical_rules(rt: SimRuntime, prop, size, flags) -> None:  # type: ignore[no-untyped-def]
+def test_malloc_physical_rules(rt: SimRuntime, prop, size, flags, code) -> None:  # type: ignore[no-untyped-def]
     rc, _ = _malloc(rt, size, prop, flags)
-    assert rc == 100000 and rt.books()["handles"] == 0
+    assert rc == code and rt.books()["handles"] == 0
+
+
+@pytest.mark.parametrize("attr", [4, 5, 10, 12, 13, 14, 15, 16, 17])
+def test_device_memory_attributes_the_acl_layer_takes(attr: int) -> None:
+    rt = SimRuntime(capacity=4 << 30)
+    g = ctypes.c_size_t()
+    prop = _prop(memAttr=attr)
+    assert rt.acl.aclrtMemGetAllocationGranularity(ctypes.byref(prop), 0, ctypes.byref(g)) == 0
+    assert g.value == (1 << 30 if attr in (10, 14, 17) else MB2)  # HUGE1G pages: 1 GiB
+    rc, h = _malloc(rt, g.value, prop)
+    assert rc == 0 and rt.acl.aclrtFreePhysical(h) == 0
+
+
+@pytest.mark.parametrize("attr", [0, 1, 8, 9, 11, 18, 2, 3, 6, 7])
+def test_device_memory_attributes_the_acl_layer_refuses(rt: SimRuntime, attr: int) -> None:
+    """No handler (0, 1 and the HBM P2P values 8, 9, 11, or unknown); DDR (2, 3, 6, 7) only on
+    the host."""
+    rc, _ = _malloc(rt, MB2, _prop(memAttr=attr))
+    assert rc == 100000 and "memAttr" in rt.acl.recent_error()
+    assert rt.books()["handles"] == 0
+
+
+def test_malloc_physical_passes_what_the_driver_decides(rt: SimRuntime) -> None:
+    """Host and host-NUMA locations, DDR on the host, the reserve field: not the acl
+    layer's to refuse. Host memory does not count against the device's."""
+    free = rt.mem_get_info()[0]
+    for prop in (_prop(location_type=0, memAttr=2), _prop(location_type=4), _prop(reserve=7)):
+        rc, h = _malloc(rt, MB2, prop)
+        assert rc == 0 and rt.acl.aclrtFreePhysical(h) == 0
+    rc, host = _malloc(rt, MB2, _prop(location_type=0, memAttr=13))
+    assert rc == 0 and rt.mem_get_info()[0] == free
+    assert rt.acl.aclrtFreePhysical(host) == 0
+
+
+def test_physical_sizes_are_rounded_up(rt: SimRuntime) -> None:
+    rc, h = _malloc(rt, MB2 + 4096)
+    assert rc == 0 and rt.lib.used_bytes() == 2 * MB2
+    _, va = _reserve(rt, 2 * MB2)
+    assert rt.acl.aclrtMapMem(va, 2 * MB2, 0, h, 0) == 107000  # the size given, not rounded
+    assert rt.acl.aclrtMapMem(va, MB2 + 4096, 0, h, 0) == 0
+    assert rt.acl.aclrtUnmapMem(va) == 0 and rt.acl.aclrtFreePhysical(h) == 0
+    assert rt.acl.aclrtReleaseMemAddress(va) == 0
+    assert rt.books() == dict.fromkeys(rt.books(), 0)
 
 
 def test_map_unmap_free_release_rules(rt: SimRuntime) -> None:
     f = rt.acl
     _, va = _reserve(rt, 4 * MB2)
     _, h = _malloc(rt, 2 * MB2)
-    assert f.aclrtMapMem(va, MB2, 0, h, 0) == 100000  # part of a handle
-    assert f.aclrtMapMem(va, 2 * MB2, MB2, h, 0) == 100000  # offset
-    assert f.aclrtMapMem(va, 2 * MB2, 0, h, 1) == 100000  # flags
+    assert f.aclrtMapMem(va, MB2, 0, h, 0) == 107000  # part of a handle (a driver check)
+    assert f.aclrtMapMem(va, 2 * MB2, MB2, h, 0) == 107000  # offset (a driver check)
+    assert f.aclrtMapMem(va, 2 * MB2, 0, h, 1) == 100000  # flags (the acl layer)
+    assert f.aclrtMapMem(None, 2 * MB2, 0, h, 0) == 100000  # NULL
     assert f.aclrtMapMem(va + 4096, 2 * MB2, 0, h, 0) == 107008  # unaligned address
     assert f.aclrtMapMem(va + 3 * MB2, 2 * MB2, 0, h, 0) == 107000  # past the reservation
     assert f.aclrtMapMem(va, 2 * MB2, 0, h + 16, 0) == 107017  # unknown handle
     assert f.aclrtMapMem(va, 2 * MB2, 0, h, 0) == 0
     assert f.aclrtMapMem(va + MB2, 2 * MB2, 0, h, 0) == 107000  # overlaps the first map
-    assert f.aclrtFreePhysical(h) == 107000  # still mapped
     assert f.aclrtReleaseMemAddress(va) == 107000  # still mapped in it
     assert f.aclrtUnmapMem(va + MB2) == 107000  # not a mapping's start
     assert f.aclrtUnmapMem(va) == 0
@@ -126,6 +178,23 @@ def test_map_unmap_free_release_rules(rt: SimRuntime) -> None:
     assert f.aclrtFreePhysical(h) == 0 and f.aclrtFreePhysical(h) == 107017
     assert f.aclrtReleaseMemAddress(va) == 0
     assert rt.books() == dict.fromkeys(rt.books(), 0)
+
+
+def test_free_of_a_mapped_handle_waits_for_its_last_unmap(rt: SimRuntime) -> None:
+    """CANN 9: aclrtFreePhysical of a mapped handle succeeds; the memory goes at the unmap."""
+    f = rt.acl
+    (_, a), (_, b), (_, h) = _reserve(rt, MB2), _reserve(rt, MB2), _malloc(rt)
+    assert f.aclrtMapMem(a, MB2, 0, h, 0) == 0 and f.aclrtMapMem(b, MB2, 0, h, 0) == 0
+    rt.as_tensor(a, MB2)[:8].fill_(3)
+    assert f.aclrtFreePhysical(h) == 0
+    assert rt.books()["handles"] == 1 and rt.lib.used_bytes() == MB2  # still held
+    assert int(rt.as_tensor(b, MB2)[:8].sum()) == 24  # and still readable
+    assert f.aclrtFreePhysical(h) == 107017  # freed once
+    assert f.aclrtMapMem(a + 0, MB2, 0, h, 0) == 107017  # a freed handle maps nowhere new
+    assert f.aclrtUnmapMem(a) == 0 and rt.books()["handles"] == 1
+    assert f.aclrtUnmapMem(b) == 0 and rt.books()["handles"] == 0
+    assert rt.lib.used_bytes() == 0
+    assert f.aclrtReleaseMemAddress(a) == 0 and f.aclrtReleaseMemAddress(b) == 0
 
 
 def test_one_handle_at_two_addresses_aliases(rt: SimRuntime) -> None:
@@ -169,9 +238,12 @@ def test_any_call_fails_on_demand(rt: SimRuntime, make_sim) -> None:  # type: ig
 
 
 def test_adapter_retries_reserve_with_flags_one(make_sim) -> None:  # type: ignore[no-untyped-def]
+    """The adapter's flags=1 retry. The acl layer takes 0 and 1 alike and answers 100000 with
+    flags=0 only for a NULL pointer or size 0, which flags=1 cannot fix: on CANN the retry is
+    dead code, reached here only through a simulator that refuses flags=0."""
     backend = make_sim()
     rt = backend.runtime
-    rt.lib.reserve_flags = {1}  # a CANN build that wants the early API's flags=1
+    rt.lib.reserve_flags = {1}  # no CANN build does this: see the docstring
     vm = backend.virtual_memory()
     assert vm.granularity == MB2
     a = vm.reserve(MB2)

@@ -6,7 +6,10 @@ same prototypes to Python functions (`AclFunctions.from_python`), so in both cas
 adapter calls a real C function pointer: argument conversion, the `void**` out-parameters
 and the 32-byte `aclrtPhysicalMemProp` are marshalled the same way.
 
-Sources: CANN `acl_rt.h` / `acl_mdl.h` (the open-source CANN runtime, hicann/runtime).
+Source: CANN `acl_rt.h` of the open-source CANN runtime (hicann/runtime,
+include/external/acl/acl_rt.h), which declares every function below, the model-RI calls
+(aclmdlRICaptureEnd, aclmdlRIDestroy) included; its `acl_mdl.h` is a stub. The memAttr rules
+are the acl layer's (src/acl/aclrt_impl/memory.cpp, aclrtMallocPhysicalImpl).
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ ACL_MEM_HANDLE_TYPE_NONE = 0
 ACL_MEM_ALLOCATION_TYPE_PINNED = 0
 ACL_HBM_MEM_HUGE = 4
 ACL_HBM_MEM_HUGE1G = 10
+ACL_MEM_LOCATION_TYPE_HOST = 0
 ACL_MEM_LOCATION_TYPE_DEVICE = 1
+ACL_MEM_LOCATION_TYPE_UNREGISTERED = 2
+ACL_MEM_LOCATION_TYPE_MANAGED = 3
+ACL_MEM_LOCATION_TYPE_HOST_NUMA = 4
 ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM = 0
 ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
 ACL_MEM_MALLOC_HUGE_FIRST = 0  # aclrtMemMallocPolicy of aclrtMalloc
@@ -30,8 +37,13 @@ ACL_MEM_MALLOC_HUGE_FIRST = 0  # aclrtMemMallocPolicy of aclrtMalloc
 GRANULARITY_2M = 2 << 20  # "currently fixed at 2M" (CANN docs); used when the query is missing
 HUGE_1G = 1 << 30
 
-# memAttr values that name device (HBM) memory; DDR attributes are refused for a device
-HBM_ATTRS = {1, 4, 5, 8, 9, 10, 11}
+# aclrtMemAttr values aclrtMallocPhysical takes for device memory: ACL_HBM_MEM_HUGE (4),
+# ACL_HBM_MEM_NORMAL (5, allocated as HUGE), ACL_HBM_MEM_HUGE1G (10) and the generic
+# ACL_MEM_* (12-17). ACL_DDR_MEM (0), ACL_HBM_MEM (1) and the HBM P2P values (8, 9, 11) have
+# no handler and are refused (100000); the DDR values (2, 3, 6, 7) are host-only.
+HBM_ATTRS = {4, 5, 10, 12, 13, 14, 15, 16, 17}
+DDR_ATTRS = {2, 3, 6, 7}
+HUGE1G_ATTRS = {10, 14, 17}  # 1 GiB pages: ACL_HBM_MEM_HUGE1G, ACL_MEM_HUGE1G, ..._P2P_HUGE1G
 
 
 class aclrtMemLocation(ctypes.Structure):

@@ -29,5 +29,9 @@ def availability() -> Availability:
         True,
         "simulated ACL runtime on the host (no NPU): libascendcl stand-in over memfd VMM, "
         "torch_npu stand-in over recorded-op graphs",
-        {"torch": torch.__version__, "python": platform.python_version()},
+        {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "fused decode": "yes",  # the simulated op and its max-workspace query
+        },
     )

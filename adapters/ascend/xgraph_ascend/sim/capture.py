@@ -6,10 +6,14 @@ and device tasks (kernels of the simulated torch_npu, ExternalEvent waits, reset
 records) as Task items between tape segments. Replay runs the program in order.
 
 Rules kept here (CANN "single-stream capture" rules): an op on the default stream while
-capturing invalidates the capture (107031); a synchronize invalidates it (107030, raised
-by the runtime); a task group must open and close on a capturing stream, not nested
-(107029 / 107033); a graph task update must re-issue, on a stream that is not capturing,
-exactly the group's tasks in count and type (207019), and it replaces their parameters.
+capturing invalidates the capture (107031); a task group must open and close on a capturing
+stream, not nested (107029 / 107033); a graph task update must re-issue, on a stream that is
+not capturing, exactly the group's tasks in count and kernel type, and it replaces their
+parameters. A mismatch fails as the runtime reports it: RT_ERROR_STREAM_TASKGRP_UPDATE
+("task group update error") for a count, RT_ERROR_KERNEL_TYPE ("kernel type error") for a
+type, both surfacing as 507000 ACL_ERROR_RT_INTERNAL_ERROR (hicann/runtime
+context_aclgraph.cc, aix_stars.cc, errcode_manage.cc). 207019 is something else: a driver
+that cannot update the op at all.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ if TYPE_CHECKING:
 STREAM_NOT_CAPTURED = 107029
 CAPTURE_IMPLICIT = 107031
 TASK_GROUP_STATUS = 107033
-UPDATE_MISMATCH = 207019
+INTERNAL_ERROR = 507000  # what a task update that does not match its group fails with
 
 
 @dataclass
@@ -75,12 +79,18 @@ class UpdateSession:
     def finish(self) -> None:
         want = [t.kind for t in self.handle.tasks]
         got = [t.kind for t in self.issued]
-        if want != got:
+        if len(want) != len(got):
+            why = f"task group update error: the update issued {len(got)} task(s) {got}"
+        elif want != got:
+            why = f"kernel type error: the update issued {got}"
+        else:
+            why = ""
+        if why:
             raise AclRuntimeError(
-                UPDATE_MISMATCH,
+                INTERNAL_ERROR,
                 "aclmdlRICaptureTaskUpdateEnd",
-                f"the update issued {got}, the task group holds {want}: an update must "
-                "re-issue the group's tasks, same count and type",
+                f"{why}, the task group holds {want}: an update must re-issue the group's "
+                "tasks, same count and kernel type",
             )
         for old, new in zip(self.handle.tasks, self.issued):
             old.args, old.kwargs = new.args, new.kwargs

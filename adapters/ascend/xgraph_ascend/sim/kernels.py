@@ -6,6 +6,13 @@ sequence attends over its first `seq_lens[i]` cached tokens, in float32. Like th
 its launch is fixed by host values, so a captured launch keeps the capture's lengths until a
 graph task update replaces them. Its numerics are this reference's, not the NPU's (see
 docs/ascend.md: fused-attention numerics are for hardware to check).
+
+It refuses what the real op refuses (op-plugin's torch_npu-npu_fused_infer_attention_score.md
+and the IFA tiling's CheckPABlockSize / CheckInputFormatAndLimits): a query that is not
+float16 or bfloat16, a paged-attention block size that is not a multiple of 16 (32 for an
+int8 cache), a non-contiguous query or cache, a block table that is not int32. The op
+reports bad arguments as 161002 ACLNN_ERR_PARAM_INVALID; which of its checks answer with
+another code (a tiling failure) is not documented, so every refusal here uses 161002.
 """
 
 from __future__ import annotations
@@ -16,13 +23,41 @@ import torch
 
 from ..errors import AclRuntimeError
 
-INVALID_PARAM = 100000
+PARAM_INVALID = 161002  # ACLNN_ERR_PARAM_INVALID
 WORKSPACE_BYTES = 256  # the simulated op's workspace: fixed, like the max-workspace answer
+QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _check(ok: bool, why: str) -> None:
     if not ok:
-        raise AclRuntimeError(INVALID_PARAM, "aclnnFusedInferAttentionScore", why)
+        raise AclRuntimeError(PARAM_INVALID, "aclnnFusedInferAttentionScore", why)
+
+
+def block_multiple(cache_dtype: torch.dtype) -> int:
+    """What the paged cache's block size must be a multiple of (IFA CheckPABlockSize)."""
+    return 32 if cache_dtype == torch.int8 else 16
+
+
+def check_limits(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+) -> None:
+    """The op's input limits that hold whatever the shapes (see the module docstring)."""
+    _check(query.dtype in QUERY_DTYPES, f"query dtype {query.dtype}: only float16/bfloat16")
+    bs = key_cache.shape[1]
+    need = block_multiple(key_cache.dtype)
+    _check(bs % need == 0, f"blocksize {bs} should be {need} aligned ({key_cache.dtype} cache)")
+    _check(
+        key_cache.dtype != torch.int8,
+        "an int8 cache needs antiquant_scale/antiquant_offset, which this launch does not pass",
+    )
+    _check(key_cache.dtype == query.dtype, f"cache {key_cache.dtype}, query {query.dtype}")
+    _check(query.is_contiguous(), "non-contiguous query: not supported")
+    contiguous = key_cache.is_contiguous() and value_cache.is_contiguous()
+    _check(contiguous, "non-contiguous key/value: not supported")
+    _check(block_table.dtype == torch.int32, f"block_table dtype {block_table.dtype}: int32")
 
 
 def fused_infer_attention(
@@ -36,6 +71,7 @@ def fused_infer_attention(
     workspace: torch.Tensor | None,
     scale: float,
 ) -> None:
+    check_limits(query, key_cache, value_cache, block_table)
     b, hq, d = query.shape
     _blocks, bs, hkv, _ = key_cache.shape
     _check(len(seq_lens) == b, f"{len(seq_lens)} sequence lengths for a batch of {b}")

@@ -5,10 +5,14 @@ The functions are built from the same ctypes prototypes the real binding uses
 decodes `void**` out-parameters and `aclrtPhysicalMemProp*` exactly as C would receive them.
 Memory is the CPU backend's memfd VMM (HostVirtualMemory) at a 2 MiB granularity: a physical
 handle is a memfd region, a mapping is mmap(MAP_FIXED|MAP_SHARED), so one handle mapped at two
-addresses really aliases. Every documented rule is enforced (docs/ascend.md, 'rules');
-which code the real driver returns for each misuse is not documented, so the codes chosen
-here are the simulator's (ACL_ERROR_INVALID_PARAM for acl-layer checks, 107008 for an
-unaligned address, 107017 for an unknown handle, 207001 when the device is full).
+addresses really aliases. The rules are those of the acl layer (hicann/runtime
+src/acl/aclrt_impl/memory.cpp: NULL pointers, size 0, flags, the prop's handle and
+allocation types, location and memAttr, all 100000) and of the documentation (offset 0, a
+map covers a whole handle, sizes rounded up to the granularity, a freed handle that is still
+mapped goes at its last unmap); nothing stricter. Which code the closed driver returns for a
+misuse it catches is not documented, so those codes are the simulator's (107000 for a bad
+range or offset, 107008 for an unaligned address, 107017 for an unknown handle, 207001 when
+the device is full).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from xgraph.backends.cpu import HostVirtualMemory
@@ -31,11 +36,32 @@ logger = logging.getLogger("xgraph")
 GRAN = acl.GRANULARITY_2M
 INVALID_PARAM = 100000
 RT_PARAM_INVALID = 107000
+INVALID_DEVICE = 107001
 ADDR_UNALIGNED = 107008
 INVALID_HANDLE = 107017
 MEMORY_ALLOCATION = 207001
 DRV_INTERNAL = 507899
 MISALIGN = 64 << 10  # where a deliberately misaligned reservation starts past the boundary
+# location types aclrtMallocPhysical takes (UNREGISTERED and MANAGED are refused)
+_LOCATIONS = (
+    acl.ACL_MEM_LOCATION_TYPE_HOST,
+    acl.ACL_MEM_LOCATION_TYPE_DEVICE,
+    acl.ACL_MEM_LOCATION_TYPE_HOST_NUMA,
+)
+
+
+def _round_up(size: int, granularity: int) -> int:
+    return -(-size // granularity) * granularity
+
+
+@dataclass
+class _Handle:
+    """A physical allocation: its memfd region (rounded up) and what the caller asked for."""
+
+    chunk: PhysicalChunk
+    size: int  # aclrtMallocPhysical's size: what aclrtMapMem must pass
+    on_device: bool  # this device's HBM (counts against its capacity)
+    freed: bool = False  # aclrtFreePhysical ran while mapped: freed at the last unmap
 
 
 class AclRuleError(Exception):
@@ -56,6 +82,7 @@ class SimAcl:
 
     def __init__(self, device_index: int, capacity: int, faults: Faults) -> None:
         self.device_index = device_index
+        self.device_count = device_index + 1  # valid location ids (other devices: none here)
         self.capacity = capacity
         self.faults = faults
         self.hbm = HostVirtualMemory(granularity=GRAN)
@@ -65,7 +92,7 @@ class SimAcl:
         self.end_capture: Callable[[int], int] = lambda stream: 107029
         self._lock = threading.RLock()
         self._reservations: dict[int, tuple[int, int]] = {}  # va -> (host base, size)
-        self._handles: dict[int, PhysicalChunk] = {}
+        self._handles: dict[int, _Handle] = {}
         self._mapped: dict[int, int] = {}  # va -> handle
         self._mallocs: dict[int, PhysicalChunk] = {}
         self._ris: set[int] = set()
@@ -109,10 +136,12 @@ class SimAcl:
 
     def _aclrtReserveMemAddress(self, va_out, size, alignment, expect, flags) -> int:
         _rule(bool(va_out), INVALID_PARAM, "virPtr is NULL")
-        _rule(size > 0 and size % GRAN == 0, INVALID_PARAM, f"size {size} not a 2 MiB multiple")
-        _rule(alignment == 0, INVALID_PARAM, f"alignment must be 0 (reserved), got {alignment}")
-        _rule(not expect, INVALID_PARAM, "expectPtr must be NULL")
+        _rule(size > 0, INVALID_PARAM, "size is 0")
         _rule(flags in self.reserve_flags, INVALID_PARAM, f"flags {flags} not accepted")
+        _rule(alignment == 0, INVALID_PARAM, f"alignment is reserved (0), got {alignment}")
+        # expectPtr is a hint the driver may honour inside 16T-24T (experimental); the
+        # simulator never does. The size is rounded up to the granularity, not refused.
+        size = _round_up(size, GRAN)
         if self.misaligned_reserves:
             self.misaligned_reserves -= 1
             base = self.hbm.reserve(size + GRAN)
@@ -124,7 +153,8 @@ class SimAcl:
         return 0
 
     def _aclrtReleaseMemAddress(self, va) -> int:
-        _rule(va in self._reservations, RT_PARAM_INVALID, f"{va or 0:#x} is not a reservation")
+        _rule(bool(va), INVALID_PARAM, "virPtr is NULL")
+        _rule(va in self._reservations, RT_PARAM_INVALID, f"{va:#x} is not a reservation")
         base, size = self._reservations[va]
         inside = [a for a in self._mapped if va <= a < va + size]
         _rule(not inside, RT_PARAM_INVALID, f"{len(inside)} mapping(s) still in the range")
@@ -134,86 +164,105 @@ class SimAcl:
 
     def _aclrtMallocPhysical(self, handle_out, size, prop_ptr, flags) -> int:
         _rule(bool(handle_out) and bool(prop_ptr), INVALID_PARAM, "handle or prop is NULL")
-        gran = self._check_prop(prop_ptr.contents)
+        _rule(size > 0, INVALID_PARAM, "size is 0")
         _rule(flags == 0, INVALID_PARAM, f"flags must be 0, got {flags}")
-        _rule(size > 0 and size % gran == 0, INVALID_PARAM, f"size {size} not a multiple of {gran}")
-        _rule(self.used_bytes() + size <= self.capacity, MEMORY_ALLOCATION, "device memory full")
+        gran, on_device = self._check_prop(prop_ptr.contents)
+        rounded = _round_up(size, gran)  # the documented HUGE rule: rounded up, not refused
+        if on_device:
+            full = self.used_bytes() + rounded > self.capacity
+            _rule(not full, MEMORY_ALLOCATION, "device memory full")
         h = self._new_id()
-        self._handles[h] = self.hbm.create(size)
+        self._handles[h] = _Handle(self.hbm.create(rounded), size, on_device)
         handle_out[0] = h
         return 0
 
-    def _check_prop(self, prop: acl.aclrtPhysicalMemProp) -> int:
+    def _check_prop(self, prop: acl.aclrtPhysicalMemProp) -> tuple[int, bool]:
+        """The acl layer's checks of a prop: (granularity, whether it is this device's HBM)."""
         _rule(prop.handleType == acl.ACL_MEM_HANDLE_TYPE_NONE, INVALID_PARAM, "handleType")
         _rule(
             prop.allocationType == acl.ACL_MEM_ALLOCATION_TYPE_PINNED,
             INVALID_PARAM,
             "allocationType must be PINNED",
         )
-        _rule(prop.memAttr in acl.HBM_ATTRS, INVALID_PARAM, f"memAttr {prop.memAttr} is not HBM")
-        _rule(
-            prop.location.type == acl.ACL_MEM_LOCATION_TYPE_DEVICE,
-            INVALID_PARAM,
-            f"location.type {prop.location.type} is not DEVICE",
-        )
-        _rule(
-            prop.location.id == self.device_index,
-            INVALID_PARAM,
-            f"location.id {prop.location.id} is not device {self.device_index}",
-        )
-        _rule(prop.reserve == 0, INVALID_PARAM, "reserve must be 0")
-        huge1g = prop.memAttr in (acl.ACL_HBM_MEM_HUGE1G, 11)
-        return acl.HUGE_1G if huge1g else GRAN
+        where = prop.location.type
+        _rule(where in _LOCATIONS, INVALID_PARAM, f"location type {where} is not supported")
+        device = where == acl.ACL_MEM_LOCATION_TYPE_DEVICE
+        attr = prop.memAttr
+        ddr_on_device = device and attr in acl.DDR_ATTRS
+        _rule(not ddr_on_device, INVALID_PARAM, f"memAttr {attr} is host (DDR) memory only")
+        known = attr in acl.HBM_ATTRS | acl.DDR_ATTRS
+        _rule(known, INVALID_PARAM, f"memAttr {attr} is not supported")
+        if device:
+            valid = prop.location.id < self.device_count
+            _rule(valid, INVALID_DEVICE, f"location.id {prop.location.id} names no device")
+        # prop.reserve goes to the driver unchecked
+        gran = acl.HUGE_1G if attr in acl.HUGE1G_ATTRS else GRAN
+        return gran, device and prop.location.id == self.device_index
 
     def _aclrtFreePhysical(self, h) -> int:
-        _rule(h in self._handles, INVALID_HANDLE, f"handle {h or 0:#x} is not live")
-        mapped = [a for a, x in self._mapped.items() if x == h]
-        _rule(not mapped, RT_PARAM_INVALID, f"handle still mapped at {len(mapped)} address(es)")
-        self.hbm.free(self._handles.pop(h))
+        _rule(bool(h), INVALID_PARAM, "handle is NULL")
+        rec = self._handles.get(h)
+        _rule(rec is not None and not rec.freed, INVALID_HANDLE, f"handle {h:#x} is not live")
+        assert rec is not None
+        if any(x == h for x in self._mapped.values()):
+            rec.freed = True  # CANN 9: the memory goes when its last mapping is unmapped
+        else:
+            self._drop_handle(h)
         return 0
 
+    def _drop_handle(self, h: int) -> None:
+        self.hbm.free(self._handles.pop(h).chunk)
+
     def _aclrtMapMem(self, va, size, offset, h, flags) -> int:
-        _rule(offset == 0 and flags == 0, INVALID_PARAM, "offset and flags must be 0")
-        _rule(h in self._handles, INVALID_HANDLE, f"handle {h or 0:#x} is not live")
-        chunk = self._handles[h]
+        _rule(bool(va) and bool(h), INVALID_PARAM, "virPtr or handle is NULL")
+        _rule(size > 0, INVALID_PARAM, "size is 0")
+        _rule(flags == 0, INVALID_PARAM, f"flags must be 0, got {flags}")
+        rec = self._handles.get(h)
+        _rule(rec is not None and not rec.freed, INVALID_HANDLE, f"handle {h:#x} is not live")
+        assert rec is not None
+        # the driver's checks (their codes are not documented: 107000 is the simulator's)
+        _rule(offset == 0, RT_PARAM_INVALID, f"offset must be 0, got {offset}")
         _rule(
-            size == chunk.size,
-            INVALID_PARAM,
-            f"size {size} is not the handle's {chunk.size}: a map covers a whole handle",
+            size == rec.size,
+            RT_PARAM_INVALID,
+            f"size {size} is not the handle's {rec.size}: a map covers a whole handle",
         )
-        va = va or 0
+        span = rec.chunk.size
         _rule(va % GRAN == 0, ADDR_UNALIGNED, f"{va:#x} is not 2 MiB aligned")
-        inside = any(s <= va and va + size <= s + n for s, (_, n) in self._reservations.items())
-        _rule(inside, RT_PARAM_INVALID, f"[{va:#x}, +{size}) is not inside a reservation")
+        inside = any(s <= va and va + span <= s + n for s, (_, n) in self._reservations.items())
+        _rule(inside, RT_PARAM_INVALID, f"[{va:#x}, +{span}) is not inside a reservation")
         for a, other in self._mapped.items():
-            n = self._handles[other].size
-            _rule(not (a < va + size and va < a + n), RT_PARAM_INVALID, f"overlaps {a:#x}")
-        self.hbm.map(va, chunk)
+            n = self._handles[other].chunk.size
+            _rule(not (a < va + span and va < a + n), RT_PARAM_INVALID, f"overlaps {a:#x}")
+        self.hbm.map(va, rec.chunk)
         self._mapped[va] = h
         return 0
 
     def _aclrtUnmapMem(self, va) -> int:
-        _rule(va in self._mapped, RT_PARAM_INVALID, f"nothing is mapped at {va or 0:#x}")
+        _rule(bool(va), INVALID_PARAM, "virPtr is NULL")
+        _rule(va in self._mapped, RT_PARAM_INVALID, f"nothing is mapped at {va:#x}")
         if self.busy():
             self.violations.append(
                 f"aclrtUnmapMem({va:#x}) while queued device work may still use it "
                 "(synchronize before unmapping)"
             )
         self.hbm.unmap(va)
-        del self._mapped[va]
+        h = self._mapped.pop(va)
+        if self._handles[h].freed and h not in self._mapped.values():
+            self._drop_handle(h)
         return 0
 
     def _aclrtMemGetAllocationGranularity(self, prop_ptr, option, out) -> int:
         _rule(bool(prop_ptr) and bool(out), INVALID_PARAM, "prop or granularity is NULL")
         _rule(option in (0, 1), INVALID_PARAM, f"option {option}")
-        out[0] = self._check_prop(prop_ptr.contents)
+        out[0] = self._check_prop(prop_ptr.contents)[0]
         return 0
 
     # -- plain device memory (what torch_npu's caching allocator uses) --------------------
 
     def _aclrtMalloc(self, ptr_out, size, policy) -> int:
         _rule(bool(ptr_out) and size > 0, INVALID_PARAM, "devPtr NULL or size 0")
-        size = -(-size // GRAN) * GRAN
+        size = _round_up(size, GRAN)
         _rule(self.used_bytes() + size <= self.capacity, MEMORY_ALLOCATION, "device memory full")
         va = self.hbm.reserve(size)
         chunk = self.hbm.create(size)
@@ -263,9 +312,8 @@ class SimAcl:
 
     def used_bytes(self) -> int:
         with self._lock:
-            return sum(c.size for c in self._handles.values()) + sum(
-                c.size for c in self._mallocs.values()
-            )
+            held = sum(h.chunk.size for h in self._handles.values() if h.on_device)
+            return held + sum(c.size for c in self._mallocs.values())
 
     def books(self) -> dict[str, int]:
         """Live objects of each kind (a leak shows as a count that does not go back)."""

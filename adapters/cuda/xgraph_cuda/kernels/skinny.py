@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # above this cuBLAS's tensor-core tiles win (docs/benchmarks.md, skinny linear)
+MAX_ROWS = 4  # above this cuBLAS's tensor-core tiles win
 NARROW = 2048  # from 2 rows on, only outputs this narrow gain (cuBLAS idles SMs on them)
 
 
@@ -70,9 +70,10 @@ class Config(NamedTuple):
 
 def pick(m: int, n: int, k: int) -> Config:
     """Tiles for an [m, k] x [n, k]^T product, from a sweep on an H200 over the reference
-    shapes (scripts/probe_skinny_linear.py): two columns a program below 4096 outputs (two
-    or more programs per SM), eight above; K in steps of up to 1024, a product tile (rows x
-    columns x k) of at most 16384 float32 values; four warps, four pipeline stages."""
+    shapes (adapters/cuda/tools/probe_skinny_linear.py): two columns a program below 4096
+    outputs (two or more programs per SM), eight above; K in steps of up to 1024, a product
+    tile (rows x columns x k) of at most 16384 float32 values; four warps, four pipeline
+    stages."""
     block_m = triton.next_power_of_2(m)
     block_n = 8 if n >= 4096 else 2
     block_k = max(64, min(1024, 16384 // (block_m * block_n), triton.next_power_of_2(k)))

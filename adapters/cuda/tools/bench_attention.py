@@ -8,7 +8,7 @@ single sequences; eager (what a step pays, host included) and replayed from a gr
 planned step (device time). Qwen3-0.6B attention shapes (16 q heads, 8 kv heads, dim 128), bf16,
 16-token blocks. Times are per runner call (one layer), from torch.cuda.Event pairs.
 
-    python scripts/bench_attention.py --json out/bench_attention.json
+    python adapters/cuda/tools/bench_attention.py --json out/attention.json
 
 Every row runs on its own: a failure is recorded in its row and the rest still run; after a
 sticky CUDA error (the context is lost) the remaining rows run in fresh processes.

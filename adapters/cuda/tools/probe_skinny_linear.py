@@ -1,6 +1,6 @@
 """Skinny linear against cuBLAS, inside CUDA graphs, on the reference model's projections.
 
-    python scripts/probe_skinny_linear.py out.json [sweep,step,chain] [model]
+    python adapters/cuda/tools/probe_skinny_linear.py out.json [sweep,step,chain] [--model M]
 
 For each projection of the reference shape (qkv, o, gate_up, down) and each row count
 1, 4, 8, 16: 28 distinct weights (one per layer, so nothing stays in L2) are applied in one
@@ -15,6 +15,7 @@ between them.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import json
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 from xgraph_cuda.kernels import skinny
 
-from xgraph.models.qwen3_config import Qwen3Config
+from xgraph.models import Qwen3Config
 
 LAYERS, REPS = 28, 20
 ROWS = (1, 4, 8, 16)
@@ -65,8 +66,8 @@ def each_own(fns: list[Callable], pairs: list[tuple[torch.Tensor, torch.Tensor]]
 
 def sweep_configs(m: int) -> list[skinny.Config]:
     """Tiles: columns a program, K a step, pipeline stages; product tiles of at most 16384
-    float32 values. (The variants swept at commit b7d6868, one sum at the end and a
-    tensor-core dot, won nothing: docs/benchmarks.md.)"""
+    float32 values. (Two more variants of the kernel, one sum over K at the end and a
+    tensor-core dot with the rows padded to 16, were swept this way and won nothing.)"""
     bm = 1 << (m - 1).bit_length()
     return [
         skinny.Config(bn, bk, 4, st)
@@ -162,8 +163,7 @@ def layers(lin: Callable, h0: torch.Tensor, weights: dict, c: Qwen3Config) -> to
 
 def chain(weights: dict, c: Qwen3Config) -> dict:
     """The dependent chain per row count, cuBLAS against the kernel where it serves.
-    (Launching the kernel as a programmatic dependent, PDL, was measured at commit 646ce63:
-    slower, docs/benchmarks.md.)"""
+    (Launching the kernel as a programmatic dependent, PDL, measured slower in this chain.)"""
     res = {}
     for m in (1, 4):
         h0 = torch.randn(m, c.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -175,10 +175,27 @@ def chain(weights: dict, c: Qwen3Config) -> dict:
     return res
 
 
-def main() -> None:
-    path = sys.argv[1]
-    sections = (sys.argv[2] if len(sys.argv) > 2 else "sweep,step,chain").split(",")
-    c = Qwen3Config.named(sys.argv[3] if len(sys.argv) > 3 else "qwen3-0.6b")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("json", help="write the results here (rewritten as the sweep goes)")
+    p.add_argument(
+        "sections",
+        nargs="?",
+        default="sweep,step,chain",
+        help="comma list of sweep, step (needs sweep), chain",
+    )
+    p.add_argument("--model", default="qwen3-0.6b", help="the reference shape")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("probe_skinny_linear: needs a CUDA GPU; torch.cuda.is_available() is False.")
+        return 2
+    path = args.json
+    sections = args.sections.split(",")
+    c = Qwen3Config.named(args.model)
     shapes = projections(c)
     weights = {
         s: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
@@ -193,7 +210,8 @@ def main() -> None:
         out["chain"] = chain(weights, c)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The docs and tools stay as laid out: links resolve, benchmarks.md is a document (dated runs
+go to the results log), scripts/ holds only the device runner, and no package imports it."""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import re
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOG = "docs/results/LOG.md"
+PRODUCT_SCRIPTS = {"device.sh"}  # the GPU runner: every check and benchmark on a GPU machine
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
+
+
+def _read(name: str) -> str:
+    with open(os.path.join(ROOT, name)) as f:
+        return f.read()
+
+
+def _documents() -> list[str]:
+    names = ["README.md", LOG, *glob.glob("docs/*.md", root_dir=ROOT)]
+    return sorted({*names, *glob.glob("adapters/*/README.md", root_dir=ROOT)})
+
+
+def _unfenced(text: str) -> str:
+    """The text outside fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks and inline code spans."""
+    return re.sub(r"`[^`\n]*`", "", _unfenced(text))
+
+
+def _headings(text: str) -> list[str]:
+    return re.findall(r"^#{1,6} +(.+?) *$", _unfenced(text), re.M)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _links(name: str) -> list[str]:
+    return re.findall(r"\]\(([^)\s]+)\)", _prose(_read(name)))
+
+
+@pytest.mark.parametrize("name", _documents())
+def test_every_relative_link_resolves(name):
+    bad = []
+    for link in _links(name):
+        if re.match(r"[a-z]+:", link):  # http:, https:, mailto:
+            continue
+        path, _, anchor = link.partition("#")
+        target = os.path.normpath(os.path.join(os.path.dirname(name), path)) if path else name
+        if not os.path.exists(os.path.join(ROOT, target)):
+            bad.append(f"{link}: no file {target}")
+        elif anchor and target.endswith(".md"):
+            if anchor not in {_anchor(h) for h in _headings(_read(target))}:
+                bad.append(f"{link}: no heading #{anchor} in {target}")
+    assert not bad, f"{name}: broken links:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", _documents())
+def test_every_results_path_named_in_code_spans_exists(name):
+    paths = re.findall(r"`(docs/results/[^`\s]*)`", _read(name))
+    missing = [p for p in paths if not os.path.exists(os.path.join(ROOT, p))]
+    assert not missing, f"{name} names results that are not there: {missing}"
+
+
+def test_benchmarks_md_has_no_dated_pass_headings():
+    dated = [
+        h
+        for h in _headings(_read("docs/benchmarks.md"))
+        if DATE.search(h) or re.search(r"\bpass\b|\brun \d", h, re.I)
+    ]
+    assert not dated, f"dated runs belong in {LOG}, not docs/benchmarks.md: {dated}"
+
+
+def test_results_log_entries_are_dated_oldest_first():
+    entries = re.findall(r"^## +(.+)$", _read(LOG), re.M)
+    assert entries, f"{LOG} has no entries"
+    undated = [e for e in entries if not re.match(r"\d{4}-\d{2}-\d{2}: ", e)]
+    assert not undated, f"every entry of {LOG} starts with its date: {undated}"
+    dates = [e[:10] for e in entries]
+    assert dates == sorted(dates), f"{LOG} is append-only, oldest first: {dates}"
+
+
+def test_hardware_md_is_a_table_without_history():
+    text = _read("docs/hardware.md")
+    assert "| backend | machine |" in text
+    prose = [p for p in re.split(r"\n\s*\n", text) if not p.lstrip().startswith(("|", "#", "-"))]
+    narrated = [p for p in prose if DATE.search(p) or re.search(r"\b[0-9a-f]{7}\b", p)]
+    assert not narrated, f"dates and commits go in the table or the log: {narrated}"
+
+
+def test_scripts_holds_only_the_device_runner():
+    assert set(os.listdir(os.path.join(ROOT, "scripts"))) == PRODUCT_SCRIPTS
+
+
+def test_device_runner_parses_and_calls_files_that_exist():
+    subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts/device.sh")], check=True)
+    called = re.findall(r"python3 +\\?\s*([\w/.-]+\.py)", _read("scripts/device.sh"))
+    assert called, "device.sh runs the CUDA adapter's tools"
+    missing = [p for p in called if not os.path.exists(os.path.join(ROOT, p))]
+    assert not missing, f"device.sh calls files that are not there: {missing}"
+
+
+def test_every_device_runner_stage_is_documented():
+    stages = set(re.findall(r"\bhas ([\w-]+) *(?:&&|\|\|)", _read("scripts/device.sh")))
+    table = _read("docs/benchmarks.md")
+    undocumented = sorted(s for s in stages if f"| `{s}` |" not in table)
+    assert not undocumented, f"stages missing from docs/benchmarks.md's stage table: {undocumented}"
+
+
+def _python_files() -> list[str]:
+    return sorted(
+        glob.glob("xgraph/**/*.py", root_dir=ROOT, recursive=True)
+        + glob.glob("adapters/**/*.py", root_dir=ROOT, recursive=True)
+    )
+
+
+def test_no_package_imports_from_scripts():
+    importers = []
+    for name in _python_files():
+        for node in ast.walk(ast.parse(_read(name), name)):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules = [node.module or ""]
+            else:
+                continue
+            if any(m == "scripts" or m.startswith("scripts.") for m in modules):
+                importers.append(f"{name}:{node.lineno}")
+    assert not importers, f"product code imports from scripts/: {importers}"

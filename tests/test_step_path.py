@@ -40,8 +40,9 @@ class Reference:
     """The persistent buffers as the step path's specification says a step leaves them:
     every input at its prefix and `fill` to the key's extent; slots then the dummy slot;
     seq_lens, then 1 for each padded sequence (a full graph pads the sequences to the
-    bucket); query starts of one token per padded sequence; table rows then the dummy
-    block, padded rows the dummy block throughout. Outside the step's extents: unchanged."""
+    bucket), each padded sequence as long as the step's query length (1 in decode); query
+    starts accordingly; table rows then the dummy block, padded rows the dummy block
+    throughout. Outside the step's extents: unchanged."""
 
     def __init__(self, planner) -> None:
         self.bufs = {name: v.clone() for name, v in planner.staged.items()}
@@ -53,15 +54,16 @@ class Reference:
         ql = [int(q) for q in step.attn.query_lens]
         sl = [int(s) for s in step.attn.seq_lens]
         n = len(ql)
-        b = tb if full else n
+        pad_q = ql[0] if full else 1
+        b = tb // pad_q if full else n
         for name, value in (("input_ids", step.input_ids), ("positions", step.positions)):
             self.bufs[name][:tb] = 0
             self.bufs[name][:t] = value
         slots = torch.as_tensor(step.attn.slot_mapping).reshape(-1).tolist()
         self.bufs["slot_mapping"][:tb] = torch.tensor(slots + [a.dummy_slot] * (tb - t))
-        self.bufs["seq_lens"][:b] = torch.tensor(sl + [1] * (b - n))
+        self.bufs["seq_lens"][:b] = torch.tensor(sl + [pad_q] * (b - n))
         starts = [0]
-        for q in ql + [1] * (b - n):
+        for q in ql + [pad_q] * (b - n):
             starts.append(starts[-1] + q)
         self.bufs["query_start_loc"][: b + 1] = torch.tensor(starts)
         width = a.max_blocks_per_seq
@@ -127,16 +129,29 @@ def test_valid_steps_stage_what_the_reference_stages(w, planner, seed, steps):
         step = form(w, random_step(w, rng), rng)
         at_least = rng.choice([None, rng.randint(step.num_tokens, 16)])
         planned = plan(planner, step, pad_to=at_least and {"num_tokens": at_least})
-        full = all(int(q) == 1 for q in step.attn.query_lens)
-        tb = xgraph.Buckets(BUCKETS).pad(max(step.num_tokens, at_least or 0))
-        assert planned.key == ("full" if full else "piecewise", tb)
+        full, tb, key = expected_key(step, at_least or 0)
+        assert planned.key == key
         md = planned.metadata
-        assert (md.num_tokens, md.num_seqs) == (
-            (tb, tb) if full else (step.num_tokens, len(step.attn.query_lens))
-        )
+        n = len(step.attn.query_lens)
+        q = int(step.attn.query_lens[0])
+        assert (md.num_tokens, md.num_seqs) == ((tb, tb // q) if full else (step.num_tokens, n))
         assert list(md.seq_lens_host) == planned.metadata.seq_lens[: md.num_seqs].tolist()
         ref.stage(step, tb, full)
         ref.assert_equal(planner)
+
+
+def expected_key(step: Step, at_least: int) -> tuple[bool, int, tuple]:
+    """(full graph, padded tokens, key): one query length q for every sequence makes a full
+    graph of the sequences padded to a bucket, q tokens each, where that fits the buckets."""
+    b = xgraph.Buckets(BUCKETS)
+    ql = [int(q) for q in step.attn.query_lens]
+    q = ql[0]
+    if ql.count(q) == len(ql):
+        sb = b.pad(max(len(ql), -(-at_least // q)))
+        if sb is not None and sb * q <= b.max:
+            return True, sb * q, ("full", sb * q) if q == 1 else ("full", sb * q, q)
+    tb = b.pad(max(step.num_tokens, at_least))
+    return False, tb, ("piecewise", tb)
 
 
 def corrupt(w: Workload, step: Step, rng: random.Random, how: str) -> tuple[Step, str]:

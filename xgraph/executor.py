@@ -147,6 +147,7 @@ class GraphExecutor:
             mode=self.mode,
             on_overflow=Fallback.parse(on_overflow, "on_overflow"),
             copier=self.backend.host_copier,
+            full_query_len=self.decode_runner.max_query_len if self.decode_runner else 1,
         )
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self.memory = GraphMemory.of(self.backend, memory)
@@ -396,18 +397,21 @@ class GraphExecutor:
         sizes: Iterable[int] | None = None,
         kind: Kind | str = Kind.FULL,
         progress: bool = True,
+        query_len: int = 1,
         **key_dims: int,
     ) -> None:
         """Capture graphs before serving: one per num_tokens size, in the order given.
 
         Default: every bucket, largest first (what a shared native pool needs). Each capture
         runs on a synthetic step that touches only the dummy slot and block; `key_dims` fix
-        the sizes of other shape-determining dims.
+        the sizes of other shape-determining dims. `query_len` > 1 captures the full graphs
+        of steps with that many tokens per sequence; sizes then count sequences.
         """
         k = Kind.parse(kind, "kind")
         if k is Kind.EAGER:
             raise XGraphError("kind='eager': choose 'full' or 'piecewise'.")
-        self._synthetic(sizes, k, k, f"{self.name}: capturing {k.value} graphs", progress, key_dims)
+        what = f"{self.name}: capturing {k.value} graphs"
+        self._synthetic(sizes, k, k, what, progress, key_dims, query_len)
 
     def warm_up(
         self, sizes: Iterable[int] | None = None, kind: Kind | str = Kind.FULL, **key_dims: int
@@ -427,10 +431,13 @@ class GraphExecutor:
         what: str,
         progress: bool,
         key_dims: dict[str, int],
+        query_len: int = 1,
     ) -> None:
         todo = list(sizes) if sizes is not None else sorted(self.buckets.sizes, reverse=True)
+        if sizes is None and query_len > 1:
+            todo = [n for n in todo if n * query_len <= self.buckets.max]
         for n in show_progress(todo, what, progress):
-            tensors, attn = self.planner.synthetic(n, layout, key_dims)
+            tensors, attn = self.planner.synthetic(n, layout, key_dims, query_len)
             with self._exclusive("capture"):
                 self._run(self.planner.plan(tensors, attn, kind=run, synthetic=True))
 

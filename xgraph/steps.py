@@ -247,7 +247,7 @@ class StepPlanner:
             kind = Kind.PIECEWISE
         if kind is Kind.FULL and q > 1 and self._sequences(step, q, pad_to) is None:
             if forced is Kind.FULL or self.mode is Mode.FULL:
-                self._overflow(step, NUM_TOKENS, self.buckets.max, pad_to)
+                self._overflow(step, NUM_TOKENS, self.buckets.max, pad_to, q)
                 return
             kind = Kind.PIECEWISE  # a piecewise graph serves it, at other padded sizes
         try:
@@ -310,11 +310,13 @@ class StepPlanner:
         return padded
 
     def _overflow(
-        self, step: Step, dim: str, largest: int, pad_to: Mapping[str, int] | None
+        self, step: Step, dim: str, largest: int, pad_to: Mapping[str, int] | None, q: int = 1
     ) -> None:
         n = step.sizes[dim]
         forced = pad_to.get(dim) if pad_to else None
         what = f"{dim}={n}" + (f" padded to at least {forced}" if forced and forced > n else "")
+        if q > 1:  # a full graph of q tokens per sequence pads the sequences to a bucket
+            what += f" ({n // q} sequences of {q} tokens, their count padded to a bucket)"
         if self.on_overflow is Fallback.RAISE:
             raise BucketOverflowError(
                 f"{self.name}: {what} is above the largest bucket {largest}. Raise the "
@@ -333,14 +335,30 @@ class StepPlanner:
     # -- synthetic steps (pre-capture) -----------------------------------------------------
 
     def synthetic(
-        self, n: int, kind: Kind, key_dims: Mapping[str, int]
+        self, n: int, kind: Kind, key_dims: Mapping[str, int], query_len: int = 1
     ) -> tuple[dict[str, torch.Tensor], AttentionInputs | None]:
-        """Inputs of `n` tokens that touch only the dummy slot and block."""
+        """Inputs that touch only the dummy slot and block: `n` tokens, or for a full graph
+        of `query_len` > 1, n sequences of that many tokens."""
+        if query_len > 1:
+            if kind is not Kind.FULL or not 1 < query_len <= self.full_query_len:
+                raise XGraphError(
+                    f"{self.name}: query_len={query_len} names full graphs of that many tokens "
+                    f"per sequence; the decode runner serves 1 to {self.full_query_len} "
+                    "(kind='full')."
+                )
+            attn = self._synthetic_query(n, query_len)
+            return self._synthetic_inputs(n * query_len, key_dims), attn
+        tensors = self._synthetic_inputs(n, key_dims)
+        if self.attention is None:
+            return tensors, None
+        return tensors, self._synthetic_attention(n, decode=kind is Kind.FULL)
+
+    def _synthetic_inputs(self, n: int, key_dims: Mapping[str, int]) -> dict[str, torch.Tensor]:
         sizes = {NUM_TOKENS: n, **key_dims}
         for name, d in self.dims.items():
             default = n if d.pad_like == NUM_TOKENS else (d.buckets[0] if d.buckets else 1)
             sizes.setdefault(name, default)
-        tensors = {
+        return {
             spec.name: torch.full(
                 [s if isinstance(s, int) else sizes[s] for s in spec.shape],
                 spec.fill,
@@ -348,9 +366,6 @@ class StepPlanner:
             )
             for spec in self.inputs
         }
-        if self.attention is None:
-            return tensors, None
-        return tensors, self._synthetic_attention(n, decode=kind is Kind.FULL)
 
     def _synthetic_attention(self, n: int, decode: bool) -> AttentionInputs:
         """Decode: n single-token sequences. Piecewise: as few sequences as the block-table
@@ -363,3 +378,10 @@ class StepPlanner:
         lens = [per_seq] * (n // per_seq) + ([n % per_seq] if n % per_seq else [])
         tables = [[a.dummy_block] * -(-q // a.block_size) for q in lens]
         return AttentionInputs(lens, lens, tables, [a.dummy_slot] * n)
+
+    def _synthetic_query(self, n: int, q: int) -> AttentionInputs:
+        """n sequences of q tokens over the dummy block (seq_len q)."""
+        a = self.attention
+        assert a is not None
+        row = [a.dummy_block] * -(-q // a.block_size)
+        return AttentionInputs([q] * n, [q] * n, [row] * n, [a.dummy_slot] * (n * q))

@@ -47,7 +47,7 @@ def key(q: int, n: int) -> tuple:
 
 def test_verification_steps_run_as_full_graphs_equal_to_eager():
     ex_w, ref_w, pre_w = workloads()
-    ex = ex_w.executor(backend="cpu", buckets=BUCKETS, on_capture_error="raise")
+    ex = ex_w.executor(backend="cpu", buckets=BUCKETS, attention=ex_w.attention(max_query_len=8))
     rng = random.Random(0)
     plan = [(2, 3), (3, 5), (4, 2), (5, 3), (3, 4), (2, 1), (1, 6), (5, 2), (3, 8)]
     for q, n in plan:
@@ -70,7 +70,7 @@ def test_verification_steps_run_as_full_graphs_equal_to_eager():
 
 def test_several_query_lengths_share_one_executor_and_count_their_replays():
     ex_w, ref_w, _ = workloads()
-    ex = ex_w.executor(backend="cpu", buckets=BUCKETS, on_capture_error="raise")
+    ex = ex_w.executor(backend="cpu", buckets=BUCKETS, attention=ex_w.attention(max_query_len=8))
     rng = random.Random(1)
     for _ in range(3):
         for q in (2, 3, 1):
@@ -86,7 +86,7 @@ def test_several_query_lengths_share_one_executor_and_count_their_replays():
 
 def test_verification_graphs_are_captured_ahead():
     w = workloads(1)[0]
-    ex = w.executor(backend="cpu", buckets=BUCKETS, on_capture_error="raise")
+    ex = w.executor(backend="cpu", buckets=BUCKETS, attention=w.attention(max_query_len=8))
     before = [t.clone() for t in w.cache.real()]
     ex.capture([4, 2], query_len=3, progress=False)
     assert ex.stats()["keys"] == [("full", 12, 3), ("full", 6, 3)]
@@ -96,8 +96,8 @@ def test_verification_graphs_are_captured_ahead():
     assert ex.stats()["hits"][("full", 12, 3)] == 1
     ex.capture(query_len=5, progress=False)  # every bucket whose sequences times 5 fit
     assert {k for k in ex.stats()["keys"] if k[-1] == 5} == {("full", 5 * s, 5) for s in (1, 2, 4)}
-    with pytest.raises(xgraph.XGraphError, match="query_len=17"):
-        ex.capture([1], query_len=17, progress=False)
+    with pytest.raises(xgraph.XGraphError, match="query_len=9"):
+        ex.capture([1], query_len=9, progress=False)
     ex.close()
 
 
@@ -105,23 +105,38 @@ class SingleTokenRunner(PagedDecodeRunner):
     max_query_len = 1  # a decode runner that serves one token per sequence only
 
 
-def test_steps_a_full_graph_cannot_take_run_piecewise():
+def test_without_max_query_len_or_past_it_verification_runs_piecewise():
     w = workloads(1)[0]
     rng = random.Random(3)
+    ex = w.executor(backend="cpu", buckets=BUCKETS)  # max_query_len=1: decode only
+    ex(**verify_step(w, rng, 3, 2).kwargs())
+    ex(**verify_step(w, rng, 9, 2).kwargs())
+    assert ex.stats()["keys"] == [("piecewise", 32), ("piecewise", 8)]
+    ex.close()
+    ex = w.executor(backend="cpu", buckets=BUCKETS, attention=w.attention(max_query_len=4))
+    ex(**verify_step(w, rng, 5, 2).kwargs())  # past max_query_len
+    ex(**verify_step(w, rng, 4, 5).kwargs())  # 8 sequences x 4 = 32: fits
+    ex(**verify_step(w, rng, 3, 9).kwargs())  # 16 sequences x 3 > 32: no full graph fits
+    assert ex.stats()["keys"] == [("full", 32, 4), ("piecewise", 16), ("piecewise", 32)]
+    ex.close()
     ex = w.executor(
         backend="cpu",
         buckets=BUCKETS,
-        attention=w.attention(decode_runner=SingleTokenRunner()),
-        on_capture_error="raise",
+        mode="full",
+        on_overflow="raise",
+        attention=w.attention(max_query_len=4),
     )
-    ex(**verify_step(w, rng, 3, 2).kwargs())
-    assert ex.stats()["keys"] == [("piecewise", 8)]
+    with pytest.raises(xgraph.BucketOverflowError, match="9 sequences of 3 tokens"):
+        ex(**verify_step(w, rng, 3, 9).kwargs())
     ex.close()
-    ex = w.executor(backend="cpu", buckets=BUCKETS, on_capture_error="raise")
-    ex(**verify_step(w, rng, 5, 5).kwargs())  # 8 sequences x 5 > 32: no full graph fits
-    assert ex.stats()["keys"] == [("piecewise", 32)]
-    ex.close()
-    ex = w.executor(backend="cpu", buckets=BUCKETS, mode="full", on_overflow="raise")
-    with pytest.raises(xgraph.BucketOverflowError, match="5 sequences of 5 tokens"):
-        ex(**verify_step(w, rng, 5, 5).kwargs())
-    ex.close()
+
+
+def test_a_decode_runner_that_serves_fewer_tokens_is_refused_at_construction():
+    w = workloads(1)[0]
+    with pytest.raises(xgraph.XGraphError, match="serves full graphs of up to 1 tokens"):
+        w.executor(
+            backend="cpu",
+            attention=w.attention(decode_runner=SingleTokenRunner(), max_query_len=3),
+        )
+    with pytest.raises(xgraph.XGraphError, match="max_query_len=0"):
+        w.attention(max_query_len=0)

@@ -147,7 +147,7 @@ class GraphExecutor:
             mode=self.mode,
             on_overflow=Fallback.parse(on_overflow, "on_overflow"),
             copier=self.backend.host_copier,
-            full_query_len=self.decode_runner.max_query_len if self.decode_runner else 1,
+            full_query_len=attention.max_query_len if attention else 1,
         )
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self.memory = GraphMemory.of(self.backend, memory)
@@ -176,6 +176,12 @@ class GraphExecutor:
                 f"{type(decode).__name__} is not graph-safe, so decode cannot run as a full "
                 f"graph (mode={self.mode.value!r}). Pass a graph-safe decode_runner, or use "
                 "mode='piecewise'."
+            )
+        if attention.max_query_len > decode.max_query_len:
+            raise XGraphError(
+                f"PagedAttention(max_query_len={attention.max_query_len}): the decode runner "
+                f"{type(decode).__name__} serves full graphs of up to {decode.max_query_len} "
+                "tokens per sequence. Lower max_query_len or pass a runner that serves it."
             )
         return decode, prefill
 

@@ -87,7 +87,7 @@ class PagedDecodeRunner(PlannedRunner):
     """
 
     graph_safe = True
-    max_query_len = 16
+    max_query_len = 8
 
     def run(
         self,

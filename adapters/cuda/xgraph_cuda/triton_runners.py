@@ -109,7 +109,7 @@ class TritonPagedDecodeRunner(PlannedRunner):
     """
 
     graph_safe = True
-    max_query_len = 16
+    max_query_len = 8
 
     def __init__(self, num_splits: int | None = None) -> None:
         super().__init__()

@@ -3,11 +3,11 @@
 Every persistent input (token ids, positions, slot mapping, sequence lengths, block tables,
 user-declared extras) is a view of one device tensor sized for the largest bucket; graphs
 read slices of those views, so their addresses never change. A step writes its host values
-into the twin views in pinned host memory and then one asynchronous copy moves the touched
-prefix to the device, through a `HostCopier`: the backend's own where it has a cheaper one
-(`Backend.host_copier`), else a torch copy and an event. The CPU backend keeps a twin as
-well (its copy is a memcpy). Values already on the device are written on the device after
-that copy.
+into the twin views in pinned host memory (one of two banks, taken in turn) and then one
+asynchronous copy moves the touched prefix to the device, through a `HostCopier`: the
+backend's own where it has a cheaper one (`Backend.host_copier`), else a torch copy and an
+event. The CPU backend keeps twins as well (its copy is a memcpy). Values already on the
+device are written on the device after that copy.
 
 Host writes go through numpy views of the twin: on the per-step path a numpy slice
 assignment costs well under a microsecond where a torch op on a small CPU tensor costs
@@ -73,8 +73,28 @@ def _nbytes(s: BufferSpec) -> int:
     return _numel(s.shape) * torch.empty((), dtype=s.dtype).element_size()
 
 
+@dataclass
+class Bank:
+    """One host twin of the packed buffer, its numpy and torch views, and the copier that
+    sends it."""
+
+    packed: torch.Tensor
+    views: dict[str, torch.Tensor]
+    np_views: dict[str, np.ndarray]
+    copier: HostCopier
+
+
 class StagedBuffers:
-    """Named views of one device tensor, staged through pinned host memory (see module doc)."""
+    """Named views of one device tensor, staged through pinned host memory (see module doc).
+
+    Two banks of host twins take the steps in turn: a step writes one bank while the copy
+    of the step before may still be reading the other, and waits only for its own bank's
+    last copy (two steps back), so the host prepares a step while the device runs the
+    previous one. The device buffer is one: copies and replays follow each other on the
+    stream, so a copy never overtakes the replay that reads what it overwrites.
+    """
+
+    BANKS = 2
 
     def __init__(
         self, specs: Sequence[BufferSpec], device: torch.device, copier: CopierFactory | None = None
@@ -89,23 +109,31 @@ class StagedBuffers:
         self.nbytes = total
         # zeros: alignment gaps hold no stale bytes (buffers compare equal byte for byte)
         self.packed = torch.zeros(max(total, ALIGN), dtype=torch.uint8, device=device)
-        self.host_packed = _host_twin(self.packed)
         self.device_views = {s.name: self._view(self.packed, s) for s in specs}
-        self.host_views = {s.name: self._view(self.host_packed, s) for s in specs}
-        self.np_views = {
-            s.name: self.host_views[s.name].numpy() for s in specs if s.dtype in _NUMPY
-        }
-        for s in specs:
-            self.host_views[s.name].fill_(s.fill)
-        self.packed.copy_(self.host_packed)
-        # on the host the copy is a memcpy: numpy does it without torch's dispatch
-        self._copier = (
-            MemcpyCopier(self.packed, self.host_packed)
-            if device.type == "cpu"
-            else _copier(copier, self.packed, self.host_packed)
-        )
+        self.banks = [self._bank(copier) for _ in range(self.BANKS)]
+        self.packed.copy_(self.banks[0].packed)
+        self.bank = 0  # the bank the current step writes
         self._extents: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-        self._targets: dict[tuple[str, tuple[int, ...]], Target] = {}
+        self._targets: dict[tuple[int, str, tuple[int, ...]], Target] = {}
+
+    def _bank(self, copier: CopierFactory | None) -> Bank:
+        host = _host_twin(self.packed)
+        views = {s.name: self._view(host, s) for s in self.specs.values()}
+        for s in self.specs.values():
+            views[s.name].fill_(s.fill)
+        np_views = {n: v.numpy() for n, v in views.items() if v.dtype in _NUMPY}
+        # on the host the copy is a memcpy: numpy does it without torch's dispatch
+        made = (
+            MemcpyCopier(self.packed, host)
+            if self.device.type == "cpu"
+            else _copier(copier, self.packed, host)
+        )
+        return Bank(host, views, np_views, made)
+
+    @property
+    def host_packed(self) -> torch.Tensor:
+        """The host twin of the current step's bank."""
+        return self.banks[self.bank].packed
 
     def _view(self, packed: torch.Tensor, s: BufferSpec) -> torch.Tensor:
         off = self.offsets[s.name]
@@ -119,17 +147,22 @@ class StagedBuffers:
             self._extents[(name, extent)] = view
         return view
 
-    def begin(self) -> None:
-        """Before writing a step: the previous step's copy must have read the host twin."""
-        self._copier.wait()
+    def begin(self) -> int:
+        """Before writing a step: take the next bank, once its last copy has read it; the
+        bank's index (what `target` and `send` of this step use)."""
+        self.bank = bank = (self.bank + 1) % self.BANKS
+        self.banks[bank].copier.wait()
+        return bank
 
-    def target(self, name: str, extent: tuple[int, ...]) -> Target:
-        """Where a write of `extent` goes: made once per (buffer, extent), then looked up."""
-        key = (name, extent)
+    def target(self, name: str, extent: tuple[int, ...], bank: int | None = None) -> Target:
+        """Where a write of `extent` goes in a bank (default: the current one): made once
+        per (bank, buffer, extent), then looked up."""
+        b = self.bank if bank is None else bank
+        key = (b, name, extent)
         target = self._targets.get(key)
         if target is None:
-            host = self.host_views[name]
-            np_view = self.np_views.get(name)
+            host = self.banks[b].views[name]
+            np_view = self.banks[b].np_views.get(name)
             index = tuple(slice(0, e) for e in extent)
             last = sum((e - 1) * st for e, st in zip(extent, host.stride()))
             end = self.offsets[name] + (last + 1) * host.element_size() if all(extent) else 0
@@ -144,9 +177,9 @@ class StagedBuffers:
         return target
 
     def send(self, nbytes: int) -> None:
-        """Copy the first `nbytes` of the host twin to the device: one copy, asynchronous on
-        an accelerator (the next `begin` waits for it before the twin is written again)."""
-        self._copier.send(nbytes)
+        """Copy the first `nbytes` of the current bank to the device: one copy, asynchronous
+        on an accelerator (the bank's next `begin` waits for it)."""
+        self.banks[self.bank].copier.send(nbytes)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.device_views[name]

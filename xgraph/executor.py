@@ -467,6 +467,14 @@ class GraphExecutor:
             "keys": sorted(self._graphs, key=repr),
         }
 
+    def synchronize(self) -> None:
+        """Wait for the queued steps; raise the InputError of device metadata a step's
+        device-side check found (docs/executor.md, "Device metadata"), if any."""
+        with self._exclusive("synchronize"):
+            self.backend.synchronize()
+            if self.planner.device_check is not None:
+                self.planner.device_check.raise_pending(wait=True)
+
     def graph(self, key: tuple) -> Recording | None:
         """The cached recording of a key (describe() lists its pieces), or None."""
         e = self._graphs.get(key)

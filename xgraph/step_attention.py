@@ -47,6 +47,7 @@ class StepAttention:
     table: np.ndarray  # int32 [seqs, width], ragged rows padded with the dummy block
     slots: np.ndarray  # int64 [tokens]
     query_len: int  # the query length every sequence has, 0 where they differ
+    on_device: bool = False  # seq_lens, table and slots are device tensors, checked there
 
     @property
     def is_decode(self) -> bool:
@@ -56,6 +57,12 @@ class StepAttention:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def on_host(self) -> AttentionInputs:
+        """The inputs with device tensors copied to the host (a sync), to be checked there."""
+        return AttentionInputs(
+            self.query_lens, self.seq_lens.cpu(), self.table.cpu(), self.slots.cpu()
+        )
 
     def metadata(self, device: torch.device) -> AttentionMetadata:
         """Unpadded metadata in fresh tensors (an eager step)."""
@@ -71,8 +78,11 @@ class StepAttention:
 class AttentionCheck:
     """The attention inputs of one executor's steps (see the module docstring)."""
 
-    def __init__(self, name: str, layout: PagedAttention, max_seqs: int) -> None:
-        self.name, self.layout, self.max_seqs = name, layout, max_seqs
+    def __init__(
+        self, name: str, layout: PagedAttention, max_seqs: int, device: torch.device
+    ) -> None:
+        self.name, self.layout, self.max_seqs, self.device = name, layout, max_seqs, device
+        self.cpu_is_device = False
         self.dummy, self.nb = layout.dummy_block, layout.num_blocks
         self.width = layout.max_blocks_per_seq
         bs = self.bs = layout.block_size
@@ -94,11 +104,17 @@ class AttentionCheck:
 
     # -- normalize -------------------------------------------------------------------------
 
-    def check(self, attn: Any, num_tokens: int, synthetic: bool = False) -> StepAttention:
+    def check(
+        self, attn: Any, num_tokens: int, synthetic: bool = False, host: bool = False
+    ) -> StepAttention:
         """The step's attention arrays, checked; `synthetic` steps (the executor's own, over
-        the dummy block) are checked for their shapes only."""
+        the dummy block) are checked for their shapes only. Device tensors (unless `host`)
+        are checked for their shapes here and for their values on the device, by
+        `xgraph.device_check` as they are staged."""
         if type(attn) is not AttentionInputs:
             attn = self._given(attn)
+        if not host and self._resident(attn):
+            return self._device(attn, num_tokens)
         ql, q = self._query_lens(attn.query_lens)
         sl = _ints(self.name, attn.seq_lens, "seq_lens", 1)
         n = len(ql)
@@ -148,6 +164,67 @@ class AttentionCheck:
             f"seq_len {h.seq_lens[i]} (block_size {self.bs}) but its row holds {have}. Give "
             "it enough blocks."
         )
+
+    def _resident(self, attn: AttentionInputs) -> bool:
+        """Whether a field is a device tensor (`cpu_is_device`: host tensors count too, so
+        CPU runs exercise the device path)."""
+        sl, table, slots = attn.seq_lens, attn.block_tables, attn.slot_mapping
+        if (
+            (type(sl) is torch.Tensor and not sl.is_cpu)
+            or (type(table) is torch.Tensor and not table.is_cpu)
+            or (type(slots) is torch.Tensor and not slots.is_cpu)
+        ):
+            return True
+        return self.cpu_is_device and any(isinstance(v, torch.Tensor) for v in (sl, table, slots))
+
+    def _device(self, attn: AttentionInputs, num_tokens: int) -> StepAttention:
+        """Device metadata: query lengths on the host (a device tensor is copied: it chooses
+        the graph), the other fields as tensors of the executor's device, shapes checked."""
+        ql, q = self._query_lens(attn.query_lens)
+        n = len(ql)
+        sl = self._tensor(attn.seq_lens, "seq_lens", (torch.int32, torch.int64), (n,))
+        table = self._tensor(attn.block_tables, "block_tables", (torch.int32,), None, n)
+        if table.dim() != 2 or table.shape[0] != n:
+            raise InputError(
+                f"{self.name}: block_tables must be int32 [num_seqs={n}, width]; got "
+                f"{tuple(table.shape)}."
+            )
+        if table.shape[1] > self.width:
+            self._too_wide(table.shape[1])
+        slots = self._tensor(attn.slot_mapping, "slot_mapping", (torch.int64,), None).reshape(-1)
+        h = StepAttention(ql, sl, table, slots, q, on_device=True)
+        total = q * n if q else int(ql.sum())
+        if not n or total != num_tokens or n > self.max_seqs:
+            self._counts(h, num_tokens)
+        if len(slots) != num_tokens:
+            raise InputError(
+                f"{self.name}: slot_mapping must be [{num_tokens}]; got ({len(slots)},)."
+            )
+        return h
+
+    def _tensor(
+        self, value: Any, field: str, dtypes: tuple, shape: tuple[int, ...] | None, n: int = 0
+    ) -> torch.Tensor:
+        """A field as a tensor on the executor's device (host values are copied there)."""
+        if not isinstance(value, torch.Tensor):
+            if field == "block_tables":
+                ints = self._table(value, n)[0]
+            else:
+                ints = _ints(self.name, value, field, 1, dtypes[0])
+            value = torch.from_numpy(np.ascontiguousarray(ints)).to(self.device)
+        if value.dtype not in dtypes:
+            want = " or ".join(str(d) for d in dtypes)
+            raise InputError(f"{self.name}: {field} must be {want}; got {value.dtype}.")
+        if value.device != self.device and not (self.cpu_is_device and value.is_cpu):
+            raise InputError(
+                f"{self.name}: {field} is on {value.device}; the executor runs on "
+                f"{self.device}. Pass host tensors or tensors on {self.device}."
+            )
+        if shape is not None and tuple(value.shape) != shape:
+            raise InputError(
+                f"{self.name}: {field} must be {list(shape)}; got {tuple(value.shape)}."
+            )
+        return value
 
     def _given(self, attn: Any) -> AttentionInputs:
         """An AttentionInputs (a subclass too), or a mapping with exactly its fields."""

@@ -27,6 +27,7 @@ import torch
 
 from .buckets import Buckets, Dim, Input
 from .buffers import BufferSpec, CopierFactory, StagedBuffers
+from .device_check import DeviceCheck
 from .errors import BucketOverflowError, InputError, XGraphError, XGraphWarning
 from .metadata import AttentionInputs, AttentionMetadata
 from .options import Fallback, Kind, Mode
@@ -137,10 +138,13 @@ class StepPlanner:
         self.maxima = {n: d.max for n, d in self.dims.items()}
         self.max_seqs = max(attention.max_seqs, buckets.max) if attention is not None else 0
         self.staged = StagedBuffers(self._buffer_specs(), device, copier)
-        self.staging = StepStaging(self.staged, self.inputs, attention, self.maxima)
+        self.device_check = DeviceCheck(name, attention, device) if attention else None
+        self.staging = StepStaging(
+            self.staged, self.inputs, attention, self.maxima, self.device_check
+        )
         self.tokens = TokenCheck(name, self.inputs, self.dims, device, self.staging.numpy_ok)
         self.attn_check = (
-            AttentionCheck(name, attention, self.max_seqs) if attention is not None else None
+            AttentionCheck(name, attention, self.max_seqs, device) if attention else None
         )
         self._warned_overflow = False
 
@@ -179,10 +183,17 @@ class StepPlanner:
         """Validate, classify, bucket and stage one step. `kind` forces the graph kind;
         `pad_to` pads key dims to at least these sizes (num_tokens, bucketed dims);
         `synthetic` marks the executor's own pre-capture steps (dummy block only)."""
+        if self.device_check is not None:
+            self.device_check.raise_pending()  # an earlier step's device metadata
         tokens = self.tokens.check(inputs)
         h = self._attention(attn, tokens.num_tokens, synthetic)
         step = Step(Kind.EAGER, tokens.tensors, tokens.sizes, attn=h)
         self._classify(step, kind, pad_to, synthetic)
+        if h is not None and h.on_device and step.kind is not Kind.FULL:
+            # host-planned runners and eager steps read the lengths on the host: copied
+            # there (a sync) and checked like host metadata
+            assert self.attn_check is not None
+            h = step.attn = self.attn_check.check(h.on_host(), step.num_tokens, synthetic, True)
         if step.kind is Kind.EAGER:
             if h is not None:
                 step.metadata = h.metadata(self.device)

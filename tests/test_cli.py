@@ -1,15 +1,22 @@
-"""The command line: one-line errors, help for every option, a narrow `info`."""
+"""The command line: every mistake one line and exit status 2, Ctrl-C one line and exit
+status 130, -v anywhere, --version, help for every option and command, a narrow `info`."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
+import warnings
 
 import pytest
+import torch
 
-from xgraph.cli import build_parser
+import xgraph as xg
+from xgraph.cli import build_parser, main
 
 
 def xgraph(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -35,8 +42,8 @@ def xgraph(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def test_errors_are_one_line_without_a_traceback(args, needle):
     r = xgraph(*args)
     assert r.returncode == 2
+    assert len(r.stderr.splitlines()) == 1, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
-    assert len([line for line in r.stderr.splitlines() if "error" in line]) == 1
 
 
 def test_every_option_has_help():
@@ -67,3 +74,198 @@ def test_verbose_names_where_the_backend_choice_came_from():
     assert "selected (highest priority available)" in r.stderr, r.stderr
     r = xgraph("-v", "demo", "--backend", "cpu")
     assert "selected (argument)" in r.stderr
+
+
+# -- every mistake: one line on stderr, exit status 2 ------------------------------------
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, list[str]]:
+    """`xgraph ARGV` in this process: its exit status and its stderr lines."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse: --help, --version, a bad option
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err.splitlines()
+
+
+def assert_one_line(code: int, err: list[str], needle: str) -> None:
+    assert code == 2, err
+    assert len(err) == 1 and needle in err[0], err
+    assert "Traceback" not in err[0]
+
+
+GEN = ["generate", "--model", "folder", "--prompt", "1 2"]
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        ([*GEN, "--block-size", "0"], "argument --block-size: '0': give a whole number of at"),
+        ([*GEN, "--max-new-tokens", "0"], "argument --max-new-tokens: '0'"),
+        ([*GEN, "--max-num-tokens", "-3"], "argument --max-num-tokens: '-3'"),
+        ([*GEN, "--top-k", "-1"], "argument --top-k: '-1': give a whole number of at least 0"),
+        ([*GEN, "--temperature", "nan"], "argument --temperature: 'nan': give a finite number"),
+        ([*GEN, "--temperature", "-1"], "argument --temperature: '-1'"),
+        (["bench", "decode", "--iters", "-5"], "argument --iters: '-5'"),
+        (["bench", "decode", "--iters", "0"], "argument --iters: '0'"),
+        (["bench", "decode", "--iters", "2.5"], "'2.5' is not a whole number"),
+        (["bench", "memory", "--max-size", "0"], "argument --max-size: '0'"),
+        (["bench", "memory", "--piecewise-max", "0"], "argument --piecewise-max: '0'"),
+        (["bench", "memory", "--sizes", ""], "'' is not a comma-separated list of sizes"),
+        (["bench", "memory", "--sizes", "4,0"], "'4,0': sizes must be positive"),
+        (["bench", "decode", "--compile", ""], "argument --compile: '' is not a comma-separated"),
+        (["bench", "decode", "--table-check", "0"], "argument --table-check: '0'"),
+        (["bench", "soak", "--steps", "0"], "argument --steps: '0'"),
+        (["bench", "memory", "--iters", "3"], "--iters does not apply to bench memory"),
+        (["bench", "soak", "--iters", "3"], "--iters does not apply to bench soak"),
+        (["bench", "decode", "--steps", "3"], "--steps does not apply to bench decode"),
+        (["bench", "decode", "--plot", "x.png"], "--plot does not apply to bench decode"),
+        (["bench", "all", "--sizes", "1,2"], "--sizes does not apply to bench all"),
+        (["bench", "nope"], "argument which: invalid choice: 'nope'"),
+        (["nope"], "argument COMMAND: invalid choice: 'nope'"),
+        ([], "the following arguments are required: COMMAND"),
+    ],
+)
+def test_a_bad_option_is_one_line_and_exit_2(argv, needle, capsys):
+    assert_one_line(*run_main(argv, capsys), needle)
+
+
+def test_a_library_error_is_one_line_and_exit_2(capsys, tmp_path):
+    code, err = run_main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "1"], capsys)
+    assert_one_line(code, err, "xgraph: error: ")
+    assert "is not a folder" in err[0]
+
+
+def test_verbose_is_accepted_anywhere_and_prints_the_traceback(capsys):
+    for argv in (
+        ["-v", "info", "--backend", "nope"],
+        ["info", "-v", "--backend", "nope"],
+        ["info", "--backend", "nope", "--verbose"],
+    ):
+        code, err = run_main(argv, capsys)
+        assert code == 2, err
+        assert err[0] == "Traceback (most recent call last):", err
+        assert err[-1].startswith("xgraph: error: Unknown backend 'nope'"), err
+    code, err = run_main(["info", "--backend", "nope"], capsys)  # without -v: the line only
+    assert_one_line(code, err, "xgraph: error: Unknown backend 'nope'")
+
+
+def test_version_names_xgraph_its_adapters_and_torch(capsys):
+    from importlib import metadata
+
+    code = None
+    try:
+        main(["--version"])
+    except SystemExit as exc:
+        code = exc.code
+    lines = capsys.readouterr().out.splitlines()
+    assert code in (0, None)
+    assert lines[0] == f"xgraph {xg.__version__}"
+    for dist in ("xgraph-cuda", "xgraph-ascend"):
+        assert f"{dist} {metadata.version(dist)}" in lines
+    assert f"torch {metadata.version('torch')}" in lines
+
+
+def test_help_names_every_command():
+    parser = build_parser()
+    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    summary = parser.format_help()
+    for name in commands:
+        assert name in parser.description, (name, parser.description)
+        assert re.search(rf"^\s+{name}\s+\S", summary, re.M), summary
+
+
+def test_an_xgraph_warning_is_shown_once(capsys):
+    """The library warns (warnings.warn) and logs the same text; the command line shows it
+    once, as a log line."""
+    from xgraph.cli import _output
+
+    ex = xg.GraphExecutor(
+        lambda x: x * 2,
+        backend="cpu",
+        buckets=[1, 2],
+        inputs=[xg.Input("x", torch.float32, ("num_tokens", 4))],
+        name="overflow",
+    )
+    with warnings.catch_warnings(), _output(verbose=False):
+        warnings.simplefilter("default")
+        out = ex(x=torch.ones(3, 4))  # above the largest bucket: eager, warned once
+    ex.close()
+    assert torch.equal(out, torch.full((3, 4), 2.0))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("WARNING xgraph: overflow: num_tokens=3"), err
+
+
+# -- Ctrl-C: one line, exit status 130 ---------------------------------------------------
+
+
+def interrupt(args: list[str], ready: str, stream: str) -> tuple[int, list[str]]:
+    """Start `xgraph ARGS`, wait for a line containing `ready` on `stream`, send SIGINT;
+    the exit status and the stderr lines written after the interrupt."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "xgraph.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "XGRAPH_BACKEND": "cpu"},
+    )
+    try:
+        watched = p.stderr if stream == "stderr" else p.stdout
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = watched.readline()
+            assert line, f"xgraph {args} ended before {ready!r}: {p.communicate()}"
+            if ready in line:
+                break
+        time.sleep(0.5)  # well inside the work, not at its first line
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.returncode, [x for x in err.splitlines() if not x.startswith("[bench] ")]
+
+
+def test_ctrl_c_in_bench_memory_is_one_line_and_exit_130():
+    args = ["bench", "memory", "--backend", "cpu", "--models", "reference", "--kinds", "full"]
+    code, err = interrupt(args, "[bench] memory", "stderr")
+    assert code == 130 and err == ["xgraph: interrupted"], err
+
+
+def test_ctrl_c_in_the_conformance_suite_is_one_line_and_exit_130():
+    args = ["conformance", "--backend", "cpu", "--", "-q", "-k", "Executor or Piecewise"]
+    code, err = interrupt(args, "xgraph conformance: backend", "stdout")
+    assert code == 130 and err == ["xgraph: interrupted"], err
+
+
+# -- model folders transformers cannot load: the library's error, one line ---------------
+
+
+def test_a_corrupted_safetensors_file_is_one_line_and_exit_2(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    code, err = run_main(["generate", "--model", str(tmp_path), "--prompt", "1 2"], capsys)
+    assert_one_line(code, err, "xgraph: error: ")
+    assert str(tmp_path) in err[0] and "safetensors" in err[0].lower(), err
+
+
+def test_an_encoder_decoder_folder_is_one_line_and_exit_2(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers", minversion="5.0")
+    from safetensors.torch import save_file
+
+    transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2
+    ).save_pretrained(tmp_path)
+    save_file({"shared.weight": torch.zeros(64, 16)}, str(tmp_path / "model.safetensors"))
+    code, err = run_main(["generate", "--model", str(tmp_path), "--prompt", "1 2"], capsys)
+    assert_one_line(code, err, "xgraph: error: ")
+    assert "t5" in err[0].lower(), err

@@ -285,3 +285,69 @@ def test_capture_failure_warning_points_at_the_callers_line():
     assert record[0].filename == __file__
     assert ("full", 8) in ex.stats()["failed_keys"]
     ex.close()
+
+
+@pytest.mark.parametrize("size", [-1, 0, 17, 2.5, "4", True])
+@pytest.mark.parametrize("call", ["capture", "warm_up"])
+def test_pre_capture_refuses_sizes_outside_the_buckets(call, size):
+    w = Workload.tiny(max_blocks=6, max_seqs=24)
+    ex = w.executor(backend="cpu", buckets=BUCKETS)
+    before = [t.clone() for t in w.cache.tensors()]
+    with pytest.raises(
+        xgraph.InputError, match=r"sizes holds .* from 1 to the largest bucket \(16\)"
+    ):
+        getattr(ex, call)([4, size])  # checked before the first size runs
+    assert ex.stats()["captures"] == 0 and ex.stats()["eager"] == {}
+    assert all(torch.equal(a, b) for a, b in zip(before, w.cache.tensors()))
+    ex.capture([16, 3], progress=False)  # in range: captured (3 padded to 4)
+    assert ex.stats()["keys"] == [("full", 16), ("full", 4)]
+    ex.close()
+
+
+@pytest.mark.parametrize("field,value", [("input_ids", 256), ("positions", 2048)])
+def test_the_models_inputs_refuse_an_index_outside_its_table(field, value):
+    w = Workload.tiny(max_blocks=6, max_seqs=24)
+    ex = w.executor(backend="cpu", buckets=BUCKETS)  # Workload.inputs() is model.inputs()
+    assert [i.bounds for i in w.model.inputs()] == [(0, 256), (0, 2048)]
+    step = w.decode_step(random.Random(0), 3)
+    ex(**step.kwargs())
+    bad = dict(step.kwargs())
+    bad[field] = bad[field].clone()
+    bad[field][1] = value
+    with pytest.raises(xgraph.InputError, match=f"'{field}'.*{value}.*outside its bounds"):
+        ex(**bad)
+    ex.close()
+
+
+@pytest.mark.parametrize("field,value", [("input_ids", 256), ("positions", 4096)])
+def test_an_undeclared_bad_index_in_a_replay_is_an_error_and_the_graph_survives(field, value):
+    w, ref = (Workload.tiny(max_blocks=6, max_seqs=24) for _ in range(2))
+    ex = GraphExecutor(
+        w.model.forward_logits,
+        inputs=TOKEN_INPUTS,  # no bounds declared
+        backend="cpu",
+        buckets=BUCKETS,
+        attention=w.attention(),
+    )
+    rng = random.Random(1)
+    first = w.decode_step(rng, 3)
+    ex(**first.kwargs())  # captured ('full', 4)
+    ref.eager(ref.padded(first, Buckets(BUCKETS), full=True))
+    bad = w.decode_step(rng, 3)
+    kwargs = dict(bad.kwargs())
+    kwargs[field] = kwargs[field].clone()
+    kwargs[field][0] = value
+    with pytest.raises(
+        xgraph.errors.ReplayError, match="without bounds: input_ids, positions"
+    ) as e:
+        ex(**kwargs)
+    assert "bounds=(low, high)" in str(e.value) and "IndexError" in str(e.value)
+    # the cached graph still serves valid steps, bit for bit, and the cache was not touched
+    for t, s in zip(w.cache.tensors(), ref.cache.tensors()):
+        assert torch.equal(t, s)
+    for _ in range(3):
+        step = w.decode_step(rng, 3)
+        out = ex(**step.kwargs())
+        assert torch.equal(out, ref.eager(ref.padded(step, Buckets(BUCKETS), full=True))[:3])
+    assert ex.stats()["hits"] == {("full", 4): 4}
+    ex.close()

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from xgraph import InputError, PagedKVCache
 from xgraph.attention import attention, eager_attention
 from xgraph.models import Qwen3Config, Qwen3Model, Workload
 from xgraph.models.qwen3 import hf_parameters
@@ -179,3 +180,58 @@ def test_eager_layers_stay_few_ops():
         with _Ops() as ops:
             w.model.model.layers[0](x, x, cos_sin, w.cache.layers[0])
     assert ops.n - 1 <= 31, ops.n  # the 1: attention's output buffer
+
+
+def test_a_config_whose_kv_heads_do_not_divide_the_heads_is_refused():
+    with pytest.raises(InputError, match=r"num_heads \(num_attention_heads\) = 4 is not a mult"):
+        dataclasses.replace(Qwen3Config.tiny(), num_kv_heads=3)
+    with pytest.raises(InputError, match=r"num_kv_heads \(num_key_value_heads\) must be a pos"):
+        dataclasses.replace(Qwen3Config.tiny(), num_kv_heads=0)
+    with pytest.raises(InputError, match="head_dim = 15 is odd"):
+        dataclasses.replace(Qwen3Config.tiny(), head_dim=15)
+
+
+def test_from_hf_refuses_such_a_config_naming_its_fields(tmp_path):
+    c = dataclasses.asdict(Qwen3Config.tiny())
+    hf = {
+        "vocab_size": c["vocab_size"],
+        "hidden_size": c["hidden_size"],
+        "intermediate_size": c["intermediate_size"],
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 4,
+        "head_dim": 16,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(InputError, match=r"num_attention_heads.*num_key_value_heads"):
+        Qwen3Config.from_hf(str(tmp_path))
+
+
+def test_a_cache_the_model_cannot_write_is_refused_at_construction():
+    c = Qwen3Config.tiny()
+    half = PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, 8, 4, torch.bfloat16)
+    with pytest.raises(InputError, match=r"dtype torch.bfloat16 differs from the model's torch.f"):
+        Qwen3Model(c, half)
+    narrow = PagedKVCache(c.num_layers, 1, c.head_dim, 8, 4)
+    with pytest.raises(InputError, match=r"\(layers, kv heads, head_dim\) = \(2, 1, 16\)"):
+        Qwen3Model(c, narrow)
+    # made together, they agree whatever the dtype
+    m = Qwen3Model.build("tiny", num_blocks=8, block_size=4, dtype=torch.bfloat16)
+    assert m.kv_cache.dtype is torch.bfloat16 and m.lm_head.weight.dtype is torch.bfloat16
+    assert m.rotary.table.dtype is torch.float32
+
+
+def test_a_model_converted_after_construction_is_refused_at_its_first_step():
+    w = Workload.tiny(max_blocks=6, max_seqs=8)
+    w.model.to(torch.float64)  # the cache stays float32
+    step = w.decode_step(random.Random(0), 2)
+    with pytest.raises(InputError, match=r"float32 differs from the model's torch\.float64"):
+        w.eager(step)
+
+
+def test_bf16_build_matches_the_float32_weights_rounded():
+    """The weights are made in their dtype now: the same values as float32 weights cast."""
+    a = Qwen3Model.build("tiny", num_blocks=8, block_size=4, dtype=torch.bfloat16, seed=3)
+    b = Qwen3Model.build("tiny", num_blocks=8, block_size=4, seed=3)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y.to(torch.bfloat16)), name

@@ -302,3 +302,72 @@ def test_junk_ids_past_a_rows_need_change_nothing(junk):
     ref = ref_w.eager(ref_w.padded(step, Buckets(BUCKETS), full=True))[: step.num_tokens]
     assert torch.equal(out, ref)
     ex.close()
+
+
+# -- 3b. two executors over one graph memory, one thread each ------------------------------
+
+
+@pytest.mark.parametrize("share", ["GraphMemory", "SharedPhysicalPool"])
+def test_two_executors_sharing_memory_in_two_threads_step_one_at_a_time(share):
+    """Their graphs share physical memory: steps wait for each other (no error, no mix)."""
+    ex_w, ref_w = workloads(7)
+    backend = xgraph.get_backend("cpu")
+    if share == "GraphMemory":
+        shared = GraphMemory(backend, "shared-physical")
+    else:
+        shared = xgraph.SharedPhysicalPool(backend.virtual_memory())
+    exs = [
+        ex_w.executor(backend=backend, buckets=BUCKETS, memory=shared, name=f"ex{i}")
+        for i in range(2)
+    ]
+    results, errors, barrier = [], [], threading.Barrier(2)
+
+    def worker(i: int) -> None:
+        rng = random.Random(10 + i)
+        barrier.wait()
+        for _ in range(75):
+            ids, pos, attn = disjoint_decode_step(ex_w, i, rng.randint(1, 6), rng)
+            try:
+                out = exs[i](input_ids=ids, positions=pos, attn=attn, clone=True)
+                results.append((ids, pos, attn, out))
+            except Exception as exc:  # any error is a failure of this test
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(results) == 150
+    wrong = 0
+    for ids, pos, attn, out in results:  # in the order the steps ran
+        step = xgraph.models.Step(ids, pos, attn)
+        ref = ref_w.eager(ref_w.padded(step, Buckets(BUCKETS), full=True))[: len(ids)]
+        wrong += not torch.equal(out, ref)
+    assert wrong == 0
+    for a, b in zip(ex_w.cache.real(), ref_w.cache.real()):
+        assert not a.isnan().any() and torch.equal(a, b)
+    for ex in exs:
+        ex.close()
+    shared.close()
+
+
+def test_a_forward_stepping_an_executor_over_its_own_memory_is_refused():
+    """A nested step over the same memory would wait for itself: ConcurrentStepError."""
+    ex_w, _ = workloads()
+    mem = GraphMemory(xgraph.get_backend("cpu"), "shared-physical")
+    inner = ex_w.executor(backend="cpu", buckets=BUCKETS, memory=mem, name="inner")
+    step = ex_w.decode_step(random.Random(0), 2)
+
+    def outer_forward(input_ids, positions):
+        inner(**step.kwargs())
+        return ex_w.model.forward_logits(input_ids, positions)
+
+    outer = ex_w.executor(outer_forward, backend="cpu", buckets=BUCKETS, memory=mem)
+    with pytest.raises(xgraph.ConcurrentStepError, match="same graph memory"):
+        outer(**ex_w.decode_step(random.Random(1), 2).kwargs())
+    assert not mem.steps.locked()
+    inner(**step.kwargs())  # both still work, one after the other
+    outer.close()
+    inner.close()
+    mem.close()

@@ -177,7 +177,7 @@ def test_soft_capped_attention_is_refused():
         GraphModel(transformers.Gemma2ForCausalLM(config), backend="cpu", **LIMITS)
 
 
-def test_layers_that_differ_from_the_config_are_refused_by_name():
+def test_a_layer_of_its_own_shape_gets_a_cache_layer_of_that_shape():
     model = tiny("llama")
     odd = tiny("llama", num_key_value_heads=1).model.layers[1].self_attn  # 1 kv head, not 2
     model.model.layers[1].self_attn = odd
@@ -185,14 +185,13 @@ def test_layers_that_differ_from_the_config_are_refused_by_name():
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.self_attn.*bypass"):
         GraphModel(model, backend="cpu", **LIMITS)
     assert model.config._attn_implementation == "sdpa"  # given back
-    odd.config = model.config  # routed through xgraph: its shape is refused at the first step
-    with (
-        GraphModel(model, backend="cpu", **LIMITS) as gm,
-        pytest.raises(
-            UnsupportedModelError, match=r"LlamaForCausalLM.*layer 1 .*built for 2 kv heads"
-        ),
-    ):
-        gm.generate(prompts(), 2)
+    odd.config = model.config  # routed through xgraph: the probe sees its own shape
+    ref = sdpa_copy(model)
+    ps = prompts()
+    with GraphModel(model, backend="cpu", on_capture_error="raise", **LIMITS) as gm:
+        assert [tuple(k.shape[2:]) for k, _ in gm.cache.layers] == [(2, 16), (1, 16)]
+        result = gm.generate(ps, NEW_TOKENS, record_logits=True)
+    assert_matches_reference(ref, ps, result)
 
 
 def test_calling_the_model_outside_a_step_says_what_to_do():

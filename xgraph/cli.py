@@ -1,19 +1,27 @@
-"""`xgraph` command line: info, demo, conformance, bench.
+"""`xgraph` command line: info, demo, conformance, bench, generate.
 
-Errors print as one line (`xgraph: error: ...`, exit status 2); `-v` logs at INFO level and
-shows the traceback of an unexpected error.
+A mistake prints one line and exits with status 2: a bad option as `xgraph <command>: error:
+...`, an error of the library as `xgraph: error: ...`. Ctrl-C prints `xgraph: interrupted`
+and exits with status 130. `-v` (anywhere on the line) logs at INFO level and prints the
+traceback before the error line. A warning of xgraph is shown once, as a log line. Only the
+chosen command imports what it needs (torch.compile, transformers, matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import textwrap
-from collections.abc import Sequence
+import traceback
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn
 
 WIDTH = 100
+PYTEST_PLUGIN = "pytest_xgraph"  # the pytest11 entry point's module
 
 
 def _info_rows(infos: list) -> list[str]:  # type: ignore[type-arg]
@@ -83,28 +91,73 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         *extra,
     ]
     if not _pytest_plugin_autoloaded():
-        argv = ["-p", "xgraph.testing.plugin", *argv]
+        argv = ["-p", PYTEST_PLUGIN, *argv]
     print(f"xgraph conformance: backend {backend.name!r} ({backend.device})", flush=True)
-    return int(pytest.main(argv))
+    code = pytest.main(argv)
+    if code == pytest.ExitCode.INTERRUPTED:  # pytest caught the Ctrl-C itself
+        raise KeyboardInterrupt
+    return int(code)
 
 
 def _pytest_plugin_autoloaded() -> bool:
     from importlib import metadata
 
-    return any(
-        ep.value == "xgraph.testing.plugin" for ep in metadata.entry_points(group="pytest11")
-    )
+    return any(ep.value == PYTEST_PLUGIN for ep in metadata.entry_points(group="pytest11"))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="xgraph", description=__doc__.splitlines()[0])
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (the usage is one `--help` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def version_text() -> str:
+    """xgraph's version, then each installed adapter's (from its metadata: no adapter code
+    runs) and torch's."""
+    from importlib import metadata
+
+    from . import __version__
+    from .hooks import ENTRY_POINT_GROUP
+
+    lines = [f"xgraph {__version__}"]
+    adapters: dict[str, str] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.dist is not None:
+            adapters[ep.dist.name] = ep.dist.version
+    lines += [f"{name} {version}" for name, version in sorted(adapters.items())]
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        lines.append(f"torch {metadata.version('torch')}")
+    return "\n".join(lines)
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, default=argparse.SUPPRESS)
+        self.help = kwargs.get("help")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(version_text())
+        parser.exit()
+
+
+def _add_verbose(p: argparse.ArgumentParser, default: Any) -> None:
     p.add_argument(
         "-v",
         "--verbose",
         action="store_true",
-        help="log at INFO level and show tracebacks of unexpected errors",
+        default=default,
+        help="log at INFO level and print the traceback of an error",
     )
-    sub = p.add_subparsers(dest="command", required=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="xgraph", description=__doc__.splitlines()[0])
+    _add_verbose(p, False)
+    p.add_argument(
+        "--version", action=_Version, help="print the versions of xgraph, its adapters and torch"
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     backend_help = "backend name (default: XGRAPH_BACKEND, else the best available one)"
 
     info = sub.add_parser("info", help="list backends: availability, priority, reason, versions")
@@ -128,36 +181,115 @@ def build_parser() -> argparse.ArgumentParser:
     )
     conf.set_defaults(func=cmd_conformance)
 
-    from .bench import add_parsers
+    from .bench.cli import add_parsers
     from .integrations.transformers.cli import add_parser as add_generate_parser
 
     add_parsers(sub)
     add_generate_parser(sub)
+    for command in sub.choices.values():  # -v after the command too; absent, the top one holds
+        _add_verbose(command, argparse.SUPPRESS)
     return p
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    return parser
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+
+
+class _ShownOnce(logging.Filter):
+    """Drops a warning line already shown: xgraph warns (warnings.warn) and logs the same
+    text, for programs that watch only one of the two; the command line shows it once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        text = record.getMessage()
+        if text in self.seen:
+            return False
+        self.seen.add(text)
+        return True
+
+
+@contextlib.contextmanager
+def _output(verbose: bool) -> Iterator[None]:
+    """Log lines on stderr (INFO with -v, else WARNING); an XGraphWarning becomes a log line,
+    shown once with the log line the library writes for it. Undone on return."""
+    from .errors import XGraphWarning
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.addFilter(_ShownOnce())
+    level, shown = root.level, warnings.showwarning
+
+    def show(message: Any, category: type, *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, XGraphWarning):
+            logging.getLogger("xgraph").warning("%s", message)
+        else:
+            shown(message, category, *args, **kwargs)
+
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+        root.setLevel(level)
+        root.removeHandler(handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from .errors import XGraphError
 
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check = getattr(args, "check", None)  # a command's own check of its options together
+    problem = check(args) if check is not None else None
+    if problem:
+        _command_parser(parser, args.command).error(problem)
+    verbose = bool(args.verbose)
     try:
-        return int(args.func(args) or 0)
-    except XGraphError as exc:
-        if args.verbose:
-            raise
-        print(f"xgraph: error: {exc}", file=sys.stderr)
-    except (ValueError, OSError) as exc:
-        if args.verbose:
-            raise
-        print(
-            f"xgraph: error: {type(exc).__name__}: {exc} (run with -v for the traceback)",
-            file=sys.stderr,
-        )
-    return 2
+        with _output(verbose):
+            return int(args.func(args) or 0)
+    except KeyboardInterrupt as exc:
+        if verbose:
+            traceback.print_exception(exc)
+        print("xgraph: interrupted", file=sys.stderr)
+        return 130
+    except XGraphError as exc:  # the library's own errors say what to do
+        _error(exc, verbose, _one_line(str(exc)))
+        return 2
+    except (ValueError, OSError) as exc:  # a bad value or path from the user, met deeper down
+        _error(exc, verbose, f"{type(exc).__name__}: {_first_line(exc)}", hint=True)
+        return 2
+    except Exception as exc:  # not a mistake of the user's: exit status 1
+        _error(exc, verbose, f"unexpected {type(exc).__name__}: {_first_line(exc)}", hint=True)
+        return 1
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:500] if lines else ""
+
+
+def _error(exc: BaseException, verbose: bool, text: str, hint: bool = False) -> None:
+    """One line on stderr; with -v, the traceback first."""
+    if verbose:
+        traceback.print_exception(exc)
+    elif hint:
+        text += " (run with -v for the traceback)"
+    print(f"xgraph: error: {text}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -51,5 +51,13 @@ class PoolClosedError(XGraphError):
     """Use of a memory pool (or of a graph captured on it) after the pool was closed."""
 
 
+class MemoryInUseError(XGraphError):
+    """Closing graph memory (a GraphMemory, a SharedPhysicalPool) that open executors use."""
+
+
+class ReplayError(XGraphError, RuntimeError):
+    """An op of a replayed graph failed (an index outside its table, on the CPU backend)."""
+
+
 class XGraphWarning(UserWarning):
     """Warnings about work that runs differently from what was asked (eagerly, another mode)."""

@@ -13,31 +13,31 @@ copies).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import threading
 import time
 import warnings
-import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .attention import InlineRunner, StepContext, step_context
+from .attention import InlineRunner, step_context
 from .buckets import Buckets, Dim, Input
 from .errors import (
     CaptureError,
     ConcurrentStepError,
+    ReplayError,
     VirtualMemoryError,
     XGraphError,
     XGraphWarning,
 )
 from .interfaces import AttentionRunner, Backend
+from .lifetime import Entry, Holdings, Recording, release_when_collected
 from .memory import GraphMemory, Lease, OutsidePoolMeter, settle
 from .metadata import AttentionInputs
 from .options import Fallback, Kind, Mode
@@ -45,35 +45,13 @@ from .paging import PagedAttention
 from .piecewise import FullGraph, PiecewiseGraph, guarded_storages
 from .plugins import get_backend
 from .pool import SharedPhysicalPool
-from .progress import progress as show_progress
+from .precapture import PreCapture
 from .runners import reference_runners
 from .steps import Step, StepPlanner
 
 logger = logging.getLogger("xgraph")
 
 DEFAULT_MAX_TOKENS = 512
-
-
-class Recording(Protocol):
-    """A captured forward (FullGraph or PiecewiseGraph) as the executor caches it."""
-
-    context: StepContext | None
-
-    def begin(self) -> None: ...
-    def end(self) -> None: ...
-    def abort(self) -> None: ...
-    def replay(self) -> None: ...
-    def reset(self) -> None: ...
-    def describe(self) -> list[str]: ...
-
-
-@dataclass
-class _Entry:
-    kind: Kind
-    graph: Recording
-    lease: Lease
-    capture_seconds: float
-    hits: int = 0
 
 
 @dataclass
@@ -85,7 +63,7 @@ class ExecutorStats:
     failed_keys: dict[tuple, str] = field(default_factory=dict)
 
 
-class GraphExecutor:
+class GraphExecutor(PreCapture):
     """Runs a forward through cached graphs, one per bucket key (see the module docstring).
 
     Args:
@@ -147,21 +125,23 @@ class GraphExecutor:
             mode=self.mode,
             on_overflow=Fallback.parse(on_overflow, "on_overflow"),
             copier=self.backend.host_copier,
-            full_query_len=attention.max_query_len if attention else 1,
+            decode_runner=self.decode_runner,
         )
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
-        self.memory = GraphMemory.of(self.backend, memory)
-        self._outside = OutsidePoolMeter(self.memory)
-        self._owns_memory = not isinstance(memory, GraphMemory)
-        self._graphs: dict[tuple, _Entry] = {}
         self._eager_keys: dict[tuple, str] = {}
         self._out_bufs: list[torch.Tensor] | None = None
         self._out_spec: Any = None
         self._out_views: dict[int, Any] = {}
         self._stats = ExecutorStats()
-        self._closed = False
         self._busy = threading.Lock()  # one step at a time: outputs are shared buffers
-        _open_executors.add(self)
+        self.memory = GraphMemory.of(self.backend, memory)
+        self._steps = self.memory.steps  # steps over shared memory run one at a time
+        self._outside = OutsidePoolMeter(self.memory)
+        # graphs and memory live apart from this object: released by close(), or when it is
+        # collected (xgraph.lifetime), whichever comes first
+        self._held = Holdings(name, self.backend, self.memory, not isinstance(memory, GraphMemory))
+        self._graphs: dict[tuple, Entry] = self._held.graphs
+        self._finalizer = release_when_collected(self, self._held)
 
     def _runners(
         self, attention: PagedAttention | None
@@ -176,12 +156,6 @@ class GraphExecutor:
                 f"{type(decode).__name__} is not graph-safe, so decode cannot run as a full "
                 f"graph (mode={self.mode.value!r}). Pass a graph-safe decode_runner, or use "
                 "mode='piecewise'."
-            )
-        if attention.max_query_len > decode.max_query_len:
-            raise XGraphError(
-                f"PagedAttention(max_query_len={attention.max_query_len}): the decode runner "
-                f"{type(decode).__name__} serves full graphs of up to {decode.max_query_len} "
-                "tokens per sequence. Lower max_query_len or pass a runner that serves it."
             )
         return decode, prefill
 
@@ -200,13 +174,19 @@ class GraphExecutor:
         Not reentrant and not for concurrent use: a call while another thread's step runs
         raises ConcurrentStepError (outputs are views of one set of persistent buffers, so
         two overlapping steps could not both be right). Serialize steps in the engine.
+        Steps of executors sharing graph memory wait for each other (`memory.steps`).
         """
         if not self._busy.acquire(blocking=False):  # not a context manager: the hot path
             self._refuse("step")
         try:
-            if self._closed:
+            if self._held.closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
-            out = self._run(self.planner.plan(inputs, attn))
+            step = self.planner.plan(inputs, attn)
+            self._steps.acquire(self.name)
+            try:
+                out = self._run(step)
+            finally:
+                self._steps.release()
             if clone:  # inside the lock: the next step may overwrite the buffers right after
                 flat, spec = tree_flatten(out)
                 out = tree_unflatten([t.clone() for t in flat], spec)
@@ -227,7 +207,7 @@ class GraphExecutor:
         if not self._busy.acquire(blocking=False):
             self._refuse(what)
         try:
-            if self._closed:
+            if self._held.closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
             yield
         finally:
@@ -251,12 +231,31 @@ class GraphExecutor:
     def _runner(self, kind: Kind) -> AttentionRunner | None:
         return self.decode_runner if kind is Kind.FULL else self.prefill_runner
 
-    def _replay(self, entry: _Entry, step: Step, hit: bool) -> None:
+    def _replay(self, entry: Entry, step: Step, hit: bool) -> None:
         entry.hits += hit
         self._stats.replays += 1
         if step.metadata is not None and (runner := self._runner(entry.kind)) is not None:
             runner.plan(step.metadata)
-        entry.graph.replay()
+        try:
+            entry.graph.replay()
+        except ReplayError as exc:  # no cost on the hot path until a replay fails
+            raise self._replay_failed(step, exc) from exc
+
+    def _replay_failed(self, step: Step, exc: ReplayError) -> ReplayError:
+        specs = self.planner.inputs
+        loose = [i.name for i in specs if not i.dtype.is_floating_point and i.bounds is None]
+        hint = (
+            f"Integer inputs without bounds: {', '.join(loose)}; an index outside its table "
+            "(a token id past the vocabulary, a position past the rotary table) fails so. "
+            "Declare Input(..., bounds=(low, high)) (the reference model's inputs() does) so "
+            "such a step is refused before anything runs."
+            if loose
+            else "Check the step's inputs against the model."
+        )
+        return ReplayError(
+            f"{self.name}: {exc} (key {step.key}). {hint} The graph is unchanged and "
+            "replays valid steps; this step's result is not available."
+        )
 
     def _outputs(self, n: int) -> Any:
         out = self._out_views.get(n)  # views of the output buffers, made once per size
@@ -350,9 +349,10 @@ class GraphExecutor:
                 for shp, dt, dev in layout
             ]
         self._outside.start()
-        lease = self.memory.begin()
+        lease: Lease | None = None
         graph: Recording | None = None
-        try:
+        try:  # a reservation that fails is a failed capture like any other
+            lease = self.memory.begin()
             graph = self._recording(step.kind, lease)
             self._record(step, graph)
         except BaseException as exc:  # a transaction: Ctrl-C mid-capture rolls back too
@@ -360,13 +360,14 @@ class GraphExecutor:
                 if graph is not None:
                     graph.abort()
             finally:
-                self.memory.rollback(lease)
+                if lease is not None:
+                    self.memory.rollback(lease)
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: re-raised
                 raise
-            failure = lease.space.failure if lease.space is not None else None
+            failure = lease.space.failure if lease and lease.space else None
             return self._capture_failed(step, failure or exc)
         seconds = time.perf_counter() - t0
-        entry = _Entry(step.kind, graph, lease, seconds)
+        entry = Entry(step.kind, graph, lease, seconds)
         self._graphs[step.key] = entry
         self._stats.captures += 1
         self._stats.capture_seconds += seconds
@@ -396,57 +397,6 @@ class GraphExecutor:
         logger.warning(msg)
         return self._run_padded(step, "capture failed")
 
-    # -- pre-capture -----------------------------------------------------------------------
-
-    def capture(
-        self,
-        sizes: Iterable[int] | None = None,
-        kind: Kind | str = Kind.FULL,
-        progress: bool = True,
-        query_len: int = 1,
-        **key_dims: int,
-    ) -> None:
-        """Capture graphs before serving: one per num_tokens size, in the order given.
-
-        Default: every bucket, largest first (what a shared native pool needs). Each capture
-        runs on a synthetic step that touches only the dummy slot and block; `key_dims` fix
-        the sizes of other shape-determining dims. `query_len` > 1 captures the full graphs
-        of steps with that many tokens per sequence; sizes then count sequences.
-        """
-        k = Kind.parse(kind, "kind")
-        if k is Kind.EAGER:
-            raise XGraphError("kind='eager': choose 'full' or 'piecewise'.")
-        what = f"{self.name}: capturing {k.value} graphs"
-        self._synthetic(sizes, k, k, what, progress, key_dims, query_len)
-
-    def warm_up(
-        self, sizes: Iterable[int] | None = None, kind: Kind | str = Kind.FULL, **key_dims: int
-    ) -> None:
-        """Run the synthetic steps `capture` would record, eagerly, recording nothing: kernels
-        compile and load, and libraries set up, before any capture or memory reading."""
-        k = Kind.parse(kind, "kind")
-        if k is Kind.EAGER:
-            raise XGraphError("kind='eager': choose the layout, 'full' or 'piecewise'.")
-        self._synthetic(sizes, k, Kind.EAGER, f"{self.name}: warm-up", False, key_dims)
-
-    def _synthetic(
-        self,
-        sizes: Iterable[int] | None,
-        layout: Kind,
-        run: Kind,
-        what: str,
-        progress: bool,
-        key_dims: dict[str, int],
-        query_len: int = 1,
-    ) -> None:
-        todo = list(sizes) if sizes is not None else sorted(self.buckets.sizes, reverse=True)
-        if sizes is None and query_len > 1:
-            todo = [n for n in todo if n * query_len <= self.buckets.max]
-        for n in show_progress(todo, what, progress):
-            tensors, attn = self.planner.synthetic(n, layout, key_dims, query_len)
-            with self._exclusive("capture"):
-                self._run(self.planner.plan(tensors, attn, kind=run, synthetic=True))
-
     # -- reporting and teardown ------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -468,12 +418,10 @@ class GraphExecutor:
         }
 
     def synchronize(self) -> None:
-        """Wait for the queued steps; raise the InputError of device metadata a step's
-        device-side check found (docs/executor.md, "Device metadata"), if any."""
+        """Wait for queued steps; raise the InputError a device-side metadata check found."""
         with self._exclusive("synchronize"):
             self.backend.synchronize()
-            if self.planner.device_check is not None:
-                self.planner.device_check.raise_pending(wait=True)
+            self.planner.raise_pending(wait=True)
 
     def graph(self, key: tuple) -> Recording | None:
         """The cached recording of a key (describe() lists its pieces), or None."""
@@ -484,35 +432,17 @@ class GraphExecutor:
         """Wait for queued work, reset every graph, give back graph memory (if owned).
 
         Safe right after steps, with no synchronize of the caller's: replays still queued
-        on the device finish before any memory they use is unmapped or freed.
+        on the device finish before any memory they use is unmapped or freed. An executor
+        dropped without close() does the same when it is collected (xgraph.lifetime).
         """
-        if self._closed:
+        if self._held.closed:
             return
         with self._exclusive("close"):
-            self._closed = True
-            self.backend.synchronize()
-            for e in self._graphs.values():
-                e.graph.reset()
-            self._graphs.clear()
-            if self._owns_memory:
-                self.memory.close()
+            self._finalizer.detach()
+            self._held.release()
 
     def __enter__(self) -> GraphExecutor:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_open_executors: weakref.WeakSet[GraphExecutor] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_executors() -> None:
-    """At exit, close executors nobody closed, in order (wait, reset graphs, free memory),
-    before interpreter teardown destroys pools and tensors in whatever order it likes."""
-    for ex in list(_open_executors):
-        try:
-            ex.close()
-        except Exception:  # exiting anyway: report, never raise from an exit hook
-            logger.exception("closing %s at exit failed", ex.name)

@@ -43,19 +43,32 @@ def capturing_graph() -> CheckedGraph | None:
 class _CaptureGuard(TorchDispatchMode):
     """Checks each op before it runs; lets the graph's driver see it after (host recorders)."""
 
+    compiler_disabled = False  # set by _disable_compiler_once
+
     def __init__(self, graph: CheckedGraph, op_check: OpCheck | None) -> None:
         super().__init__()
         self.graph = graph
         self.device = graph.backend.device
         self.op_check = op_check
+        _disable_compiler_once()
 
-    @torch.compiler.disable  # the guard is library code: a compiled forward never traces it
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         check_op(func, args, kwargs, self.device)
         if self.op_check is not None:
             self.op_check(func, args, kwargs)
         return self.graph._record_op(func, args, kwargs, func(*args, **kwargs))
+
+
+def _disable_compiler_once() -> None:
+    """The guard is library code: a compiled forward never traces it. torch.compiler.disable
+    imports torch._dynamo (about a second), so it is applied when the first guard is built,
+    not when xgraph is imported (applying it twice is harmless)."""
+    if not _CaptureGuard.compiler_disabled:
+        _CaptureGuard.__torch_dispatch__ = torch.compiler.disable(  # type: ignore[method-assign]
+            _CaptureGuard.__torch_dispatch__
+        )
+        _CaptureGuard.compiler_disabled = True
 
 
 class CheckedGraph(Graph):

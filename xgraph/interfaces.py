@@ -21,6 +21,7 @@ import torch
 from .metadata import AttentionMetadata, KVCache
 
 OpCheck = Callable[[Any, tuple, dict], None]  # (aten op, args, kwargs); raises to refuse the op
+FALLBACK_CAPTURE_SPACE_BYTES = 1 << 36  # per capture, where the device reports no total memory
 
 
 @dataclass(frozen=True)
@@ -324,8 +325,16 @@ class Backend(ABC):
         return Availability(True)
 
     def capture_space_bytes(self) -> int:
-        """Address space reserved per capture in shared-physical memory (never all backed)."""
-        return 1 << 36  # 64 GiB: plentiful on 64-bit GPUs; a runtime with less says so
+        """Address space reserved per capture in shared-physical memory: as much as one
+        capture can use, the device's total memory (its torch device module's
+        `mem_get_info`), else FALLBACK_CAPTURE_SPACE_BYTES."""
+        info = getattr(getattr(torch, self.device.type, None), "mem_get_info", None)
+        if info is None:
+            return FALLBACK_CAPTURE_SPACE_BYTES
+        try:
+            return int(info(self.device)[1])
+        except Exception:  # a runtime that cannot say: the fallback, as on any other device
+            return FALLBACK_CAPTURE_SPACE_BYTES
 
     def warmup_context(self) -> AbstractContextManager[Any]:
         """Where warm-up runs: on the capture stream, so per-stream lazy allocations (cuBLAS

@@ -8,7 +8,10 @@
   has virtual memory.
 
 One GraphMemory may serve several executors or phases (decode full graphs, prefill pieces,
-a draft model): pass the same object as `memory=` to each. Graphs never replay concurrently.
+a draft model): pass the same object as `memory=` to each. Their steps take the memory's
+StepLock (the physical pool's, when there is one), so graphs over shared memory never
+replay concurrently, whichever threads call them. The memory knows the executors that use
+it and refuses to close under an open one (MemoryInUseError): close the executors first.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
-from .errors import XGraphError, XGraphWarning
+from .errors import MemoryInUseError, PoolClosedError, XGraphError, XGraphWarning
 from .interfaces import Backend, CapturePool
 from .options import MemoryMode
 from .pool import AddressSpace, SharedPhysicalPool
+from .steplock import StepLock
 
 logger = logging.getLogger("xgraph")
 _warned: set[str] = set()
@@ -82,7 +87,13 @@ class GraphMemory:
             )
         self._shared: CapturePool | None = None
         self._pools: list[CapturePool] = []  # every native pool handed out, for close()
+        self._users: dict[int, Any] = {}  # id -> the Holdings of each open executor
         self.closed = False
+        if self.physical is not None:
+            self.physical.attach(self)  # refused if the pool is closed
+            self.steps = self.physical.steps  # graphs over one physical pool share memory
+        else:
+            self.steps = StepLock()
 
     @classmethod
     def of(
@@ -102,10 +113,27 @@ class GraphMemory:
             f"got {type(memory).__name__}."
         )
 
+    # -- users ---------------------------------------------------------------------------
+
+    def attach(self, user: Any) -> None:
+        """Count `user` (an executor's Holdings, with a `name`) among this memory's users."""
+        if self.closed:
+            raise PoolClosedError(
+                f"{user.name}: its GraphMemory is closed; create a new one (or pass none)."
+            )
+        self._users[id(user)] = user
+
+    def detach(self, user: Any) -> None:
+        self._users.pop(id(user), None)
+
+    def users(self) -> list[str]:
+        """Names of the open executors that use this memory."""
+        return [u.name for u in self._users.values()]
+
     def begin(self) -> Lease:
         """The pool for the next capture (several pieces of one forward share one lease)."""
         if self.closed:
-            raise XGraphError("GraphMemory is closed.")
+            raise PoolClosedError("GraphMemory is closed; create a new one.")
         if self.mode is MemoryMode.PRIVATE:
             lease = Lease(self.backend.new_pool())
         elif self.mode is MemoryMode.SHARED_POOL:
@@ -147,15 +175,29 @@ class GraphMemory:
         return out
 
     def close(self) -> None:
-        """Close every native pool, then the physical pool. Reset the graphs first."""
-        self.closed = True  # idempotent; after a driver failure, calling again finishes
+        """Close every native pool, then the physical pool if it is this memory's own.
+
+        Refused (MemoryInUseError) while an open executor uses the memory: its graphs would
+        replay memory that is gone. Close the executors first. Idempotent; after a driver
+        failure, calling again finishes.
+        """
+        if self._users:
+            names = ", ".join(repr(n) for n in self.users())
+            raise MemoryInUseError(
+                f"GraphMemory.close(): the open executor(s) {names} still use this memory, "
+                "and their graphs would replay memory that is gone. Close them first "
+                "(executor.close()), then the memory."
+            )
+        self.closed = True
         self.backend.synchronize()  # queued replays may still use every pool's memory
         while self._pools:
             self._pools[-1].close()
             self._pools.pop()
         self._shared = None
-        if self._owns_physical and self.physical is not None:
-            self.physical.close()
+        if self.physical is not None:
+            self.physical.detach(self)
+            if self._owns_physical:
+                self.physical.close()
 
 
 def settle(backend: Backend) -> int | None:

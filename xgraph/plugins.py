@@ -10,6 +10,7 @@ only when it is chosen.
 
 from __future__ import annotations
 
+import builtins
 import importlib
 import itertools
 import logging
@@ -64,7 +65,7 @@ class Registry:
         self._lock = threading.RLock()
         self._pm: pluggy.PluginManager | None = None
         self._specs: dict[str, BackendSpec] | None = None
-        self._broken: list[BackendInfo] = []
+        self._broken: builtins.list[BackendInfo] = []  # `list` below is a method
         self._probes: dict[str, Availability] = {}
         self._instances: dict[str, Backend] = {}
 
@@ -142,7 +143,7 @@ class Registry:
                 return Availability(False, str(exc), avail.versions)
         return avail
 
-    def list(self, refresh: bool = False, hidden: bool = False) -> list[BackendInfo]:
+    def list(self, refresh: bool = False, hidden: bool = False) -> builtins.list[BackendInfo]:
         """Registered backends; `hidden` ones (test, simulation) only when asked for, or
         once selected (by name, XGRAPH_BACKEND or an earlier get)."""
         out = []
@@ -172,7 +173,7 @@ class Registry:
         out.sort(key=lambda b: (-b.priority, b.name))
         return out
 
-    def available_names(self) -> list[str]:
+    def available_names(self) -> builtins.list[str]:
         return [b.name for b in self.list() if b.available]
 
     # -- selection -------------------------------------------------------------------------

@@ -9,21 +9,27 @@ because graphs never replay concurrently and each step's outputs are copied out 
 pool (into persistent buffers) inside the capture.
 
 Physical bytes = max over captures (rounded to chunks), whatever the capture order;
-virtual bytes grow with the number of captures (address space is plentiful).
+virtual bytes grow with the number of captures. Each capture reserves as much address space
+as it could ever use, `Backend.capture_space_bytes()` (the device's memory): its cursor
+never passes the physical chunks behind it.
+
+The pool knows the GraphMemory objects over it and refuses to close while one is open
+(MemoryInUseError naming their executors): close the executors and memories first.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
-from .errors import PoolClosedError, XGraphError
-from .interfaces import PhysicalChunk, VirtualMemory
+from .errors import MemoryInUseError, PoolClosedError, XGraphError
+from .interfaces import FALLBACK_CAPTURE_SPACE_BYTES, PhysicalChunk, VirtualMemory
+from .steplock import StepLock
 
 logger = logging.getLogger("xgraph")
-
-DEFAULT_SPACE_BYTES = 1 << 36  # 64 GiB of address space per capture: never the limit
 
 
 @dataclass(eq=False)
@@ -59,23 +65,57 @@ class SharedPhysicalPool:
         self,
         vm: VirtualMemory,
         chunk_size: int | None = None,
-        space_bytes: int = DEFAULT_SPACE_BYTES,
+        space_bytes: int | None = None,
     ) -> None:
+        """`space_bytes`: address space per capture; default `capture_space_bytes()` of the
+        VirtualMemory's backend."""
         gran = vm.granularity
         chunk = chunk_size or gran
         if chunk % gran:
             raise XGraphError(
                 f"chunk_size {chunk} is not a multiple of the VMM granularity {gran}."
             )
+        if space_bytes is None:
+            backend = getattr(vm, "backend", None)  # a VirtualMemory made without one: none
+            space_bytes = FALLBACK_CAPTURE_SPACE_BYTES
+            if backend is not None:
+                space_bytes = backend.capture_space_bytes()
         self.vm = vm
         self.chunk_size = chunk
         self.space_bytes = -(-space_bytes // chunk) * chunk
+        self.steps = StepLock()  # every step over this physical memory, whichever executor
+        self._users: weakref.WeakSet[Any] = weakref.WeakSet()  # the open GraphMemory objects
         self._lock = threading.RLock()
         self.chunks: list[PhysicalChunk] = []
         self.spaces: list[AddressSpace] = []
         self.high_water = 0  # bytes: the largest cursor any space reached
         self.map_calls = 0
         self.closed = False
+
+    # -- users ---------------------------------------------------------------------------
+
+    def attach(self, memory: Any) -> None:
+        """Count `memory` (a GraphMemory) among the pool's users until it detaches."""
+        with self._lock:
+            if self.closed:
+                raise PoolClosedError("SharedPhysicalPool is closed; create a new one.")
+            self._users.add(memory)
+
+    def detach(self, memory: Any) -> None:
+        with self._lock:
+            self._users.discard(memory)
+
+    def _refuse_in_use(self) -> None:
+        users = list(self._users)
+        if not users:
+            return
+        names = [repr(n) for m in users for n in m.users()]
+        who = f"the open executor(s) {', '.join(names)}" if names else "an open GraphMemory"
+        raise MemoryInUseError(
+            f"SharedPhysicalPool.close(): {who} still use this pool, and their graphs would "
+            "replay memory that is gone. Close them first (executor.close(), then "
+            "GraphMemory.close() for a memory you made), then the pool."
+        )
 
     # -- spaces ----------------------------------------------------------------------------
 
@@ -173,9 +213,11 @@ class SharedPhysicalPool:
     def close(self) -> None:
         """Unmap every space, release every range, free every chunk. Graphs go first.
 
-        Idempotent, and after a driver failure calling it again finishes the job.
+        Refused (MemoryInUseError) while a GraphMemory over it is open. Idempotent, and
+        after a driver failure calling it again finishes the job.
         """
         with self._lock:
+            self._refuse_in_use()
             self.closed = True  # no new space or allocation from here on
             while self.spaces:
                 if not self.spaces[-1].closed:

@@ -29,6 +29,7 @@ from .buckets import Buckets, Dim, Input
 from .buffers import BufferSpec, CopierFactory, StagedBuffers
 from .device_check import DeviceCheck
 from .errors import BucketOverflowError, InputError, XGraphError, XGraphWarning
+from .interfaces import AttentionRunner
 from .metadata import AttentionInputs, AttentionMetadata
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
@@ -118,10 +119,11 @@ class StepPlanner:
         mode: Mode,
         on_overflow: Fallback,
         copier: CopierFactory | None = None,
-        full_query_len: int = 1,
+        decode_runner: AttentionRunner | None = None,
     ) -> None:
-        """`full_query_len`: the longest query length shared by every sequence of a step that
-        the decode runner runs in a full graph (1: decode steps only)."""
+        """`decode_runner`: the full graphs' runner, which must serve the attention's
+        `max_query_len` (steps of one query length per sequence run as full graphs up to
+        it; 1: decode steps only)."""
         self.name, self.device, self.mode, self.on_overflow = name, device, mode, on_overflow
         self.buckets = buckets
         self.dims = declare_dims(name, buckets, dims)
@@ -134,7 +136,14 @@ class StepPlanner:
         # (forced kind, num_tokens, q) -> (kind, key, padded sizes), where nothing else
         # decides them (no pad_to, num_tokens the only key dim)
         self._simple: dict[tuple[Kind | None, int, int], tuple[Kind, tuple, dict[str, int]]] = {}
-        self.full_query_len = full_query_len
+        self.full_query_len = attention.max_query_len if attention else 1
+        if decode_runner is not None and self.full_query_len > decode_runner.max_query_len:
+            raise XGraphError(
+                f"PagedAttention(max_query_len={self.full_query_len}): the decode runner "
+                f"{type(decode_runner).__name__} serves full graphs of up to "
+                f"{decode_runner.max_query_len} tokens per sequence. Lower max_query_len or "
+                "pass a runner that serves it."
+            )
         self.maxima = {n: d.max for n, d in self.dims.items()}
         self.max_seqs = max(attention.max_seqs, buckets.max) if attention is not None else 0
         self.staged = StagedBuffers(self._buffer_specs(), device, copier)
@@ -206,6 +215,11 @@ class StepPlanner:
             step.key, step.padded, step.tensors, tokens.arrays, h, seqs
         )
         return step
+
+    def raise_pending(self, wait: bool = False) -> None:
+        """Raise what the device-side check of an earlier step found (`wait`: for it)."""
+        if self.device_check is not None:
+            self.device_check.raise_pending(wait)
 
     def _attention(
         self, attn: AttentionInputs | None, num_tokens: int, synthetic: bool

@@ -10,8 +10,9 @@ Modules: `cli` (options and dispatch), `decode`, `prefill`, `memory` (one benchm
 `soak` (random mixed steps checked against eager, memory sampled), `host` (the executor's
 host overhead by phase), `anchors` (raw graph, reduce-overhead, the compiled twin),
 `roofline` (weight bytes against measured bandwidth), `table_check` (block-table width),
-`targets` (the model families of `memory`), `timing` (device or host time), `readings`
-(graph memory), `report` (workload, JSON, tables, isolated measurements).
+`targets` (the model families of `memory`), `memory_plot` (its PNG), `timing` (device or
+host time), `readings` (graph memory), `report` (workload, JSON, tables, isolated
+measurements).
 """
 
 from __future__ import annotations

@@ -8,32 +8,31 @@ from collections.abc import Callable
 from typing import Any
 
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
+from ..cli_types import positive_int, sizes
 from ..interfaces import Backend
-from . import decode, host, memory, prefill, soak
+from . import decode, host, memory, memory_plot, prefill, soak
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
-
-
-def _sizes(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        sizes = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of sizes (for example 1,8,64)"
-        ) from None
-    if any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be positive")
-    return sizes
+# the benchmarks each option is read by: given to another one, it is refused, not ignored
+USED_BY = {
+    "sizes": ("memory", "prefill", "decode", "host"),
+    "max_size": ("memory", "prefill"),
+    "compile": ("prefill", "decode"),
+    "table_check": ("decode",),
+    "piecewise_max": ("memory",),
+    "iters": ("prefill", "decode", "host"),
+    "steps": ("soak",),
+    "memory": ("soak",),
+    "plot": ("memory",),
+}
 
 
 def _compile_sizes(text: str) -> list[int]:
     """--compile's sizes; "none" (or "off") turns the compiled rows off."""
-    if text.strip().lower() in ("none", "off", ""):
+    if text.strip().lower() in ("none", "off"):
         return []
-    return _sizes(text) or []
+    return sizes(text)
 
 
 def _names(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
@@ -53,7 +52,7 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
     """Options of `bench decode` (the width check) and `bench memory` (models, kinds, modes)."""
     p.add_argument(
         "--table-check",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="BATCH",
         help="decode: also run BATCH sequences of 512 tokens with block tables 512 and 4096 "
@@ -82,7 +81,7 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--piecewise-max",
-        type=int,
+        type=positive_int,
         default=None,
         help="memory: piecewise graphs at SGLang-style sizes up to this (default 2048 for the "
         "reference and 1024 for hf-llama on accelerators, 128 on the CPU backend)",
@@ -116,13 +115,13 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--sizes",
         default=None,
-        type=_sizes,
+        type=sizes,
         help="comma-separated sizes (memory: capture sizes; prefill: step sizes; "
         "decode: batch sizes); defaults depend on the backend",
     )
     p.add_argument(
         "--max-size",
-        type=int,
+        type=positive_int,
         default=None,
         help="memory: full graphs at vLLM's capture sizes up to this (default on "
         "accelerators 512 for the reference, 256 for hf-llama; 128 and 64 on the CPU "
@@ -139,21 +138,22 @@ def add_parsers(sub: Any) -> None:
     )
     _add_decode_and_memory_options(p)
     _add_run_options(p)
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, check=misplaced_option)
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--iters",
-        type=int,
+        type=positive_int,
         default=None,
-        help="timed repetitions per measurement (default 50 decode, 10 prefill)",
+        help="prefill, decode, host: timed repetitions per measurement (default 10 prefill, "
+        "50 decode; host: 2000, 300 for the model on accelerators)",
     )
     p.add_argument(
         "--steps",
-        type=int,
-        default=2000,
-        help="soak: random steps to run, each checked against eager",
+        type=positive_int,
+        default=None,
+        help="soak: random steps to run, each checked against eager (default 2000)",
     )
     p.add_argument(
         "--memory",
@@ -184,9 +184,9 @@ Runner = Callable[[Backend, argparse.Namespace, list[int] | None], Result]
 
 
 def _memory(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
-    if sizes is None and args.max_size:
+    if sizes is None and args.max_size is not None:
         sizes = vllm_capture_sizes(args.max_size)
-    pw = sglang_piecewise_sizes(args.piecewise_max) if args.piecewise_max else None
+    pw = None if args.piecewise_max is None else sglang_piecewise_sizes(args.piecewise_max)
     data = memory.run(
         backend,
         args.model,
@@ -199,7 +199,7 @@ def _memory(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
     )
     plot_path = args.plot or (os.path.join(args.out, "memory.png") if args.out else None)
     if plot_path:
-        memory.plot(data, plot_path)
+        memory_plot.plot(data, plot_path)
     return data, memory.summarize(data)
 
 
@@ -211,7 +211,7 @@ def _prefill(backend: Backend, args: argparse.Namespace, sizes: list[int] | None
         args.model,
         sizes,
         memory_max=memory_max,
-        iters=args.iters or 10,
+        iters=10 if args.iters is None else args.iters,
         compiler="inductor" if args.compile is not None else None,
         checkpoint=Checkpoint(_json_path(args, "prefill")),
     )
@@ -223,7 +223,7 @@ def _decode(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
         backend,
         args.model,
         sizes,
-        iters=args.iters or 50,
+        iters=50 if args.iters is None else args.iters,
         compile_batches=args.compile,
         table_check_batch=args.table_check,
         checkpoint=Checkpoint(_json_path(args, "decode")),
@@ -233,9 +233,8 @@ def _decode(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
 
 
 def _soak(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
-    data = soak.run(
-        backend, steps=args.steps, memory=args.memory, sample_every=max(1, args.steps // 20)
-    )
+    steps = 2000 if args.steps is None else args.steps
+    data = soak.run(backend, steps=steps, memory=args.memory, sample_every=max(1, steps // 20))
     return data, soak.summarize(data)
 
 
@@ -251,6 +250,24 @@ RUNNERS: dict[str, Runner] = {
     "soak": _soak,
     "host": _host,
 }
+
+
+def misplaced_option(args: argparse.Namespace) -> str | None:
+    """The mistake of an option given to a benchmark that does not read it, or None."""
+    if args.which == "all" and args.sizes is not None:
+        return (
+            "--sizes does not apply to bench all (each benchmark reads it its own way); "
+            "give it to one benchmark"
+        )
+    which = list(BENCHMARKS) if args.which == "all" else [args.which]
+    for dest, users in USED_BY.items():
+        if getattr(args, dest) is not None and not set(users) & set(which):
+            option = "--" + dest.replace("_", "-")
+            return (
+                f"{option} does not apply to bench {args.which} (it is read by bench "
+                f"{', '.join(users)}); leave it out"
+            )
+    return None
 
 
 def main(args: argparse.Namespace) -> int:

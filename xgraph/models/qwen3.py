@@ -17,6 +17,8 @@ import os
 import torch
 from torch import nn
 
+from ..buckets import Input
+from ..errors import InputError
 from ..paging import PagedKVCache
 from .qwen3_config import Qwen3Config
 from .qwen3_layers import DecoderLayer, RMSNorm, Rotary
@@ -65,18 +67,54 @@ class _Body(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class Qwen3Model(nn.Module):
-    """Qwen3-style decoder over a PagedKVCache; `forward` returns final hidden states."""
+def _check_cache(c: Qwen3Config, cache: PagedKVCache, dtype: torch.dtype) -> None:
+    """Refuse a cache the model's attention cannot write, naming what differs."""
+    if cache.dtype != dtype:
+        raise InputError(
+            f"Qwen3Model: the KV cache's dtype {cache.dtype} differs from the model's {dtype}; "
+            "the attention stores the model's k/v in it. Make the PagedKVCache with "
+            f"dtype={dtype} (Qwen3Model.build makes both with its dtype=)."
+        )
+    want = (c.num_layers, c.num_kv_heads, c.head_dim)
+    k = cache.layers[0][0] if cache.layers else None
+    have = (len(cache.layers), *(tuple(k.shape[2:]) if k is not None else (0, 0)))
+    if have != want:
+        raise InputError(
+            "Qwen3Model: the KV cache holds (layers, kv heads, head_dim) = "
+            f"{have}, the config {want} (num_layers, num_kv_heads, head_dim). Make the "
+            "PagedKVCache from the same config."
+        )
 
-    def __init__(self, config: Qwen3Config, kv_cache: PagedKVCache) -> None:
+
+class Qwen3Model(nn.Module):
+    """Qwen3-style decoder over a PagedKVCache; `forward` returns final hidden states.
+
+    `dtype` is the weights' dtype (default torch's default dtype); the cache must have it.
+    """
+
+    def __init__(
+        self, config: Qwen3Config, kv_cache: PagedKVCache, dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
+        dtype = dtype or torch.get_default_dtype()
+        _check_cache(config, kv_cache, dtype)
         self.config = config
         self.kv_cache = kv_cache
-        self.model = _Body(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = _Body(config).to(dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config.head_dim, config.max_position, config.rope_theta)
+
+    def inputs(self) -> list[Input]:
+        """The forward's inputs as an executor declares them, with their bounds: token ids
+        in [0, vocab_size), positions in [0, max_position) (the rotary table), so a step
+        outside them is refused (InputError) before anything runs."""
+        c = self.config
+        return [
+            Input("input_ids", torch.int64, ("num_tokens",), bounds=(0, c.vocab_size)),
+            Input("positions", torch.int64, ("num_tokens",), bounds=(0, c.max_position)),
+        ]
 
     @classmethod
     def build(
@@ -103,7 +141,7 @@ class Qwen3Model(nn.Module):
             device,
         )
         with torch.device("meta"):
-            model = cls(config, cache)
+            model = cls(config, cache, dtype)
         model = model.to_empty(device=device)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -151,6 +189,9 @@ class Qwen3Model(nn.Module):
             )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        weights = self.model.embed_tokens.weight.dtype
+        if weights != self.kv_cache.dtype:  # converted since construction (model.to(...))
+            _check_cache(self.config, self.kv_cache, weights)
         x = self.model.embed_tokens(input_ids)
         # the first layer adds a zero residual like every other layer adds its own, so all
         # layers run one compiled graph

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from ..errors import InputError
+
+# the Hugging Face config.json name of each field that has another one there
+HF_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "max_position": "max_position_embeddings",
+}
 
 
 @dataclass(frozen=True)
@@ -20,6 +30,26 @@ class Qwen3Config:
     rope_theta: float = 1_000_000.0
     max_position: int = 8192
     tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        """Refuse a shape the model cannot run, naming the fields (and their config.json
+        names), before any weight is made."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("int", int) and (type(v) is not int or v < 1):
+                raise InputError(f"Qwen3Config: {_name(f.name)} must be a positive int, got {v!r}.")
+        if self.num_heads % self.num_kv_heads:
+            raise InputError(
+                f"Qwen3Config: {_name('num_heads')} = {self.num_heads} is not a multiple of "
+                f"{_name('num_kv_heads')} = {self.num_kv_heads}; grouped-query attention shares "
+                "each kv head among the same number of query heads. Choose kv heads that divide "
+                "the query heads."
+            )
+        if self.head_dim % 2:
+            raise InputError(
+                f"Qwen3Config: head_dim = {self.head_dim} is odd; rotary embeddings rotate pairs "
+                "of channels. Use an even head_dim."
+            )
 
     @classmethod
     def tiny(cls) -> Qwen3Config:
@@ -73,3 +103,8 @@ class Qwen3Config:
             max_position=c.get("max_position_embeddings", 8192),
             tie_word_embeddings=c.get("tie_word_embeddings", True),
         )
+
+
+def _name(field: str) -> str:
+    hf = HF_NAMES.get(field)
+    return f"{field} ({hf})" if hf else field

@@ -7,7 +7,6 @@ without graphs on the same (optionally padded) batch, the reference the executor
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from ..paging import PagedAttention
 from ..runners import PagedDecodeRunner, PagedPrefillRunner
 from .qwen3 import Qwen3Model
 
+# the token inputs without bounds; `Qwen3Model.inputs()` (what executors here use) adds them
 TOKEN_INPUTS = [
     Input("input_ids", torch.int64, ("num_tokens",), fill=0),
     Input("positions", torch.int64, ("num_tokens",), fill=0),
@@ -96,10 +96,8 @@ class Workload:
         return PagedAttention.for_cache(self.cache, self.max_seqs, self.max_blocks, **kw)
 
     def inputs(self) -> list[Input]:
-        """TOKEN_INPUTS with the model's bounds: token ids in the vocabulary, positions below
-        the rotary table's length."""
-        limits = {"input_ids": self.vocab, "positions": self.model.config.max_position}
-        return [dataclasses.replace(i, bounds=(0, limits[i.name])) for i in TOKEN_INPUTS]
+        """The model's inputs with their bounds (`Qwen3Model.inputs`)."""
+        return self.model.inputs()
 
     def executor(self, forward=None, **kw: object) -> GraphExecutor:  # type: ignore[no-untyped-def]
         kw.setdefault("attention", self.attention())

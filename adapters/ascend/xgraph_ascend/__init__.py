@@ -7,6 +7,8 @@ torch_npu nor libascendcl:
   only when selected) and never chosen by priority. CI proves the adapter against it.
 """
 
+__version__ = "0.1.0"  # the one source: pyproject.toml reads it
+
 from xgraph.hooks import BackendSpec, hookimpl
 
 

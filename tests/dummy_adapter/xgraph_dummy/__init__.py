@@ -5,6 +5,8 @@ classes, so it must pass the conformance suite. It reports itself available only
 XGRAPH_DUMMY_BACKEND=1, so installing it does not change which backend others get.
 """
 
+__version__ = "0.0.1"  # the one source: pyproject.toml reads it
+
 from xgraph.hooks import BackendSpec, hookimpl
 
 

@@ -52,6 +52,13 @@ class CPUBackend(Backend):
         """CPU ops complete before they return; only the queue discipline is reset."""
         self.queued = 0
 
+    def capture_space_bytes(self) -> int:
+        """The host's physical memory: no capture can use more (its pages are memfd pages)."""
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):  # no such sysconf name here: the core's default
+            return super().capture_space_bytes()
+
     def as_tensor(self, address: int, nbytes: int) -> torch.Tensor:
         return host_tensor(address, nbytes)
 

@@ -62,6 +62,23 @@ class HostCachingPool(CapturePool):
         # queue them and apply them under the lock
         self._pending: collections.deque[int] = collections.deque()
 
+    @property
+    def closed(self) -> bool:  # type: ignore[override]
+        """Closed, or its segments' address space is gone (a closed SharedPhysicalPool): a
+        graph on it then refuses to replay (PoolClosedError) instead of touching unmapped
+        memory."""
+        return self._closed or bool(getattr(self._source, "closed", False))
+
+    @closed.setter
+    def closed(self, value: bool) -> None:
+        self._closed = value
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+
     # -- allocation ------------------------------------------------------------------------
 
     def _segment_of(self, address: int) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ...errors import ReplayError
 from .pool import HostCachingPool
 
 _EMPTY_OPS = {
@@ -89,12 +90,20 @@ class OpTape:
         self._pool = pool
 
     def replay(self) -> None:
+        """Re-execute every op; an op that raises (an index outside its table) ends the
+        replay with a ReplayError naming it. The tape itself is unchanged and replays again."""
+        func = None
         with torch.no_grad():
-            for func, args, kwargs, outs, multi in self._program:
-                res = func(*args, **kwargs)
-                for i, j, dst in outs:
-                    r = res[i] if multi else res
-                    dst.copy_(r if j is None else r[j])
+            try:
+                for func, args, kwargs, outs, multi in self._program:
+                    res = func(*args, **kwargs)
+                    for i, j, dst in outs:
+                        r = res[i] if multi else res
+                        dst.copy_(r if j is None else r[j])
+            except Exception as exc:  # costs nothing until an op raises
+                raise ReplayError(
+                    f"replaying {func} failed: {type(exc).__name__}: {exc}".rstrip()
+                ) from exc
 
     def clear(self) -> None:
         self._tape = []

@@ -171,6 +171,26 @@ def proportional_resident_bytes() -> int:
     return 0
 
 
+def range_resident_bytes(start: int, end: int) -> tuple[int, int]:
+    """(Rss, Pss) of this process's mappings inside [start, end), from /proc/self/smaps.
+
+    Only those mappings count, so other processes and the rest of this one cannot move the
+    reading (process-wide Pss changes whenever another process maps a shared library)."""
+    rss = pss = 0
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: lo-hi perms ...
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = start <= lo and hi <= end
+            elif inside and head == "Rss:":
+                rss += int(line.split()[1]) * 1024
+            elif inside and head == "Pss:":
+                pss += int(line.split()[1]) * 1024
+    return rss, pss
+
+
 def resident_bytes() -> int:
     """The process's VmRSS: every mapping of a shared page counted."""
     with open("/proc/self/status") as f:

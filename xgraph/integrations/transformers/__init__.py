@@ -12,18 +12,21 @@ xgraph[transformers]`): importing this package does not import it.
 """
 
 from .allocator import BlockAllocator
-from .attention import IMPLEMENTATION, attention_forward, register
+from .attention import IMPLEMENTATION, attention_forward
 from .cache import PagedCache
 from .errors import CapacityError, MissingExtraError, ModelFolderError, UnsupportedModelError
 from .generate import GenerationResult, generate
 from .limits import Limits
 from .loading import load_model, load_tokenizer
 from .model import GraphModel
+from .probe import AttentionCall
+from .registration import register
 from .sampling import SamplingParams
 from .spec import ModelSpec, inspect_model
 
 __all__ = [
     "IMPLEMENTATION",
+    "AttentionCall",
     "BlockAllocator",
     "CapacityError",
     "GenerationResult",

@@ -10,9 +10,15 @@ the `xgraph` command line builds its parser from it whether or not the extra is 
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
+from ...cli_types import non_negative_float, non_negative_int, positive_int
+
 MODES = ("auto", "full", "piecewise", "eager")
+# where a model folder's loading fails inside the model libraries, not in xgraph
+LOADERS = ("transformers", "safetensors", "tokenizers", "huggingface_hub")
 
 
 def add_parser(sub: Any) -> None:
@@ -36,7 +42,10 @@ def add_parser(sub: Any) -> None:
         "as '1 2 3'; repeat the option for several sequences",
     )
     p.add_argument(
-        "--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)"
+        "--max-new-tokens",
+        type=positive_int,
+        default=32,
+        help="tokens to generate per prompt (default 32)",
     )
     p.add_argument(
         "--backend",
@@ -52,12 +61,15 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--temperature",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="0 (the default) decodes greedily; above 0 samples",
     )
     p.add_argument(
-        "--top-k", type=int, default=0, help="sample among the k most likely tokens only (0: all)"
+        "--top-k",
+        type=non_negative_int,
+        default=0,
+        help="sample among the k most likely tokens only (0: all)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     _add_engine_options(p)
@@ -65,10 +77,12 @@ def add_parser(sub: Any) -> None:
 
 
 def _add_engine_options(p: Any) -> None:
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument(
+        "--block-size", type=positive_int, default=16, help="KV cache block size in tokens"
+    )
     p.add_argument(
         "--max-num-tokens",
-        type=int,
+        type=positive_int,
         default=256,
         help="tokens per step: the prefill chunk size and the largest bucket",
     )
@@ -91,12 +105,48 @@ def _prompts(texts: list[str], tokenizer: Any, folder: str) -> list[list[int]]:
     if tokenizer is not None:
         return [list(tokenizer.encode(t)) for t in texts]
     try:
-        return [[int(x) for x in t.replace(",", " ").split()] for t in texts]
+        prompts = [[int(x) for x in t.replace(",", " ").split()] for t in texts]
     except ValueError:
         raise XGraphError(
             f"{folder!r} has no tokenizer, so each --prompt must be token ids such as "
             "'1 2 3'; save a tokenizer into the folder to pass text."
         ) from None
+    if not all(prompts):
+        raise XGraphError("a --prompt is empty; give each prompt at least one token.")
+    return prompts
+
+
+def _raised_in(exc: BaseException, packages: tuple[str, ...]) -> bool:
+    """Whether the innermost Python frame of exc's traceback is in one of `packages`."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return module.split(".")[0] in packages
+
+
+@contextlib.contextmanager
+def _loading(folder: str) -> Iterator[None]:
+    """A folder that transformers (or safetensors) fails to load: ModelFolderError naming
+    the folder and the library's own reason in one line, not the library's traceback."""
+    from ...errors import XGraphError
+    from .errors import ModelFolderError
+
+    try:
+        yield
+    except XGraphError:
+        raise
+    except Exception as exc:
+        if not _raised_in(exc, LOADERS):
+            raise
+        lines = str(exc).strip().splitlines()
+        reason = lines[0] if lines else ""
+        reason = reason[:297] + "..." if len(reason) > 300 else reason.rstrip(".")
+        raise ModelFolderError(
+            f"transformers could not load {folder!r}: {type(exc).__name__}: {reason}. xgraph "
+            "runs decoder-only causal LMs saved with model.save_pretrained(folder) (-v shows "
+            "where loading failed)."
+        ) from exc
 
 
 def _eos(model: Any, ignore: bool) -> Any:
@@ -104,30 +154,37 @@ def _eos(model: Any, ignore: bool) -> Any:
     return None if ignore or config is None else config.eos_token_id
 
 
+def _open_model(args: argparse.Namespace, backend: Any, prompts: list[list[int]]) -> Any:
+    """The folder's GraphModel, sized for these prompts and the tokens to generate."""
+    from .model import GraphModel
+
+    with _loading(args.model):
+        return GraphModel.from_pretrained(
+            args.model,
+            dtype=args.dtype,
+            backend=backend,
+            mode=args.mode,
+            name="generate",
+            block_size=args.block_size,
+            max_model_len=max(len(p) for p in prompts) + args.max_new_tokens,
+            max_seqs=len(prompts),
+            max_num_tokens=args.max_num_tokens,
+        )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from ...plugins import get_backend
     from .deps import require
     from .loading import check_folder, load_tokenizer
-    from .model import GraphModel
     from .sampling import SamplingParams
 
     check_folder(args.model)
     require().utils.logging.disable_progress_bar()  # one line of output per sequence, no bars
     backend = get_backend(args.backend)
-    tokenizer = load_tokenizer(args.model)
+    with _loading(args.model):
+        tokenizer = load_tokenizer(args.model)
     prompts = _prompts(args.prompt, tokenizer, args.model)
-    longest = max(len(p) for p in prompts) + args.max_new_tokens
-    with GraphModel.from_pretrained(
-        args.model,
-        dtype=args.dtype,
-        backend=backend,
-        mode=args.mode,
-        name="generate",
-        block_size=args.block_size,
-        max_model_len=longest,
-        max_seqs=len(prompts),
-        max_num_tokens=args.max_num_tokens,
-    ) as gm:
+    with _open_model(args, backend, prompts) as gm:
         result = gm.generate(
             prompts,
             args.max_new_tokens,

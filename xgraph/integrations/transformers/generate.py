@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from ...errors import InputError
 from ...executor import GraphExecutor
 from ...metadata import AttentionInputs
 from ...options import Kind
@@ -23,6 +24,7 @@ from .allocator import BlockAllocator
 from .cache import PagedCache
 from .errors import CapacityError
 from .limits import Limits
+from .prompts import token_lists
 from .sampling import Sampler, SamplingParams
 from .scheduler import Batch, SeqState, admit, build_batch, schedule
 from .spec import ModelSpec
@@ -90,15 +92,24 @@ def graph_step_counts(executor: GraphExecutor) -> Counter:
     return out
 
 
+def _budgets(max_new_tokens: object, n: int) -> list[int]:
+    """max_new_tokens per prompt: one int for all, or one int each."""
+    if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool):
+        return [max_new_tokens] * n
+    items = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [None]
+    if any(not isinstance(b, int) or isinstance(b, bool) for b in items):
+        raise InputError(f"max_new_tokens={max_new_tokens!r}; give one int or one int per prompt.")
+    return items
+
+
 def _sequences(
     gm: StepModel, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int]
 ) -> list[SeqState]:
     """Refuse, before any step, a prompt that could never run."""
     lim = gm.limits
     assert lim.max_model_len is not None and lim.num_blocks is not None
-    budgets = (
-        [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    )
+    prompts = token_lists(prompts, gm.spec.vocab_size)
+    budgets = _budgets(max_new_tokens, len(prompts))
     if len(budgets) != len(prompts) or min(budgets, default=1) < 1:
         raise CapacityError(
             f"max_new_tokens must be >= 1, one int or one per prompt; got "
@@ -177,7 +188,7 @@ def generate(
         plan = schedule(running, lim.max_num_tokens)
         if not plan:  # cannot happen with the checks above; never spin
             raise CapacityError(f"{gm.spec.name}: no sequence could be scheduled.")
-        batch = build_batch(plan, gm.cache)
+        batch = build_batch(plan, gm.cache, gm.spec.pad_position)
         t0 = time.perf_counter()
         logits = gm(batch.input_ids, batch.positions, batch.attn)
         finished = _advance(batch, logits, sampler, eos, record_logits)

@@ -47,9 +47,15 @@ class Limits:
                     f"{spec.name}: {field.name} must be >= 1, got {getattr(out, field.name)}."
                 )
         if spec.max_position is not None and length > spec.max_position:
+            skipped = (
+                f" (max_position_embeddings less the first {spec.pad_position + 1}, which "
+                "its embeddings skip)"
+                if spec.pad_position is not None
+                else " (max_position_embeddings)"
+            )
             raise CapacityError(
-                f"{spec.name}: max_model_len={length} is above the model's "
-                f"max_position_embeddings={spec.max_position}; lower it."
+                f"{spec.name}: max_model_len={length} is above the {spec.max_position} "
+                f"positions the model's position embeddings hold{skipped}; lower it."
             )
         spec.check_context(length)
         return out

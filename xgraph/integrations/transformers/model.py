@@ -4,16 +4,22 @@
     result = gm.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)
 
 The model's code is not changed: its attention implementation is switched to "xgraph"
-(restored by `close()`), a paged KV cache is allocated for its layers, kv heads, head dim
-and dtype, and its forward is wrapped as `forward(input_ids, positions) -> logits`, with all
-of a step's tokens flattened into one batch row and `position_ids` taken from the step's
-positions. The executor then runs decode steps as full graphs and prefill / chunked-prefill
-/ mixed steps piecewise, like any engine's model.
+(given back when the last GraphModel over the model closes), one probe forward before the
+first step records its attention calls (probe.py: whatever the runners would compute
+differently is refused there), a paged KV cache is allocated with one layer per call, and
+its forward is wrapped as `forward(input_ids, positions) -> logits` (forward.py). The
+executor then runs decode steps as full graphs and prefill / chunked-prefill / mixed steps
+piecewise, like any engine's model.
+
+A GraphModel dropped without `close()` is closed when it is collected: its executor first
+(queued work, graphs, graph memory), then the model's attention; its cache goes with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import weakref
 from typing import Any
 
 import torch
@@ -28,12 +34,31 @@ from ...options import Fallback, Kind, Mode
 from ...paging import PagedAttention
 from ...plugins import get_backend
 from ...pool import SharedPhysicalPool
-from .attention import Binding, bound, restore_attention, use_xgraph_attention
+from . import registration
+from .attention import Binding
 from .cache import PagedCache
+from .forward import ModelForward
 from .generate import GenerationResult, generate
 from .limits import Limits
 from .loading import load_model, load_tokenizer
+from .probe import probe
 from .spec import inspect_model
+
+logger = logging.getLogger("xgraph")
+
+
+def _release(executor: GraphExecutor, model: Any, name: str) -> None:
+    """Close in order: the executor (waits for queued work, resets its graphs, frees graph
+    memory), then the model's attention. Runs once, from close() or from the garbage
+    collector, so it reports a failure and never raises."""
+    try:
+        executor.close()
+    except Exception:
+        logger.exception("%s: closing its executor failed", name)
+    try:
+        registration.release(model)
+    except Exception:
+        logger.exception("%s: giving the model back its attention failed", name)
 
 
 class GraphModel:
@@ -75,12 +100,16 @@ class GraphModel:
         self.tokenizer: Any = None  # set by from_pretrained when the folder has one
         lim = self.limits
         assert lim.num_blocks is not None and lim.max_model_len is not None
-        self.cache = PagedCache(self.spec, lim.num_blocks, lim.block_size, self.device)
-        self.binding = Binding(self.spec, self.cache, lim.max_model_len)
-        self._previous_attention = use_xgraph_attention(model)
+        registration.acquire(model)
         try:
+            self._forward = ModelForward(self.model, self.spec)
+            self.calls = probe(self._forward.run, self.spec, model, lim.max_model_len, self.device)
+            self.cache = PagedCache(
+                self.spec, lim.num_blocks, lim.block_size, self.device, calls=self.calls
+            )
+            self.binding = self._forward.binding = Binding(self.spec, self.cache, self.calls)
             self.executor = GraphExecutor(
-                self.forward,
+                self._forward,
                 inputs=self.inputs(),
                 backend=self.backend,
                 buckets=buckets if buckets is not None else default_sizes(lim.max_num_tokens),
@@ -92,9 +121,10 @@ class GraphModel:
                 on_capture_error=on_capture_error,
                 name=name,
             )
-        except BaseException:  # a refused setting: the model keeps its own attention
-            restore_attention(model, self._previous_attention)
+        except BaseException:  # refused: the model keeps its own attention
+            registration.release(model)
             raise
+        self._finalizer = weakref.finalize(self, _release, self.executor, model, name)
 
     @classmethod
     def from_pretrained(
@@ -131,13 +161,7 @@ class GraphModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[tokens] ids and positions -> [tokens, vocab] logits: the model's own forward, on
         one batch row, with position_ids from the step (rotary tables index by them)."""
-        with bound(self.binding):
-            out = self.model(
-                input_ids=input_ids.unsqueeze(0),
-                position_ids=positions.unsqueeze(0),
-                use_cache=False,
-            )
-        return out.logits[0]
+        return self._forward(input_ids, positions)
 
     def __call__(
         self,
@@ -173,9 +197,10 @@ class GraphModel:
         return self.executor.stats()
 
     def close(self) -> None:
-        """Close the executor and give the model back its own attention implementation."""
-        self.executor.close()
-        restore_attention(self.model, self._previous_attention)
+        """Close the executor; the last GraphModel over the model gives it back its own
+        attention implementation. Idempotent; runs by itself when the GraphModel is
+        collected."""
+        self._finalizer()
 
     def __enter__(self) -> GraphModel:
         return self

@@ -35,6 +35,8 @@ class SeqState:
     computed: int = 0  # tokens whose keys and values are in the cache
     done: bool = False
     logits: list[torch.Tensor] = field(default_factory=list)  # recorded rows, when asked
+    # counted[i]: tokens before token i that are not `skip` (for models that skip padding)
+    counted: list[int] = field(default_factory=lambda: [0])
 
     @property
     def pending(self) -> int:
@@ -52,6 +54,17 @@ class SeqState:
 
     def blocks_needed(self, block_size: int) -> int:
         return -(-self.max_kv_len // block_size)
+
+    def positions(self, start: int, n: int, skip: int | None) -> list[int]:
+        """Position inputs of tokens [start, start + n): their indices, or, with `skip` (a
+        padding id that the model's positions do not count), the tokens before each that
+        are not padding."""
+        if skip is None:
+            return list(range(start, start + n))
+        while len(self.counted) < start + n:
+            i = len(self.counted) - 1
+            self.counted.append(self.counted[i] + (self.tokens[i] != skip))
+        return self.counted[start : start + n]
 
 
 @dataclass
@@ -107,11 +120,14 @@ def schedule(running: list[SeqState], budget: int) -> list[tuple[SeqState, int]]
     return plan
 
 
-def build_batch(plan: list[tuple[SeqState, int]], cache: PagedCache) -> Batch:
+def build_batch(
+    plan: list[tuple[SeqState, int]], cache: PagedCache, skip: int | None = None
+) -> Batch:
     """The step's flattened token ids and positions, and its paged attention inputs.
 
-    Slots follow the block tables: position p of a sequence lives in block row[p // bs] at
-    offset p % bs (the executor checks this)."""
+    Slots follow the block tables: token p of a sequence lives in block row[p // bs] at
+    offset p % bs (the executor checks this). Positions are token indices, or with `skip`
+    the count of earlier tokens that are not `skip` (see SeqState.positions)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -120,7 +136,7 @@ def build_batch(plan: list[tuple[SeqState, int]], cache: PagedCache) -> Batch:
         chunks.append(Chunk(seq, len(ids), n))
         span = range(seq.computed, seq.computed + n)
         ids.extend(seq.tokens[seq.computed : seq.computed + n])
-        positions.extend(span)
+        positions.extend(seq.positions(seq.computed, n, skip))
         slots.extend(cache.slot(seq.blocks, p) for p in span)
     attn = AttentionInputs(
         query_lens=[n for _, n in plan],

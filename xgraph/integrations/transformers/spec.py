@@ -6,14 +6,18 @@ inputs are built from. Everything the paged runners cannot reproduce exactly is 
 here, with the model's name and the reason, rather than producing wrong logits later:
 
 - attention that does not go through transformers' AttentionInterface (nothing to route);
-- encoder-decoder and composite (multimodal) models: xgraph runs one causal text decoder;
+- encoder-decoder and composite (multimodal) models: xgraph runs one causal text decoder
+  (sub-configs that only group a decoder's own settings, DBRX's or MPT's, are not towers);
 - layers that are not softmax attention (linear attention, state-space layers, chunked
   attention): the paged cache holds keys and values only;
-- attention layers that differ in shape (per-layer head counts) or keys and values of
-  different sizes (multi-head latent attention): one cache layout serves every layer;
+- query heads that are not a multiple of the kv heads, keys and values of different sizes
+  (multi-head latent attention): the paged layout holds one head size per layer;
 - logit soft-capping inside attention: the runners compute plain scaled softmax;
 - sliding-window layers whose window is shorter than the longest sequence the cache
   allows (`ModelSpec.check_context`): within the window they are exact, past it not.
+
+Layers may differ in heads and head size (per-layer configs): the probe (probe.py) reads
+each attention call's shapes, and the cache gives every call a layout of its own.
 """
 
 from __future__ import annotations
@@ -35,14 +39,17 @@ class ModelSpec:
 
     name: str
     num_layers: int
-    num_heads: int
+    num_heads: int  # of the first layer (layers of a per-layer config may differ)
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    max_position: int | None  # max_position_embeddings, when the config has one
+    max_position: int | None  # the longest sequence its position embeddings allow, if any
     dtype: torch.dtype
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # RoBERTa-style embeddings number tokens from pad_position + 1 and give padding tokens
+    # pad_position (their padding_idx); None: positions are token indices
+    pad_position: int | None = None
 
     def refuse(self, reason: str, hint: str = "") -> UnsupportedModelError:
         return UnsupportedModelError(self.name, reason, hint)
@@ -75,6 +82,13 @@ def model_name(model: Any) -> str:
     return f"{type(model).__name__} (model_type {model_type!r})"
 
 
+def _towers(config: Any) -> list[str]:
+    """Sub-configs that describe models of their own (a vision or audio tower, a text
+    decoder); those that only group the decoder's own settings have no model_type."""
+    subs = getattr(config, "sub_configs", None) or {}
+    return sorted(k for k, c in subs.items() if getattr(c, "model_type", None) != "")
+
+
 def _check_kind(model: Any, name: str) -> None:
     """A causal text decoder whose attention goes through the AttentionInterface."""
     config = model.config
@@ -84,10 +98,11 @@ def _check_kind(model: Any, name: str) -> None:
             "it is an encoder-decoder model; xgraph runs causal "
             "decoders (every attention layer causal self-attention)",
         )
-    if getattr(config, "sub_configs", None):
+    towers = _towers(config)
+    if towers:
         raise UnsupportedModelError(
             name,
-            f"it is a composite model (sub-configs {sorted(config.sub_configs)})",
+            f"it is a composite model (sub-models {towers})",
             "Load its text decoder on its own (the *ForCausalLM class of the text config).",
         )
     can_generate = getattr(model, "can_generate", None)
@@ -106,10 +121,19 @@ def _check_kind(model: Any, name: str) -> None:
         )
 
 
+def per_layer(config: Any, field: str, num_layers: int) -> list[Any]:
+    """A config field's value for every layer: per-layer configs (transformers'
+    `per_layer_config`) may set some fields layer by layer, and refuse a global read."""
+    varying = getattr(config, "per_layer_attributes", None) or ()
+    if getattr(config, "is_heterogeneous", False) and field in varying:
+        return [getattr(config.per_layer_config[i], field, None) for i in range(num_layers)]
+    return [getattr(config, field, None)] * num_layers
+
+
 def _check_layers(config: Any, name: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
     """The sliding window and the sliding layers; refuse layers that are not attention."""
     types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
+    windows = per_layer(config, "sliding_window", num_layers)
     if types is not None:
         other = sorted(set(types) - {FULL, SLIDING})
         if other:
@@ -120,45 +144,65 @@ def _check_layers(config: Any, name: str, num_layers: int) -> tuple[int | None, 
             )
         sliding = tuple(i for i, t in enumerate(types) if t == SLIDING)
     else:  # Mistral-style configs: a window in the config applies to every layer
-        sliding = tuple(range(num_layers)) if window else ()
-    if sliding and not window:
+        sliding = tuple(i for i, w in enumerate(windows) if w)
+    missing = [i for i in sliding if not windows[i]]
+    if missing:
         raise UnsupportedModelError(
             name,
-            f"layers {_short(sliding)} are sliding-window layers "
+            f"layers {_short(missing)} are sliding-window layers "
             "but the config gives no sliding_window",
         )
-    if getattr(config, "attn_logit_softcapping", None) is not None:
+    if any(c is not None for c in per_layer(config, "attn_logit_softcapping", num_layers)):
         raise UnsupportedModelError(
             name,
             "its attention soft-caps the logits (attn_logit_softcapping); xgraph's "
             "runners compute plain scaled softmax",
         )
-    return (window if sliding else None), sliding
+    return (min(windows[i] for i in sliding) if sliding else None), sliding
 
 
-def _heads(config: Any, name: str) -> tuple[int, int, int]:
-    """(query heads, kv heads, head dim), one value for every layer."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    for field_name, value in (
-        ("num_attention_heads", heads),
-        ("num_key_value_heads", kv),
-        ("head_dim", head_dim),
-    ):
-        if not isinstance(value, int):
-            raise UnsupportedModelError(
-                name,
-                f"its attention layers differ ({field_name} is {value!r}, not one number)",
-                "xgraph allocates one cache layout for every layer.",
-            )
+def _heads(config: Any, name: str, num_layers: int) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) of the first layer; every layer checked."""
     if getattr(config, "kv_lora_rank", None) is not None:
         raise UnsupportedModelError(
             name,
             "it uses multi-head latent attention (kv_lora_rank): keys and values have "
             "different sizes, and the paged cache stores both at one head dim",
         )
-    return heads, kv, head_dim
+    heads = per_layer(config, "num_attention_heads", num_layers)
+    kvs = per_layer(config, "num_key_value_heads", num_layers)
+    dims = per_layer(config, "head_dim", num_layers)
+    hidden = config.hidden_size
+    first: tuple[int, int, int] | None = None
+    for i, (h, kv, d) in enumerate(zip(heads, kvs, dims)):
+        kv = kv or h
+        d = d or (hidden // h if isinstance(h, int) and h else None)
+        for field_name, value in (("num_attention_heads", h), ("num_key_value_heads", kv)):
+            if not isinstance(value, int) or value < 1:
+                raise UnsupportedModelError(
+                    name, f"layer {i} has {field_name}={value!r}, not a positive number"
+                )
+        if h % kv:
+            raise UnsupportedModelError(
+                name,
+                f"layer {i} has num_key_value_heads={kv}, which does not divide "
+                f"num_attention_heads={h}: every kv head must serve the same number of "
+                "query heads",
+                "Fix the config: num_attention_heads must be a multiple of num_key_value_heads.",
+            )
+        first = first or (h, kv, d)
+    assert first is not None
+    return first  # type: ignore[return-value]
+
+
+def _pad_position(model: Any) -> int | None:
+    """padding_idx of embeddings that number positions from padding_idx + 1 when given no
+    position ids (RoBERTa and its descendants: `create_position_ids_from_input_ids`)."""
+    for m in model.modules():
+        pad = getattr(m, "padding_idx", None)
+        if hasattr(m, "create_position_ids_from_input_ids") and isinstance(pad, int):
+            return pad
+    return None
 
 
 def inspect_model(model: Any) -> ModelSpec:
@@ -168,8 +212,12 @@ def inspect_model(model: Any) -> ModelSpec:
     config = model.config
     num_layers = config.num_hidden_layers
     window, sliding = _check_layers(config, name, num_layers)
-    heads, kv, head_dim = _heads(config, name)
+    heads, kv, head_dim = _heads(config, name, num_layers)
     param = next(model.parameters(), None)
+    pad = _pad_position(model)
+    max_position = getattr(config, "max_position_embeddings", None)
+    if pad is not None and max_position is not None:
+        max_position -= pad + 1  # positions pad + 1, pad + 2, ... index the table
     return ModelSpec(
         name=name,
         num_layers=num_layers,
@@ -177,8 +225,9 @@ def inspect_model(model: Any) -> ModelSpec:
         num_kv_heads=kv,
         head_dim=head_dim,
         vocab_size=config.vocab_size,
-        max_position=getattr(config, "max_position_embeddings", None),
+        max_position=max_position,
         dtype=param.dtype if param is not None else torch.float32,
         sliding_window=window,
         sliding_layers=sliding,
+        pad_position=pad,
     )

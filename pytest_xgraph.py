@@ -1,4 +1,10 @@
-"""pytest plugin: `--xgraph-backend NAME` picks the backend the conformance suite runs against."""
+"""pytest plugin of xgraph: `--xgraph-backend NAME` picks the backend the conformance suite
+(`xgraph.testing`) runs against.
+
+pytest loads this module (the `pytest11` entry point) in every run of every project where
+xgraph is installed, so it imports nothing but pytest: xgraph, and torch with it, load only
+when a test imports them.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,333 @@
+"""Lifetimes: memory never closes under an open executor, dropped executors give everything
+back, and a failed reservation is a failed capture like any other.
+
+`python tests/test_lifetime.py 2000` prints the numbers of N executors dropped without
+close() in one process (the CI test below drops fewer).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import xgraph
+from xgraph import Buckets, GraphMemory
+from xgraph.backends.cpu.vmm import resident_bytes
+from xgraph.models import Workload
+from xgraph.testing.faults import books, fail_driver_call
+
+BUCKETS = [1, 2, 4, 8]
+EMPTY = {"reservations": 0, "mappings": 0, "chunks": 0}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter: a segfault fails the test instead of pytest."""
+    env = {**os.environ, "XGRAPH_BACKEND": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
+
+
+def workload(seed: int = 0) -> Workload:
+    w = Workload.tiny(num_blocks=64, max_blocks=6, max_seqs=16)
+    w.randomize_cache(seed)
+    return w
+
+
+# -- 1. closing memory under an open executor ----------------------------------------------
+
+CLOSE_UNDER_EXECUTOR = """
+import random, torch, xgraph
+from xgraph.models import Workload
+from xgraph.testing.faults import books
+
+w = Workload.tiny(num_blocks=64, max_blocks=6, max_seqs=16)
+backend = xgraph.get_backend("cpu")
+rng = random.Random(0)
+
+for what in ("pool", "memory"):
+    pool = xgraph.SharedPhysicalPool(backend.virtual_memory())
+    mem = xgraph.GraphMemory(backend, physical=pool) if what == "memory" else pool
+    ex = w.executor(backend=backend, buckets=[1, 2, 4], memory=mem, name="decode")
+    ex(**w.decode_step(rng, 2).kwargs())  # captured ('full', 2)
+    target = mem if what == "memory" else pool
+    try:
+        target.close()
+    except xgraph.errors.MemoryInUseError as exc:
+        print(what, "refused:", exc)
+    out = ex(**w.decode_step(rng, 2).kwargs())  # a replay: the memory is still there
+    print(what, "replayed", bool(torch.isfinite(out).all()))
+    try:
+        pool.close()  # the pool under a memory is refused as well
+    except xgraph.errors.MemoryInUseError as exc:
+        print(what, "pool refused:", exc)
+    ex.close()
+    if what == "memory":
+        mem.close()
+    pool.close()
+    print(what, "closed in order", books(backend.virtual_memory()))
+
+# a graph captured by hand on a space of a pool, the pool closed: the replay is refused
+pool = xgraph.SharedPhysicalPool(backend.virtual_memory())
+native = backend.new_pool(segments=pool.new_space())
+x = torch.ones(4096)
+g = backend.new_graph()
+with xgraph.graph(g, pool=native):
+    y = x * 2 + 1
+pool.close()
+try:
+    g.replay()
+except xgraph.PoolClosedError as exc:
+    print("hand graph refused:", exc)
+g.reset()
+native.close()
+
+# the same through a GraphMemory with no executor: its close() closes the native pools
+mem = xgraph.GraphMemory(backend, "shared-physical")
+lease = mem.begin()
+g = backend.new_graph()
+with xgraph.graph(g, pool=lease.pool):
+    y = x * 3
+mem.close()
+try:
+    g.replay()
+except xgraph.PoolClosedError as exc:
+    print("memory graph refused:", exc)
+print("books", books(backend.virtual_memory()))
+"""
+
+
+def test_closing_memory_under_an_open_executor_is_refused_and_nothing_replays_unmapped():
+    r = run_python(CLOSE_UNDER_EXECUTOR)
+    assert r.returncode == 0, f"exit {r.returncode} (-11 is a segfault): {r.stderr[-3000:]}"
+    lines = r.stdout.splitlines()
+    for what in ("pool", "memory"):
+        refused = next(x for x in lines if x.startswith(f"{what} refused:"))
+        assert "'decode'" in refused and "Close them first" in refused
+        assert f"{what} replayed True" in lines
+        assert any(x.startswith(f"{what} pool refused:") and "'decode'" in x for x in lines)
+        assert f"{what} closed in order {EMPTY}" in lines
+    assert any(x.startswith("hand graph refused:") for x in lines)
+    assert any(x.startswith("memory graph refused:") for x in lines)
+    assert lines[-1] == f"books {EMPTY}"
+
+
+def test_an_executor_refuses_a_closed_memory_at_construction():
+    backend = xgraph.get_backend("cpu")
+    w = workload()
+    mem = GraphMemory(backend, "shared-physical")
+    mem.close()
+    with pytest.raises(xgraph.PoolClosedError, match="GraphMemory is closed"):
+        w.executor(backend=backend, buckets=BUCKETS, memory=mem)
+    pool = xgraph.SharedPhysicalPool(backend.virtual_memory())
+    pool.close()
+    with pytest.raises(xgraph.PoolClosedError, match="SharedPhysicalPool is closed"):
+        w.executor(backend=backend, buckets=BUCKETS, memory=pool)
+
+
+# -- 2. executors dropped without close() ---------------------------------------------------
+
+
+def maps_count() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def drop_executors(n: int, w: Workload) -> dict[str, float]:
+    """Make, use and drop `n` executors without close(); what the process holds after,
+    against before (after a few executors made and dropped, so lazy setup is not counted)."""
+    backend = xgraph.get_backend("cpu")
+    vm = backend.virtual_memory()
+    step = w.decode_step(random.Random(0), 3)
+
+    def one() -> None:
+        ex = w.executor(backend=backend, buckets=BUCKETS)  # default memory: shared-physical
+        ex(**step.kwargs())  # one capture, its replay
+
+    for _ in range(10):
+        one()
+    gc.collect()
+    before = (resident_bytes(), maps_count(), vm.backed_bytes(), books(vm))
+    for _ in range(n):
+        one()
+    gc.collect()
+    after = (resident_bytes(), maps_count(), vm.backed_bytes(), books(vm))
+    return {
+        "executors": n,
+        "rss_mib": (after[0] - before[0]) / 2**20,
+        "maps": after[1] - before[1],
+        "memfd_mib": (after[2] - before[2]) / 2**20,
+        "books_equal": after[3] == before[3],
+    }
+
+
+def test_executors_dropped_without_close_give_everything_back():
+    w, ref = workload(), workload()
+    d = drop_executors(200, w)  # `python tests/test_lifetime.py 2000` for the full count
+    print(f"\n{d}")
+    assert d["books_equal"] and d["maps"] <= 2 and d["memfd_mib"] == 0
+    assert d["rss_mib"] < 4
+    # a capture with the default memory mode still works, and equals eager
+    for t, s in zip(ref.cache.tensors(), w.cache.tensors()):
+        t.copy_(s)
+    ex = w.executor(backend="cpu", buckets=BUCKETS)
+    step = w.decode_step(random.Random(9), 5)
+    out = ex(**step.kwargs())
+    assert ex.stats()["captures"] == 1 and ex.memory.mode.value == "shared-physical"
+    assert torch.equal(out, ref.eager(ref.padded(step, Buckets(BUCKETS), full=True))[:5])
+    ex.close()
+
+
+class Owner:
+    """An object that owns an executor, as a model wrapper does."""
+
+    def __init__(self, w: Workload) -> None:
+        self.executor = w.executor(backend="cpu", buckets=BUCKETS, name="owned")
+
+
+def test_an_owner_dropped_releases_its_executors_memory():
+    w = workload()
+    vm = xgraph.get_backend("cpu").virtual_memory()
+    start = books(vm)
+    gc.disable()  # reference counting alone releases it: no cycle holds an executor
+    try:
+        owner = Owner(w)
+        owner.executor(**w.decode_step(random.Random(1), 2).kwargs())
+        assert books(vm) != start
+        del owner
+        assert books(vm) == start
+    finally:
+        gc.enable()
+
+
+def test_an_executor_dropped_over_shared_memory_leaves_it_closable():
+    w = workload()
+    backend = xgraph.get_backend("cpu")
+    mem = GraphMemory(backend, "shared-physical")
+    ex = w.executor(backend=backend, buckets=BUCKETS, memory=mem, name="dropped")
+    ex(**w.decode_step(random.Random(1), 2).kwargs())
+    assert mem.users() == ["dropped"]
+    del ex
+    assert mem.users() == []
+    mem.close()
+    assert books(backend.virtual_memory()) == EMPTY
+
+
+def test_a_finalizer_never_raises_and_logs_the_failure(caplog):
+    w = workload()
+    backend = xgraph.get_backend("cpu")
+    vm = backend.virtual_memory()
+    ex = w.executor(backend=backend, buckets=BUCKETS, name="failing")
+    ex(**w.decode_step(random.Random(1), 2).kwargs())
+    memory = ex.memory
+    with caplog.at_level(logging.ERROR, "xgraph"):
+        with fail_driver_call(vm, "_unmap_chunk", "EBUSY (injected)", nth=1):
+            del ex  # released here, by reference counting: nothing may escape
+    assert "failing: releasing graph memory of a dropped executor failed" in caplog.text
+    assert "EBUSY" in caplog.text
+    memory.close()  # the retry finishes
+    assert books(vm) == EMPTY
+
+
+AT_EXIT = """
+import atexit
+state = {}
+atexit.register(lambda: print("at exit:", state["books"](), state["order"]))  # runs last
+
+import random, xgraph
+from xgraph.models import Workload
+from xgraph.testing.faults import books
+
+backend = xgraph.get_backend("cpu")
+vm = backend.virtual_memory()
+order = state["order"] = []
+state["books"] = lambda: books(vm)
+sync, unmap = backend.synchronize, vm.unmap
+w = Workload.tiny(num_blocks=64, max_blocks=6, max_seqs=16)
+keep = [w.executor(backend=backend, buckets=[1, 2, 4], name=f"ex{i}") for i in range(3)]
+mem = xgraph.GraphMemory(backend, "shared-physical")
+shared = w.executor(backend=backend, buckets=[1, 2], memory=mem, name="shared")
+for ex in [*keep, shared]:
+    ex(**w.decode_step(random.Random(0), 2).kwargs())
+print("before exit:", books(vm))
+backend.synchronize = lambda: (order.append("synchronize"), sync())[1]
+vm.unmap = lambda address: (order.append("unmap"), unmap(address))[1]
+"""
+
+
+def test_executors_alive_at_exit_are_released_in_order():
+    r = run_python(AT_EXIT)
+    assert r.returncode == 0 and r.stderr == "", r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("before exit:") and "'chunks': 0" not in lines[0]
+    # the user's own GraphMemory stays the user's; everything the executors own is gone
+    assert lines[1].startswith("at exit: {'reservations': 1, 'mappings': 1, 'chunks': 1} [")
+    order = eval(lines[1].split("} ", 1)[1])  # our own printed list
+    assert order[0] == "synchronize" and order.count("unmap") == 3  # wait, then unmap
+
+
+# -- 2b. reservations -----------------------------------------------------------------------
+
+
+def test_a_capture_reserves_what_it_can_use_and_the_default_is_defined_once():
+    backend = xgraph.get_backend("cpu")
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert backend.capture_space_bytes() == ram
+    pool = xgraph.SharedPhysicalPool(backend.virtual_memory())
+    gran = pool.chunk_size
+    assert pool.space_bytes == -(-ram // gran) * gran
+    pool.close()
+    assert not hasattr(xgraph.pool, "DEFAULT_SPACE_BYTES")
+    assert xgraph.interfaces.FALLBACK_CAPTURE_SPACE_BYTES == 1 << 36
+
+
+@pytest.mark.parametrize("how", ["injected", "address space exhausted"])
+@pytest.mark.parametrize("policy", ["eager", "raise"])
+def test_a_failed_reservation_follows_the_capture_error_policy(how, policy):
+    w, ref = workload(), workload()
+    backend = xgraph.get_backend("cpu")
+    vm = backend.virtual_memory()
+    # 2**47 bytes is the whole user address space of x86-64 and arm64: mmap refuses it
+    pool = xgraph.SharedPhysicalPool(vm, space_bytes=(1 << 47) if how != "injected" else None)
+    ex = w.executor(backend=backend, buckets=BUCKETS, memory=pool, on_capture_error=policy)
+    vm_before, pool_before = books(vm), pool.stats()
+    step = w.decode_step(random.Random(3), 3)
+    expected = ref.eager(ref.padded(step, Buckets(BUCKETS), full=True))[:3]
+    fault = fail_driver_call(vm, "_reserve_range", "ENOMEM (injected)")
+    with fault if how == "injected" else warnings.catch_warnings():
+        if policy == "raise":
+            with pytest.raises(xgraph.VirtualMemoryError, match="reserve"):
+                ex(**step.kwargs())
+        else:
+            with pytest.warns(xgraph.XGraphWarning, match="runs eagerly"):
+                out = ex(**step.kwargs())
+            assert torch.equal(out, expected)
+            assert ("full", 4) in ex.stats()["eager_keys"]
+    assert books(vm) == vm_before and pool.stats() == pool_before  # rolled back
+    assert ex.stats()["captures"] == 0 and ("full", 4) in ex.stats()["failed_keys"]
+    ex.close()
+    pool.close()
+    assert books(vm) == EMPTY
+
+
+if __name__ == "__main__":  # python tests/test_lifetime.py [N]
+    torch.set_num_threads(1)
+    print(drop_executors(int(sys.argv[1]) if len(sys.argv) > 1 else 2000, workload()))
+    ex = workload().executor(backend="cpu", buckets=BUCKETS)
+    ex(**workload().decode_step(random.Random(0), 3).kwargs())
+    print("a capture afterwards:", ex.stats()["captures"], ex.memory.mode.value)

@@ -129,9 +129,9 @@ class DeviceCheck:
     def _record(self, codes: torch.Tensor, values: torch.Tensor, n: int) -> None:
         """Keep the step's first problem unless an earlier one is kept; copy it behind the
         step to the host."""
-        first = (codes != 0).byte().argmax()
+        first = (codes != 0).byte().argmax().view(1)  # indexed as a tensor: no host read
         index = torch.where(first < n, first, first - n)
-        found = torch.stack([codes[first], index, values[first]])
+        found = torch.cat([codes.gather(0, first), index, values.long().gather(0, first)])
         self.error.copy_(torch.where(self.error[0] != 0, self.error, found))
         self._host.copy_(self.error, non_blocking=True)
         if self._event is not None:

@@ -361,3 +361,33 @@ def test_decode_records_into_a_cuda_graph_and_follows_new_metadata(splits: int |
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, _run(PagedDecodeRunner(), later)[0], **F32_TOL)
+
+
+@needs_cuda
+def test_verification_steps_run_as_full_graphs_through_the_triton_runner(backend) -> None:  # type: ignore[no-untyped-def]
+    """q = 2..5 tokens per sequence through the executor on the GPU: full graphs keyed by q,
+    several q in one executor, each step equal to the prefill runner's eager result."""
+    from xgraph.models import Workload
+
+    ex_w, ref_w = (
+        Workload.tiny(device=backend.device, num_blocks=160, max_blocks=8, max_seqs=32)
+        for _ in range(2)
+    )
+    for w in (ex_w, ref_w):
+        w.randomize_cache(5)
+    ex = ex_w.executor(
+        backend=backend, buckets=[1, 2, 4, 8, 16, 32], attention=ex_w.attention(max_query_len=5)
+    )
+    assert isinstance(ex.decode_runner, TritonPagedDecodeRunner)
+    rng = random.Random(5)
+    for q, n in [(2, 3), (3, 5), (4, 2), (5, 3), (2, 3), (5, 2)]:
+        step = ex_w.step(rng, [q] * n, [rng.randint(q, 30) for _ in range(n)])
+        out = ex(**step.kwargs())
+        ref = ref_w.eager(step, runner=PagedPrefillRunner())
+        torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)  # logits, several layers
+        for a, b in zip(ex_w.cache.tensors(), ref_w.cache.tensors()):
+            b.copy_(a)  # the next step starts from the same cache
+    s = ex.stats()
+    assert s["eager"] == {} and all(k[0] == "full" for k in s["keys"])
+    assert s["hits"][("full", 8, 2)] == 1 and len(s["keys"]) == 5
+    ex.close()

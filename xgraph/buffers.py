@@ -150,7 +150,7 @@ class StagedBuffers:
     def begin(self) -> int:
         """Before writing a step: take the next bank, once its last copy has read it; the
         bank's index (what `target` and `send` of this step use)."""
-        self.bank = bank = (self.bank + 1) % self.BANKS
+        self.bank = bank = 1 - self.bank  # (BANKS == 2)
         self.banks[bank].copier.wait()
         return bank
 

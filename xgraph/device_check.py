@@ -59,7 +59,7 @@ class DeviceCheck:
         pin = device.type != "cpu"
         self._host = torch.zeros(3, dtype=torch.int64, pin_memory=pin)
         self._event = torch.Event(device=device) if pin else None
-        self._pending = False
+        self.pending = False  # a check's result is on its way to the host
         self._cols: dict[int, torch.Tensor] = {}
 
     def write(
@@ -136,19 +136,19 @@ class DeviceCheck:
         self._host.copy_(self.error, non_blocking=True)
         if self._event is not None:
             self._event.record()
-        self._pending = True
+        self.pending = True
 
     def raise_pending(self, wait: bool = False) -> None:
         """Raise the kept problem as an InputError once its copy has reached the host (or,
         with `wait`, after waiting for it); nothing is waited for otherwise."""
-        if not self._pending:
+        if not self.pending:
             return
         if self._event is not None:
             if wait:
                 self._event.synchronize()
             elif not self._event.query():
                 return
-        self._pending = False
+        self.pending = False
         code, index, value = (int(x) for x in self._host)
         if not code:
             return

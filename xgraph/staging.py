@@ -105,7 +105,7 @@ class StepStaging:
         st = self.staged
         bank = st.begin()  # this bank's last copy has read it
         plan = self.input_views(key, padded, bank)
-        later = []
+        later = None
         for (name, t), a in zip(plan.targets, arrays):
             if a is not None:
                 write_prefix(t.np, a, t.fill)
@@ -114,6 +114,7 @@ class StepStaging:
             if value.is_cpu:
                 write_prefix(t.host, value, t.fill)
             else:  # on the device: copied there once the host copy is queued
+                later = later or []
                 later.append((t.device, value, t.fill))
         nbytes, md = plan.nbytes, None
         if attn is not None:
@@ -121,7 +122,7 @@ class StepStaging:
             nbytes = max(nbytes, m.nbytes)
             md = self._runner_metadata(attn, m, num_seqs, bank)
         st.send(nbytes)
-        for view, value, fill in later:
+        for view, value, fill in later or ():
             write_prefix(view, value, fill)
         if attn is not None and attn.on_device:
             self._write_on_device(attn, m, num_seqs)

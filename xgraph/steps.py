@@ -192,8 +192,9 @@ class StepPlanner:
         """Validate, classify, bucket and stage one step. `kind` forces the graph kind;
         `pad_to` pads key dims to at least these sizes (num_tokens, bucketed dims);
         `synthetic` marks the executor's own pre-capture steps (dummy block only)."""
-        if self.device_check is not None:
-            self.device_check.raise_pending()  # an earlier step's device metadata
+        dc = self.device_check
+        if dc is not None and dc.pending:
+            dc.raise_pending()  # what an earlier step's device-side check found
         tokens = self.tokens.check(inputs)
         h = self._attention(attn, tokens.num_tokens, synthetic)
         step = Step(Kind.EAGER, tokens.tensors, tokens.sizes, attn=h)

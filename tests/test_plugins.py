@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import xgraph
+from xgraph.adapter import BackendSpec, IncompleteBackendError, hookimpl
 from xgraph.plugins import registry
 
 
@@ -83,7 +84,7 @@ def test_dummy_adapter_is_discovered_and_selected_by_name(monkeypatch):
 
 
 def test_incomplete_adapter_is_rejected_with_the_missing_methods():
-    with pytest.raises(xgraph.IncompleteBackendError) as info:
+    with pytest.raises(IncompleteBackendError) as info:
         xgraph.get_backend("dummy-incomplete")
     msg = str(info.value)
     assert "IncompleteBackend.as_tensor" in msg and "HalfGraph._reset" in msg
@@ -100,10 +101,10 @@ def test_autoload_can_be_disabled(monkeypatch):
 
 def test_manual_registration_of_a_plugin_object():
     class Plugin:
-        @xgraph.hookimpl
+        @hookimpl
         def xgraph_backends(self):
             return [
-                xgraph.BackendSpec(
+                BackendSpec(
                     "manual",
                     3,
                     "xgraph_dummy.backend:DummyBackend",

@@ -113,7 +113,7 @@ def test_collection_closes_the_executor_before_giving_the_attention_back():
     del gm
     gc.collect()
     assert seen == ["xgraph"]
-    assert executor._closed and model.config._attn_implementation == "sdpa"
+    assert executor.closed and model.config._attn_implementation == "sdpa"
 
 
 def test_a_failing_release_is_reported_and_never_raised(caplog):

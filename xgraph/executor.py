@@ -73,7 +73,7 @@ class GraphExecutor(PreCapture):
         inputs: declared inputs; shapes use "num_tokens" and the names of `dims`.
         backend: a name, a Backend, or None (XGRAPH_BACKEND, else the best available).
         buckets: the num_tokens bucket sizes (a list or a Buckets); default: 1, 2, 4, 8, then
-            multiples of 16 up to 512 (`xgraph.default_sizes`).
+            multiples of 16 up to 512 (`xgraph.buckets.default_sizes`).
         dims: further symbolic dims (shape-determining ones carry their own buckets).
         attention: paged-attention settings when the model calls `xgraph.attention`.
         memory: a MemoryMode name ("shared-physical", the default with VMM; "shared-pool";
@@ -111,6 +111,7 @@ class GraphExecutor(PreCapture):
         self.on_capture_error = Fallback.parse(on_capture_error, "on_capture_error")
         self.forward, self.name, self.compiled = forward, name, compiled
         self.backend = get_backend(backend)
+        self.backend.activate()  # its kernels serve the core's ops (xgraph.linear) from now on
         self.device = self.backend.device
         self.buckets = Buckets.of(buckets, DEFAULT_MAX_TOKENS)
         self.attention = attention
@@ -148,7 +149,7 @@ class GraphExecutor(PreCapture):
     ) -> tuple[AttentionRunner | None, AttentionRunner | None]:
         if attention is None:
             return None, None
-        runners = {**reference_runners(), **self.backend.attention_runners()}
+        runners = {**reference_runners(), **self.backend.kernels().attention}
         decode = attention.decode_runner or runners["decode"]
         prefill = attention.prefill_runner or runners["prefill"]
         if self.mode in (Mode.AUTO, Mode.FULL) and not decode.graph_safe:
@@ -427,6 +428,11 @@ class GraphExecutor(PreCapture):
         """The cached recording of a key (describe() lists its pieces), or None."""
         e = self._graphs.get(key)
         return e.graph if e else None
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran (or the executor was released when collected)."""
+        return self._held.closed
 
     def close(self) -> None:
         """Wait for queued work, reset every graph, give back graph memory (if owned).

@@ -283,6 +283,7 @@ def main(args: argparse.Namespace) -> int:
     import xgraph
 
     backend = xgraph.get_backend(args.backend)
+    backend.activate()  # eager anchors run the backend's kernels too, as its executors do
     which = list(BENCHMARKS) if args.which == "all" else [args.which]
     failed = False
     out = args.out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import xgraph
-from xgraph.interfaces import Backend
+from xgraph.adapter import Backend, check_backend_class
 
 from .base import BackendTests
 
@@ -21,7 +21,7 @@ class PluginTests(BackendTests):
     def test_selected_by_name_is_one_object(self, backend: Backend) -> None:
         assert xgraph.get_backend(backend.name) is backend
         assert isinstance(backend, Backend)
-        xgraph.check_backend_class(type(backend))
+        check_backend_class(type(backend))
 
     def test_selected_by_environment(self, backend: Backend, monkeypatch) -> None:
         monkeypatch.setenv("XGRAPH_BACKEND", backend.name)

@@ -20,6 +20,7 @@ from .graph import GraphTests
 from .kernels import KernelTests
 from .piecewise import PiecewiseTests
 from .pool import PoolTests
+from .reliability import ReliabilityTests
 from .vmm import VirtualMemoryTests
 
 
@@ -31,5 +32,6 @@ class ConformanceSuite(
     PoolTests,
     PiecewiseTests,
     KernelTests,
+    ReliabilityTests,
 ):
     """Every conformance test; subclass it once per backend."""

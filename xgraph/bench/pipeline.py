@@ -34,6 +34,7 @@ from ..executor import GraphExecutor
 from ..interfaces import Backend
 from ..metadata import AttentionInputs
 from ..models import Step, Workload
+from . import hooks
 from .report import header, table, workload
 
 PLACEMENTS = ("host", "device")
@@ -70,8 +71,8 @@ def _row(backend: Backend, ex: GraphExecutor, calls: list[dict[str, Any]]) -> di
     """One back-to-back run of `calls` (graphs captured already), and its device time."""
     for c in calls[:3]:
         ex(**c)
-    device = backend.time_on_device(lambda: ex(**calls[0]))
-    singles = [backend.time_on_device(lambda c=c: ex(**c)) for c in calls[:20]]
+    device = hooks.time_on_device(backend, lambda: ex(**calls[0]))
+    singles = [hooks.time_on_device(backend, lambda c=c: ex(**c)) for c in calls[:20]]
     waits = _timed_waits(ex)
     backend.synchronize()
     waits.clear()

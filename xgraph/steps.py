@@ -190,7 +190,8 @@ class StepPlanner:
         synthetic: bool = False,
     ) -> Step:
         """Validate, classify, bucket and stage one step. `kind` forces the graph kind;
-        `pad_to` pads key dims to at least these sizes (num_tokens, bucketed dims);
+        `pad_to` pads key dims to at least these sizes (ranks agreeing on one key; a key dim
+        no input uses, such as a communication dim, joins the key at its padded size);
         `synthetic` marks the executor's own pre-capture steps (dummy block only)."""
         dc = self.device_check
         if dc is not None and dc.pending:
@@ -307,7 +308,8 @@ class StepPlanner:
         return key, padded
 
     def _pad(self, step: Step, q: int, pad_to: Mapping[str, int] | None) -> dict[str, int]:
-        """The padded size of every key dim the step uses (_Overflow: above the buckets)."""
+        """The padded size of every key dim the step uses or `pad_to` names (_Overflow:
+        above the buckets)."""
         if pad_to:
             unknown = set(pad_to) - set(self.key_buckets)
             if unknown:
@@ -319,12 +321,13 @@ class StepPlanner:
         if q > 1:
             padded[NUM_TOKENS] = q * (self._sequences(step, q, pad_to) or 0)
         for name, b in self.key_buckets.items():
-            if name in step.sizes and name not in padded:
-                n = step.sizes[name]
-                p = b.pad(max(n, pad_to.get(name, 0)) if pad_to else n)
-                if p is None:
-                    raise _Overflow(name, b.max)
-                padded[name] = p
+            if name in padded or (name not in step.sizes and not (pad_to and name in pad_to)):
+                continue
+            n = step.sizes.get(name, 0)
+            p = b.pad(max(n, pad_to.get(name, 0)) if pad_to else n)
+            if p is None:
+                raise _Overflow(name, b.max)
+            padded[name] = p
         for name in self.pad_like:
             if name in step.sizes:
                 padded[name] = padded[NUM_TOKENS]
@@ -338,7 +341,7 @@ class StepPlanner:
     def _overflow(
         self, step: Step, dim: str, largest: int, pad_to: Mapping[str, int] | None, q: int = 1
     ) -> None:
-        n = step.sizes[dim]
+        n = step.sizes.get(dim, 0)
         forced = pad_to.get(dim) if pad_to else None
         what = f"{dim}={n}" + (f" padded to at least {forced}" if forced and forced > n else "")
         if q > 1:  # a full graph of q tokens per sequence pads the sequences to a bucket

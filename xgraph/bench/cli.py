@@ -10,19 +10,19 @@ from typing import Any
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..cli_types import positive_int, sizes
 from ..interfaces import Backend
-from . import decode, host, memory, memory_plot, pipeline, prefill, soak
+from . import decode, distributed, host, memory, memory_plot, pipeline, prefill, soak
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
-EXTRA = ("soak", "host", "pipeline")  # run on their own
+EXTRA = ("soak", "host", "distributed", "pipeline")  # run on their own
 # the benchmarks each option is read by: given to another one, it is refused, not ignored
 USED_BY = {
-    "sizes": ("memory", "prefill", "decode", "host", "pipeline"),
+    "sizes": ("memory", "prefill", "decode", "host", "distributed", "pipeline"),
     "max_size": ("memory", "prefill"),
     "compile": ("prefill", "decode"),
     "table_check": ("decode",),
     "piecewise_max": ("memory",),
-    "iters": ("prefill", "decode", "host", "pipeline"),
+    "iters": ("prefill", "decode", "host", "distributed", "pipeline"),
     "steps": ("soak",),
     "memory": ("soak",),
     "plot": ("memory",),
@@ -97,7 +97,8 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
-        "bench", help="benchmarks: memory | prefill | decode | all | soak | host | pipeline"
+        "bench",
+        help="benchmarks: memory | prefill | decode | all | soak | host | distributed | pipeline",
     )
     p.add_argument(
         "which",
@@ -246,6 +247,14 @@ def _host(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -
     return data, host.summarize(data)
 
 
+def _distributed(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    # under torchrun every rank runs this; rank 0 alone writes the JSON (all ranks' rows)
+    data = distributed.run(backend, args.model, sizes, iters=args.iters or 30, prefill=None)
+    if distributed.dist.get_rank() != 0:
+        args.json = None
+    return data, distributed.summarize(data)
+
+
 def _pipeline(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
     data = pipeline.run(backend, args.model, sizes, iters=args.iters)
     return data, pipeline.summarize(data)
@@ -257,6 +266,7 @@ RUNNERS: dict[str, Runner] = {
     "decode": _decode,
     "soak": _soak,
     "host": _host,
+    "distributed": _distributed,
     "pipeline": _pipeline,
 }
 

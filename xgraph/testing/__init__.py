@@ -41,7 +41,9 @@ for _module in sorted(set(_SUITE.values())):
 def __getattr__(name: str) -> Any:
     if name not in _SUITE:
         raise AttributeError(f"module 'xgraph.testing' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_SUITE[name]}", __name__), name)
+    value = getattr(importlib.import_module(f".{_SUITE[name]}", __name__), name)
+    globals()[name] = value  # resolved once: later lookups (and pdoc) find it as a member
+    return value
 
 
 __all__ = sorted(_SUITE)

@@ -122,14 +122,15 @@ class GraphExecutor(PreCapture):
         self.decode_runner, self.prefill_runner = self._runners(attention)
         self.planner = StepPlanner(
             name,
-            inputs,
-            dims,
-            self.buckets,
-            attention,
-            self.device,
-            self.mode,
-            Fallback.parse(on_overflow, "on_overflow"),
-            self.backend.host_copier,
+            inputs=inputs,
+            dims=dims,
+            buckets=self.buckets,
+            attention=attention,
+            device=self.device,
+            mode=self.mode,
+            on_overflow=Fallback.parse(on_overflow, "on_overflow"),
+            copier=self.backend.host_copier,
+            decode_runner=self.decode_runner,
         )
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self._eager_keys: dict[tuple, str] = {}
@@ -438,6 +439,12 @@ class GraphExecutor(PreCapture):
             "keys": sorted(self._graphs, key=repr),
             "parallel": self.lockstep.stats(),  # None for one rank
         }
+
+    def synchronize(self) -> None:
+        """Wait for queued steps; raise the InputError a device-side metadata check found."""
+        with self._exclusive("synchronize"):
+            self.backend.synchronize()
+            self.planner.raise_pending(wait=True)
 
     def graph(self, key: tuple) -> Recording | None:
         """The cached recording of a key (describe() lists its pieces), or None."""

@@ -237,10 +237,14 @@ class AttentionRunner(ABC):
 
     A `graph_safe` runner keeps one launch shape per bucket and reads every per-step value
     from device buffers, so it may be recorded inside a full graph; any other runner runs
-    eagerly between the pieces of a piecewise graph.
+    eagerly between the pieces of a piecewise graph. `max_query_len` is the longest query
+    length, the same for every sequence of a step, that a graph-safe runner's `run` serves
+    with causal masking inside the step (1: decode only; more: speculative verification
+    runs as full graphs too, keyed by that length).
     """
 
     graph_safe: ClassVar[bool] = False
+    max_query_len: ClassVar[int] = 1
 
     @abstractmethod
     def plan(self, metadata: AttentionMetadata) -> None:

@@ -10,18 +10,19 @@ from typing import Any
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..cli_types import positive_int, sizes
 from ..interfaces import Backend
-from . import decode, distributed, host, memory, memory_plot, prefill, soak
+from . import decode, distributed, host, memory, memory_plot, pipeline, prefill, soak
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
+EXTRA = ("soak", "host", "distributed", "pipeline")  # run on their own
 # the benchmarks each option is read by: given to another one, it is refused, not ignored
 USED_BY = {
-    "sizes": ("memory", "prefill", "decode", "host", "distributed"),
+    "sizes": ("memory", "prefill", "decode", "host", "distributed", "pipeline"),
     "max_size": ("memory", "prefill"),
     "compile": ("prefill", "decode"),
     "table_check": ("decode",),
     "piecewise_max": ("memory",),
-    "iters": ("prefill", "decode", "host", "distributed"),
+    "iters": ("prefill", "decode", "host", "distributed", "pipeline"),
     "steps": ("soak",),
     "memory": ("soak",),
     "plot": ("memory",),
@@ -103,11 +104,12 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
-        "bench", help="benchmarks: memory | prefill | decode | all | soak | host | distributed"
+        "bench",
+        help="benchmarks: memory | prefill | decode | all | soak | host | distributed | pipeline",
     )
     p.add_argument(
         "which",
-        choices=[*BENCHMARKS, "all", "soak", "host", "distributed"],
+        choices=[*BENCHMARKS, "all", *EXTRA],
         help="which benchmark to run (all: memory, prefill and decode)",
     )
     p.add_argument(
@@ -261,6 +263,11 @@ def _distributed(backend: Backend, args: argparse.Namespace, sizes: list[int] | 
     return data, distributed.summarize(data)
 
 
+def _pipeline(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    data = pipeline.run(backend, args.model, sizes, iters=args.iters)
+    return data, pipeline.summarize(data)
+
+
 RUNNERS: dict[str, Runner] = {
     "memory": _memory,
     "prefill": _prefill,
@@ -268,6 +275,7 @@ RUNNERS: dict[str, Runner] = {
     "soak": _soak,
     "host": _host,
     "distributed": _distributed,
+    "pipeline": _pipeline,
 }
 
 

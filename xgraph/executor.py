@@ -19,9 +19,9 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -48,6 +48,9 @@ from .pool import SharedPhysicalPool
 from .precapture import PreCapture
 from .runners import reference_runners
 from .steps import Step, StepPlanner
+
+if TYPE_CHECKING:
+    from .launchdiff import ParameterizationReport
 
 logger = logging.getLogger("xgraph")
 
@@ -396,6 +399,25 @@ class GraphExecutor(PreCapture):
         warnings.warn(msg, XGraphWarning, stacklevel=5)  # the engine's step call
         logger.warning(msg)
         return self._run_padded(step, "capture failed")
+
+    def check_parameterization(
+        self,
+        sizes: Iterable[int] | None = None,
+        kind: Kind | str | None = None,
+        *,
+        steps: Sequence[Mapping[str, Any]] | None = None,
+        vary: Sequence[str] = ("seq_lens", "block_tables", "batch"),
+        **key_dims: int,
+    ) -> ParameterizationReport:
+        """Capture each key under changed per-step metadata and compare the recordings launch
+        by launch (xgraph.parameterization); the report names every launch that follows
+        the metadata. `sizes`, `kind` (default: the kinds the mode runs) and `key_dims` pick
+        the keys, as in `capture`; `vary` the metadata changed; `steps` (keyword arguments of
+        step calls, of one key) replaces the synthetic steps: they run as steps do. Nothing
+        is kept: graphs, graph memory and stats are unchanged."""
+        from .parameterization import check_parameterization
+
+        return check_parameterization(self, sizes, kind, steps, vary, key_dims)
 
     # -- reporting and teardown ------------------------------------------------------------
 

@@ -23,6 +23,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...errors import ReplayError
+from ...interfaces import Launch
+from ...launches import op_launch
 from .pool import HostCachingPool
 
 _EMPTY_OPS = {
@@ -84,10 +86,19 @@ class OpTape:
         self._pool: HostCachingPool | None = None
         self._tape: list[_TapeOp] = []
         self._program: list[tuple[Callable, tuple, dict, list, bool]] = []
+        self._launches: list[Launch] | None = None  # kept for the parameterization check
 
     def begin(self, pool: HostCachingPool) -> None:
         """Start a recording whose fresh tensors live in `pool`."""
         self._pool = pool
+
+    def keep_launches(self) -> None:
+        """Describe every op recorded from now on (`launches`), until `clear`."""
+        self._launches = []
+
+    def launches(self) -> list[Launch]:
+        """The recorded ops, in order: op, tensor layouts, non-tensor arguments, layer."""
+        return list(self._launches or ())
 
     def replay(self) -> None:
         """Re-execute every op; an op that raises (an index outside its table) ends the
@@ -109,6 +120,7 @@ class OpTape:
         self._tape = []
         self._program = []
         self._pool = None
+        self._launches = None
 
     def _to_pool(self, t: torch.Tensor) -> torch.Tensor:
         """Copy a fresh op output into a pool block; the block is freed when the tensor dies."""
@@ -163,6 +175,8 @@ class OpTape:
         pure_view = not outs and not mutates
         if name not in _EMPTY_OPS and not pure_view:
             self._tape.append(_TapeOp(func, flat, spec, outs, multi))
+            if self._launches is not None:
+                self._launches.append(op_launch(func, args, kwargs))
         return tuple(rets) if multi else rets[0]
 
     def seal(self) -> None:

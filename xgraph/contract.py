@@ -68,13 +68,13 @@ def _half_pairs(klass: type) -> list[str]:
     """The missing half of each optional pair of which `klass` writes only one half."""
     from .device.runtime import TorchRuntime  # the port that declares the runtime's pair
 
-    contract = (Graph, TorchRuntime)  # where the pairs' defaults ("not supported") live
+    # the pairs' defaults ("not supported"), as the contract declares them
+    defaults = {n: f for c in (Graph, TorchRuntime) for n, f in vars(c).items()}
     out = []
     for pair in PAIRED_DUTIES:
         if not all(hasattr(klass, name) for name in pair):
             continue
-        owners = [next(c for c in klass.__mro__ if name in vars(c)) for name in pair]
-        written = [o not in contract for o in owners]
+        written = [inspect.getattr_static(klass, name) is not defaults[name] for name in pair]
         if written[0] != written[1]:
             lacking, has = (pair[1], pair[0]) if written[0] else pair
             out.append(f"{klass.__name__}.{lacking} (it writes {has})")

@@ -11,6 +11,7 @@ step's metadata, and what to do.
 from __future__ import annotations
 
 import difflib
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from .errors import ParameterizationLeakError
 from .interfaces import Launch
 
 STRUCTURE = "launches"  # the field of a difference in which launches there are
+WIDTH = 100  # the report's advice is wrapped to this width
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class Difference:
 
 
 def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+    text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -173,8 +175,9 @@ class ParameterizationReport:
         lines = [head]
         for k in self.keys:
             lines += self._key_lines(k)
-        kinds = sorted({str(d.key[0]) for d in self.differences})
-        lines += [f"What to do ({kind}): {_ADVICE.get(kind, _ADVICE['full'])}" for kind in kinds]
+        for kind in sorted({str(d.key[0]) for d in self.differences}):
+            advice = f"What to do ({kind} graphs): {_ADVICE.get(kind, _ADVICE['full'])}"
+            lines += textwrap.wrap(advice, WIDTH, subsequent_indent="  ")
         return "\n".join(lines)
 
     def _key_lines(self, k: KeyCheck) -> list[str]:

@@ -140,8 +140,8 @@ def _kinds(ex: GraphExecutor, kind: Kind | str | None) -> list[Kind]:
         if k is Kind.EAGER:
             raise XGraphError("kind='eager': choose 'full' or 'piecewise' (eager records nothing).")
         return [k]
-    served = {
-        Mode.AUTO: [Kind.FULL, Kind.PIECEWISE],
+    served = {  # without attention every step is a decode step (full graphs)
+        Mode.AUTO: [Kind.FULL, Kind.PIECEWISE] if ex.attention is not None else [Kind.FULL],
         Mode.FULL: [Kind.FULL],
         Mode.PIECEWISE: [Kind.PIECEWISE],
     }

@@ -19,6 +19,8 @@ graph memory and stats are as before), and the steps touch only the dummy slot.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,7 @@ from .launchdiff import KeyCheck, ParameterizationReport, Site, compare
 from .launches import root_module, tracking
 from .options import Kind, Mode
 from .piecewise import FullGraph, PiecewiseGraph
+from .safety import register_library_path
 from .variants import VARIATIONS, Variant, Variants, describe_steps
 
 if TYPE_CHECKING:
@@ -60,6 +63,14 @@ def unsupported(backend: Backend) -> XGraphError:
         "model code, its ops compared), or where recordings can be read: cpu, cuda, the "
         "simulators."
     )
+
+
+def _as_library(backend: Backend) -> None:
+    """Frames of the backend's package are library code, so layers name the model line (the
+    registry does this when it loads a backend; one constructed directly is met here)."""
+    package = sys.modules.get(type(backend).__module__.split(".")[0])
+    if getattr(package, "__file__", None):
+        register_library_path(os.path.dirname(os.path.abspath(package.__file__)))  # type: ignore[union-attr, arg-type]
 
 
 def supported(backend: Backend) -> bool:
@@ -233,6 +244,7 @@ def check_parameterization(
     todo = _sizes(ex, sizes) if steps is None else []
     if not supported(ex.backend):
         raise unsupported(ex.backend)
+    _as_library(ex.backend)
     check = _Check(ex)
     with ex._exclusive("parameterization check"):
         ex._steps.acquire(ex.name)  # as a step: one at a time over shared memory

@@ -22,7 +22,8 @@ from typing import Any
 from xgraph.adapter import Launch
 from xgraph.errors import XGraphError
 
-_BUFFER_POINTER, _BUFFER_SIZE = 1, 2  # CU_LAUNCH_PARAM_BUFFER_POINTER / _SIZE (0 ends)
+_BUFFER_POINTER = 1  # CU_LAUNCH_PARAM_BUFFER_POINTER (0 ends the list)
+MAX_PARAMS = 4096  # a kernel's parameters fit in 32 KiB: no more can follow
 
 
 def _driver() -> Any:
@@ -120,21 +121,18 @@ class _Kernels:
         return self.seen[key]
 
     def _params(self, prefix: str, handle: Any) -> list[tuple[int, int]]:
-        if self.d.has(f"{prefix}GetParamCount"):
-            n = int(self.d.call(f"{prefix}GetParamCount", handle))
-            return [
-                tuple(int(x) for x in self.d.call(f"{prefix}GetParamInfo", handle, i))  # type: ignore[misc]
-                for i in range(n)
-            ]
+        """(offset, size) of each parameter: asked one by one until the driver says there is
+        no such parameter (no count call needed, so older drivers answer too)."""
         info = getattr(self.d.cu, f"{prefix}GetParamInfo", None)
         if info is None:
-            self.d.call(f"{prefix}GetParamInfo")  # raises naming the missing call
-        out = []
-        while True:  # no count call: ask until the driver says there is no such parameter
+            self.d.call(f"{prefix}GetParamInfo")  # raises, naming the missing call
+        out: list[tuple[int, int]] = []
+        while len(out) < MAX_PARAMS:
             err, offset, size = info(handle, len(out))
             if err != self.d.ok:
-                return out
+                break
             out.append((int(offset), int(size)))
+        return out
 
 
 def _text(name: Any) -> str:
@@ -151,9 +149,9 @@ def _arguments(p: Any, params: list[tuple[int, int]]) -> list[bytes]:
         ]
     if not int(p.extra):
         return [b"" for _ in params]
-    extra = (ctypes.c_void_p * 5).from_address(int(p.extra))
+    extra = ctypes.cast(int(p.extra), ctypes.POINTER(ctypes.c_void_p))
     buffer, k = 0, 0
-    while k < 4 and extra[k]:
+    while k < 8 and extra[k]:  # (key, value) pairs up to CU_LAUNCH_PARAM_END
         if extra[k] == _BUFFER_POINTER:
             buffer = extra[k + 1] or 0
         k += 2
@@ -190,7 +188,8 @@ def _memcpy(d: _Driver, node: Any) -> Launch:
 
 
 def read_launches(raw_graph: int) -> list[Launch]:
-    """The nodes of a raw cudaGraph_t (CUDAGraph.raw_cuda_graph()) as launches, in order."""
+    """The nodes of a raw cudaGraph_t (CUDAGraph.raw_cuda_graph()) as launches, in the
+    driver's order (the order of capture: two captures of one forward list alike)."""
     d = _Driver()
     graph = d.cu.CUgraph(int(raw_graph))
     _, count = d.call("cuGraphGetNodes", graph, 0)

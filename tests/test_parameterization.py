@@ -188,7 +188,7 @@ def test_what_a_key_leaves_no_room_for_is_said():
     with executor(w) as ex:
         report = ex.check_parameterization(sizes=[1, 2], kind="full")
     k1, k2 = report.keys
-    assert k1.not_varied == ["batch composition: every decode step of bucket 1 has 1 sequences"]
+    assert k1.not_varied == ["batch composition: every decode step of bucket 1 has 1 sequence"]
     assert k2.varied == ["sequence lengths", "block tables"]  # 2 pads 2 only: the bucket below is 1
     assert "not varied: batch composition" in str(report)
 

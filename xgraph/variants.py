@@ -114,7 +114,7 @@ class Variants:
             if name != "batch":
                 return None, "the executor drives no attention"
             if self.fewest >= self.size:
-                return None, f"every step of bucket {self.size} has {self.size} tokens"
+                return None, f"every step of bucket {self.size} has {_count(self.size, 'token')}"
             return None, ""
         return getattr(self, f"_vary_{name}")(base)
 
@@ -145,7 +145,10 @@ class Variants:
         assert a is not None
         if self.kind is Kind.FULL:
             if self.fewest >= self.size:
-                return None, f"every decode step of bucket {self.size} has {self.size} sequences"
+                return (
+                    None,
+                    f"every decode step of bucket {self.size} has {_count(self.size, 'sequence')}",
+                )
             lens = [1] * self.fewest
         else:
             lens = self._split(self.fewest, max(1, base.query_lens[0] // 2))
@@ -153,6 +156,10 @@ class Variants:
                 return None, f"bucket {self.size} takes no other split into sequences"
         rows = [[a.dummy_block] * a.max_blocks_per_seq for _ in lens]
         return _Layout(lens, list(lens), rows), ""
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
 
 
 def describe_steps(steps: list[Any]) -> list[Variant]:

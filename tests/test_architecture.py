@@ -233,3 +233,15 @@ def test_formatter_runs_unhindered(package):
             elif line.strip() == "# fmt: off" and not lines[i + 1].lstrip().startswith("#"):
                 found.append(f"{mod}:{i + 1} fmt: off without a reason below it")
     assert not found, "\n".join(found)
+
+
+def test_two_public_faces_stay_small():
+    """`xgraph` is what an engine needs (at most 25 names, errors included); adapter
+    authors import `xgraph.adapter`. Every name listed resolves."""
+    import xgraph
+    import xgraph.adapter
+
+    assert len(xgraph.__all__) <= 25, sorted(xgraph.__all__)
+    for face in (xgraph, xgraph.adapter):
+        missing = [n for n in face.__all__ if not hasattr(face, n)]
+        assert not missing, (face.__name__, missing)

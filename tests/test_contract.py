@@ -20,7 +20,7 @@ from xgraph.adapter import (
     IncompleteBackendError,
     check_backend_class,
 )
-from xgraph.plugins import registry
+from xgraph.plugins import list_backends, registry
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +68,7 @@ def test_a_backend_registered_by_entry_point_alone_is_found_through_pluggy(tmp_p
         lambda outcome, name, impls, kwargs: None,
     )
     try:
-        infos = {b.name: b for b in xgraph.list_backends(hidden=True)}
+        infos = {b.name: b for b in list_backends(hidden=True)}
     finally:
         undo()
     # pluggy loaded the entry point (it records the distribution) and called the hook on it
@@ -89,7 +89,7 @@ def test_a_broken_entry_point_is_reported_and_the_others_still_load(tmp_path, mo
     (info / "entry_points.txt").write_text("[xgraph.backends]\nbadplug = no_such_module_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    infos = {b.name: b for b in xgraph.list_backends(hidden=True)}
+    infos = {b.name: b for b in list_backends(hidden=True)}
     assert infos["goodplug"].available
     assert not infos["badplug"].available and "no_such_module_xyz" in infos["badplug"].reason
 
@@ -218,7 +218,7 @@ def test_a_class_named_unlike_its_spec_is_refused():
     registry.register(Plugin(), name="renamed-plugin")
     with pytest.raises(IncompleteBackendError, match="is named 'cpu'"):
         xgraph.get_backend("renamed")
-    info = {b.name: b for b in xgraph.list_backends(hidden=True)}["renamed"]
+    info = {b.name: b for b in list_backends(hidden=True)}["renamed"]
     assert not info.available and "make them equal" in info.reason
 
 

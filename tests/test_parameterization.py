@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import xgraph
-from xgraph import ParameterizationLeakError, XGraphError, XGraphWarning
+from xgraph import XGraphError, XGraphWarning
 from xgraph.backends.cpu.graph import CPUGraph
 from xgraph.contract import check_backend_class
-from xgraph.errors import IncompleteBackendError, InputError
+from xgraph.errors import IncompleteBackendError, InputError, ParameterizationLeakError
 from xgraph.models import Workload
 from xgraph.runners import PagedDecodeRunner, PagedPrefillRunner
 

@@ -11,6 +11,7 @@ import logging
 
 from .attention import attention
 from .buckets import Buckets, Dim, Input
+from .distributed import Parallel
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
@@ -18,7 +19,6 @@ from .errors import (
     CaptureError,
     ConcurrentStepError,
     InputError,
-    ParameterizationLeakError,
     PoolClosedError,
     VirtualMemoryError,
     XGraphError,
@@ -30,7 +30,7 @@ from .memory import GraphMemory
 from .metadata import AttentionInputs
 from .options import Fallback, MemoryMode, Mode
 from .paging import PagedAttention, PagedKVCache
-from .plugins import get_backend, list_backends
+from .plugins import get_backend
 
 __version__ = "0.1.0"
 
@@ -54,7 +54,7 @@ __all__ = [
     "Mode",
     "PagedAttention",
     "PagedKVCache",
-    "ParameterizationLeakError",
+    "Parallel",
     "PoolClosedError",
     "VirtualMemoryError",
     "XGraphError",
@@ -62,5 +62,4 @@ __all__ = [
     "attention",
     "get_backend",
     "graph",
-    "list_backends",
 ]

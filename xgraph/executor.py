@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .attention import InlineRunner, step_context
 from .buckets import Buckets, Dim, Input
+from .distributed import Parallel, attach
 from .errors import (
     CaptureError,
     ConcurrentStepError,
@@ -92,6 +93,8 @@ class GraphExecutor(PreCapture):
             Dynamo would run the eager forward instead); a host read still fails the
             capture in the runtime, and Tensor.tolist / numpy stay blocked. Host-recording
             backends (cpu) keep the guard and record the eager ops.
+        parallel: the torch.distributed groups of this rank (xgraph.Parallel): the ranks then
+            agree on every step and capture together (docs/distributed.md). None: one rank.
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class GraphExecutor(PreCapture):
         on_capture_error: Fallback | str = Fallback.EAGER,
         name: str = "executor",
         compiled: bool = False,
+        parallel: Parallel | None = None,
     ) -> None:
         self.mode = Mode.parse(mode, "mode")
         self.on_capture_error = Fallback.parse(on_capture_error, "on_capture_error")
@@ -145,6 +149,9 @@ class GraphExecutor(PreCapture):
         self._held = Holdings(name, self.backend, self.memory, not isinstance(memory, GraphMemory))
         self._graphs: dict[tuple, Entry] = self._held.graphs
         self._finalizer = release_when_collected(self, self._held)
+        self.lockstep = attach(parallel, self)  # several ranks: self.planner agrees each step
+        # several ranks: a failure after the agreement stops the executor; one rank: none
+        self._lockstep_run = getattr(self.lockstep, "run", None)
 
     def _runners(
         self, attention: PagedAttention | None
@@ -187,7 +194,8 @@ class GraphExecutor(PreCapture):
             step = self.planner.plan(inputs, attn)
             self._steps.acquire(self.name)
             try:
-                out = self._run(step)
+                run = self._lockstep_run  # no frame between for one rank: warnings' lines
+                out = self._run(step) if run is None else run(self._run, step)
             finally:
                 self._steps.release()
             if clone:  # inside the lock: the next step may overwrite the buffers right after
@@ -339,7 +347,7 @@ class GraphExecutor(PreCapture):
         t0 = time.perf_counter()
         # warm-up: the forward runs eagerly once (lazy init, autotuning, workspaces) and its
         # outputs fix the persistent output buffers
-        with self.backend.warmup_context():
+        with self.backend.warmup_context(), self.lockstep.warm_up(step):
             warm = self._eager_forward(step.views, step, step.kind)
         layout = self._ensure_out_buffers(warm, step.padded["num_tokens"])
         del warm
@@ -356,7 +364,7 @@ class GraphExecutor(PreCapture):
         graph: Recording | None = None
         try:  # a reservation that fails is a failed capture like any other
             lease = self.memory.begin()
-            graph = self._recording(step.kind, lease)
+            graph = self.lockstep.checked(step, self._recording(step.kind, lease))
             self._record(step, graph)
         except BaseException as exc:  # a transaction: Ctrl-C mid-capture rolls back too
             try:
@@ -400,6 +408,19 @@ class GraphExecutor(PreCapture):
         logger.warning(msg)
         return self._run_padded(step, "capture failed")
 
+    def idle_step(self) -> None:
+        """Under data parallelism, a step with no tokens on this rank: it runs the step the
+        others agree on over dummy tokens, so its collectives meet theirs. Returns nothing."""
+        with self._exclusive("idle step"):
+            step = self.lockstep.idle()  # None: no rank has tokens, nothing runs
+            if step is None:
+                return
+            self._steps.acquire(self.name)  # as a step: one at a time over shared memory
+            try:
+                self.lockstep.run(self._run, step)  # idle() refused one rank already
+            finally:
+                self._steps.release()
+
     def check_parameterization(
         self,
         sizes: Iterable[int] | None = None,
@@ -409,12 +430,9 @@ class GraphExecutor(PreCapture):
         vary: Sequence[str] = ("seq_lens", "block_tables", "batch"),
         **key_dims: int,
     ) -> ParameterizationReport:
-        """Capture each key under changed per-step metadata and compare the recordings launch
-        by launch (xgraph.parameterization); the report names every launch that follows
-        the metadata. `sizes`, `kind` (default: the kinds the mode runs) and `key_dims` pick
-        the keys, as in `capture`; `vary` the metadata changed; `steps` (keyword arguments of
-        step calls, of one key) replaces the synthetic steps: they run as steps do. Nothing
-        is kept: graphs, graph memory and stats are unchanged."""
+        """Capture keys under changed per-step metadata, compare the recordings launch by
+        launch and report every launch that follows it; nothing is kept (see
+        xgraph.parameterization and docs/executor.md)."""
         from .parameterization import check_parameterization
 
         return check_parameterization(self, sizes, kind, steps, vary, key_dims)
@@ -437,6 +455,7 @@ class GraphExecutor(PreCapture):
             "graph_bytes": self.memory.graph_bytes(),
             "memory": self.memory.stats(),
             "keys": sorted(self._graphs, key=repr),
+            "parallel": self.lockstep.stats(),  # None for one rank
         }
 
     def graph(self, key: tuple) -> Recording | None:

@@ -11,7 +11,7 @@ executable form of these contracts. Core never imports a device runtime.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -431,6 +431,21 @@ class Backend(ABC):
         """A per-step copier from `host` (pinned) to `device` (uint8, one size) cheaper than
         the core's (a torch copy and an event), or None."""
         return None
+
+    # -- collectives inside graphs (graphs across ranks; docs/distributed.md) ----------------
+
+    def prepare_collectives(self, groups: Sequence[Any]) -> None:
+        """Make collectives on `groups` (torch.distributed process groups) capturable here:
+        called once per group, on every rank together, before any capture of a forward that
+        issues them. Default: one all_reduce of a one-element tensor on this device per group,
+        then synchronize, so a communicator that sets up on first use (NCCL, HCCL) does so
+        outside every capture. A runtime with further needs (a capture mode, a stream, an
+        environment setting) checks or sets them here and raises, naming them, if it cannot."""
+        import torch.distributed as dist  # only executors with `parallel` get here
+
+        for group in groups:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+        self.synchronize()
 
     def __repr__(self) -> str:
         return f"<xgraph backend {self.name!r} on {self.device}>"

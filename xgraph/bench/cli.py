@@ -10,18 +10,18 @@ from typing import Any
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..cli_types import positive_int, sizes
 from ..interfaces import Backend
-from . import decode, host, memory, memory_plot, prefill, soak
+from . import decode, distributed, host, memory, memory_plot, prefill, soak
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
 # the benchmarks each option is read by: given to another one, it is refused, not ignored
 USED_BY = {
-    "sizes": ("memory", "prefill", "decode", "host"),
+    "sizes": ("memory", "prefill", "decode", "host", "distributed"),
     "max_size": ("memory", "prefill"),
     "compile": ("prefill", "decode"),
     "table_check": ("decode",),
     "piecewise_max": ("memory",),
-    "iters": ("prefill", "decode", "host"),
+    "iters": ("prefill", "decode", "host", "distributed"),
     "steps": ("soak",),
     "memory": ("soak",),
     "plot": ("memory",),
@@ -95,10 +95,12 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("bench", help="benchmarks: memory | prefill | decode | all | soak | host")
+    p = sub.add_parser(
+        "bench", help="benchmarks: memory | prefill | decode | all | soak | host | distributed"
+    )
     p.add_argument(
         "which",
-        choices=[*BENCHMARKS, "all", "soak", "host"],
+        choices=[*BENCHMARKS, "all", "soak", "host", "distributed"],
         help="which benchmark to run (all: memory, prefill and decode)",
     )
     p.add_argument(
@@ -243,12 +245,21 @@ def _host(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -
     return data, host.summarize(data)
 
 
+def _distributed(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    # under torchrun every rank runs this; rank 0 alone writes the JSON (all ranks' rows)
+    data = distributed.run(backend, args.model, sizes, iters=args.iters or 30, prefill=None)
+    if distributed.dist.get_rank() != 0:
+        args.json = None
+    return data, distributed.summarize(data)
+
+
 RUNNERS: dict[str, Runner] = {
     "memory": _memory,
     "prefill": _prefill,
     "decode": _decode,
     "soak": _soak,
     "host": _host,
+    "distributed": _distributed,
 }
 
 

@@ -7,6 +7,7 @@ import pytest
 import xgraph
 from xgraph.adapter import Backend, check_backend_class
 
+from ..plugins import list_backends
 from .base import BackendTests
 
 
@@ -14,7 +15,7 @@ class PluginTests(BackendTests):
     """Discovery and selection: listed, selectable by name and by XGRAPH_BACKEND, complete."""
 
     def test_listed_as_available(self, backend: Backend) -> None:
-        info = {b.name: b for b in xgraph.list_backends()}
+        info = {b.name: b for b in list_backends()}
         assert backend.name in info
         assert info[backend.name].available, info[backend.name].reason
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from xgraph.adapter import Availability, TorchBackend, TorchRuntime, VirtualMemory
-from xgraph.errors import BackendUnavailableError
+from xgraph.errors import BackendUnavailableError, XGraphError
 
 from . import probe
 from .acl import VMM_CALLS
@@ -86,6 +86,22 @@ class AscendBackend(TorchBackend):
             if acl_code(exc) in CAPTURE_CODES:  # a synchronize inside a capture
                 raise capture_error(exc, "synchronize") from exc
             raise
+
+    def prepare_collectives(self, groups: Sequence[Any]) -> None:
+        """On an NPU, HCCL groups only, each warmed by one all_reduce outside any capture
+        (HCCL sets its communicator up on first use); captures already run in thread-local
+        mode on the capture stream. The simulated runtime (host tensors) takes gloo groups,
+        whose collectives it records as ops (docs/distributed.md)."""
+        import torch.distributed as dist
+
+        if self.device.type == "npu":
+            for g in groups:
+                if "hccl" not in str(dist.get_backend(g)):
+                    raise XGraphError(
+                        f"group {g.group_name!r} has backend {dist.get_backend(g)!r}: "
+                        "collectives inside ACL graphs need HCCL; create it with backend='hccl'."
+                    )
+        super().prepare_collectives(groups)
 
     # -- benchmark hooks (xgraph.interfaces.BenchmarkHooks) -----------------------------------
 

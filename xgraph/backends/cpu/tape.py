@@ -237,6 +237,8 @@ class OpTape:
         """A c10d collective: it writes its tensor arguments; the caller waits on its Work."""
         flat, spec = tree_flatten((args, kwargs))
         self._tape.append(_TapeOp(func, [self._leaf(x) for x in flat], spec, [], multi, wait))
+        if self._launches is not None:
+            self._launches.append(op_launch(func, args, kwargs))
         return out
 
     def seal(self) -> None:

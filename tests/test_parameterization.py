@@ -224,6 +224,14 @@ def test_bad_arguments_are_refused():
             ex.check_parameterization()
 
 
+def test_an_executor_in_lockstep_with_peers_is_refused_rather_than_left_waiting():
+    w = Workload.tiny()
+    with executor(w) as ex:
+        ex.lockstep = object()  # stands for a Lockstep: its planner would agree each step
+        with pytest.raises(XGraphError, match="runs on one rank"):
+            ex.check_parameterization()
+
+
 def test_a_backend_that_cannot_read_its_graphs_says_so(monkeypatch):
     monkeypatch.setattr(CPUGraph, "_keep_launches", lambda self: False)
     w = Workload.tiny()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .attention import step_context
+from .distributed.lockstep import SingleRank
 from .errors import InputError, XGraphError
 from .interfaces import Backend, CapturePool, Graph
 from .launchdiff import KeyCheck, ParameterizationReport, Site, compare
@@ -237,6 +238,13 @@ def check_parameterization(
     key_dims: dict[str, int],
 ) -> ParameterizationReport:
     """GraphExecutor.check_parameterization (see its docstring)."""
+    if not isinstance(ex.lockstep, SingleRank):
+        raise XGraphError(
+            f"{ex.name}: the parameterization check runs on one rank, and this executor agrees "
+            "every step with its peers (parallel=...): captures here alone would wait in "
+            "collectives the other ranks never join. Check the model in a process of its own "
+            "without parallel= (on the CPU backend, say), where its launches are the same."
+        )
     names = _vary(vary)
     if steps is not None and len(steps) < 2:
         raise InputError(f"{ex.name}: steps= takes two or more steps of one key to compare.")

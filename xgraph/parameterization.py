@@ -19,6 +19,7 @@ graph memory and stats are as before), and the steps touch only the dummy slot.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -36,6 +37,8 @@ from .options import Kind, Mode
 from .piecewise import FullGraph, PiecewiseGraph
 from .safety import register_library_path
 from .variants import VARIATIONS, Variant, Variants, describe_steps
+
+logger = logging.getLogger("xgraph")
 
 if TYPE_CHECKING:
     from .executor import GraphExecutor
@@ -261,6 +264,7 @@ def check_parameterization(
                 check.key(describe_steps(list(steps)), None, False, [])
             for k in kinds:
                 for n in todo:
+                    logger.info("%s: parameterization check of %s %d", ex.name, k.value, n)
                     v = Variants(ex.planner, n, k, key_dims)
                     check.key(v.build(names), k, True, v.not_varied)
         finally:

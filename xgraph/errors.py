@@ -55,6 +55,10 @@ class MemoryInUseError(XGraphError):
     """Closing graph memory (a GraphMemory, a SharedPhysicalPool) that open executors use."""
 
 
+class ParameterizationLeakError(XGraphError):
+    """A recorded launch follows per-step metadata (GraphExecutor.check_parameterization)."""
+
+
 class ReplayError(XGraphError, RuntimeError):
     """An op of a replayed graph failed (an index outside its table, on the CPU backend)."""
 

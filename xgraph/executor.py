@@ -19,9 +19,9 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -49,6 +49,9 @@ from .pool import SharedPhysicalPool
 from .precapture import PreCapture
 from .runners import reference_runners
 from .steps import Step, StepPlanner
+
+if TYPE_CHECKING:
+    from .launchdiff import ParameterizationReport
 
 logger = logging.getLogger("xgraph")
 
@@ -418,6 +421,22 @@ class GraphExecutor(PreCapture):
                 self.lockstep.run(self._run, step)  # idle() refused one rank already
             finally:
                 self._steps.release()
+
+    def check_parameterization(
+        self,
+        sizes: Iterable[int] | None = None,
+        kind: Kind | str | None = None,
+        *,
+        steps: Sequence[Mapping[str, Any]] | None = None,
+        vary: Sequence[str] = ("seq_lens", "block_tables", "batch"),
+        **key_dims: int,
+    ) -> ParameterizationReport:
+        """Capture keys under changed per-step metadata, compare the recordings launch by
+        launch and report every launch that follows it; nothing is kept (see
+        xgraph.parameterization and docs/executor.md)."""
+        from .parameterization import check_parameterization
+
+        return check_parameterization(self, sizes, kind, steps, vary, key_dims)
 
     # -- reporting and teardown ------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from .discovery import PluginTests
 from .executor import ExecutorTests
 from .graph import GraphTests
 from .kernels import KernelTests
+from .parameterization import ParameterizationTests
 from .piecewise import PiecewiseTests
 from .pool import PoolTests
 from .reliability import ReliabilityTests
@@ -33,5 +34,6 @@ class ConformanceSuite(
     PiecewiseTests,
     KernelTests,
     ReliabilityTests,
+    ParameterizationTests,
 ):
     """Every conformance test; subclass it once per backend."""

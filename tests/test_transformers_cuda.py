@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
 from torch._dynamo.utils import counters  # noqa: E402
 
 import xgraph  # noqa: E402
+from xgraph.buckets import vllm_capture_sizes  # noqa: E402
 from xgraph.integrations.transformers import GraphModel  # noqa: E402
 from xgraph.integrations.transformers.linears import XLinear  # noqa: E402
 
@@ -118,7 +119,7 @@ def test_bf16_compiled_logits_are_as_close_to_float32_as_transformers(backend):
 def test_every_vllm_decode_size_captures_over_two_compiles(backend):
     torch._dynamo.reset()
     model = tiny(torch.bfloat16)
-    sizes = xgraph.vllm_capture_sizes(64)
+    sizes = vllm_capture_sizes(64)
     limits = dict(LIMITS, max_seqs=64, num_blocks=64)
     with GraphModel(
         model, backend=backend, compile=True, buckets=sizes, on_capture_error="raise", **limits

@@ -129,10 +129,9 @@ class GraphExecutor(PreCapture):
             dims=dims,
             buckets=self.buckets,
             attention=attention,
-            device=self.device,
+            backend=self.backend,
             mode=self.mode,
             on_overflow=Fallback.parse(on_overflow, "on_overflow"),
-            copier=self.backend.host_copier,
             decode_runner=self.decode_runner,
         )
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
@@ -148,6 +147,7 @@ class GraphExecutor(PreCapture):
         # graphs and memory live apart from this object: released by close(), or when it is
         # collected (xgraph.lifetime), whichever comes first
         self._held = Holdings(name, self.backend, self.memory, not isinstance(memory, GraphMemory))
+        self._held.closers.append(self.planner.release)  # the device check's graphs
         self._graphs: dict[tuple, Entry] = self._held.graphs
         self._finalizer = release_when_collected(self, self._held)
         self.lockstep = attach(parallel, self)  # several ranks: self.planner agrees each step
@@ -172,7 +172,7 @@ class GraphExecutor(PreCapture):
 
     def persistent_bytes(self) -> int:
         """Bytes of every persistent buffer (inputs, attention metadata, outputs)."""
-        n = sum(v.numel() * v.element_size() for _, v in self.planner.staged.items())
+        n = self.planner.persistent_bytes()
         return n + sum(b.numel() * b.element_size() for b in self._out_bufs or [])
 
     # -- step ------------------------------------------------------------------------------

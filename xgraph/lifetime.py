@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,6 +62,7 @@ class Holdings:
         self.memory = memory
         self.owns_memory = owns_memory
         self.graphs: dict[tuple, Entry] = {}
+        self.closers: list[Callable[[], None]] = []  # more graphs of the executor's, reset
         self.closed = False
         memory.attach(self)  # a closed memory is refused here, before anything is held
 
@@ -78,6 +80,8 @@ class Holdings:
         while self.graphs:
             _, entry = self.graphs.popitem()
             entry.graph.reset()
+        while self.closers:
+            self.closers.pop()()
         if self.owns_memory:
             self.memory.close()
 

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from .buckets import Buckets, Dim, Input
-from .buffers import BufferSpec, CopierFactory, StagedBuffers
-from .device_check import DeviceCheck
+from .buffers import BufferSpec, StagedBuffers
+from .device_check import COUNTS, DeviceCheck
 from .errors import BucketOverflowError, InputError, XGraphError, XGraphWarning
-from .interfaces import AttentionRunner
+from .interfaces import AttentionRunner, Backend
 from .metadata import AttentionInputs, AttentionMetadata
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
@@ -115,15 +115,16 @@ class StepPlanner:
         dims: Sequence[Dim],
         buckets: Buckets,
         attention: PagedAttention | None,
-        device: torch.device,
+        backend: Backend,
         mode: Mode,
         on_overflow: Fallback,
-        copier: CopierFactory | None = None,
         decode_runner: AttentionRunner | None = None,
     ) -> None:
-        """`decode_runner`: the full graphs' runner, which must serve the attention's
+        """`backend`: the device, the host copier and the device check's graphs.
+        `decode_runner`: the full graphs' runner, which must serve the attention's
         `max_query_len` (steps of one query length per sequence run as full graphs up to
         it; 1: decode steps only)."""
+        device = backend.device
         self.name, self.device, self.mode, self.on_overflow = name, device, mode, on_overflow
         self.buckets = buckets
         self.dims = declare_dims(name, buckets, dims)
@@ -146,8 +147,12 @@ class StepPlanner:
             )
         self.maxima = {n: d.max for n, d in self.dims.items()}
         self.max_seqs = max(attention.max_seqs, buckets.max) if attention is not None else 0
-        self.staged = StagedBuffers(self._buffer_specs(), device, copier)
-        self.device_check = DeviceCheck(name, attention, device) if attention else None
+        self.staged = StagedBuffers(self._buffer_specs(), device, backend.host_copier)
+        self.device_check = (
+            DeviceCheck(name, attention, backend, self.staged[COUNTS], self.max_seqs, buckets.max)
+            if attention
+            else None
+        )
         self.staging = StepStaging(
             self.staged, self.inputs, attention, self.maxima, self.device_check
         )
@@ -172,6 +177,7 @@ class StepPlanner:
             t, s = self.buckets.max, self.max_seqs
             # block tables last: a step's copy to the device then ends at its used rows
             specs += [
+                BufferSpec(COUNTS, torch.int64, (2,), 0),
                 BufferSpec("slot_mapping", torch.int64, (t,), a.dummy_slot),
                 BufferSpec("seq_lens", torch.int32, (s,), 1),
                 BufferSpec("query_start_loc", torch.int32, (s + 1,), 0),
@@ -222,6 +228,16 @@ class StepPlanner:
         """Raise what the device-side check of an earlier step found (`wait`: for it)."""
         if self.device_check is not None:
             self.device_check.raise_pending(wait)
+
+    def persistent_bytes(self) -> int:
+        """Bytes of the staged buffers and of the device check's raw buffers (once made)."""
+        n = sum(v.numel() * v.element_size() for _, v in self.staged.items())
+        return n + (self.device_check.nbytes() if self.device_check is not None else 0)
+
+    def release(self) -> None:
+        """Give back the device check's graphs and pools (once queued work has finished)."""
+        if self.device_check is not None:
+            self.device_check.release()
 
     def _attention(
         self, attn: AttentionInputs | None, num_tokens: int, synthetic: bool

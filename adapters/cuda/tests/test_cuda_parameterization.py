@@ -66,8 +66,31 @@ def test_the_kernel_nodes_of_a_captured_graph_are_read(backend):
     (k,) = [la for la in g.launches() if la.kind == "kernel"]
     cfg = dict(k.config)
     assert "elementwise" in k.name and cfg["grid"][0] > 1 and cfg["block"][0] > 1
-    assert "pointer" in cfg.values()  # the data pointers of x and y
     assert 1 << 16 in cfg.values()  # the element count, a non-pointer argument
+    assert "struct of 16 bytes" in cfg.values()  # ATen's functor by value: its size only
+    g.reset()
+
+
+@needs_cuda
+def test_the_pointer_and_scalar_arguments_of_a_triton_kernel_are_read(backend):
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def fill(ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(ptr + offs, 1.0, mask=offs < n)
+
+    x = torch.zeros(1000, device="cuda")
+    fill[(8,)](x, 1000, BLOCK=128)  # warm-up: compiled before the capture
+    g = backend.new_graph()
+    assert g.keep_launches()
+    with xgraph.graph(g):
+        fill[(8,)](x, 1000, BLOCK=128)
+    (k,) = [la for la in g.launches() if la.kind == "kernel"]
+    cfg = dict(k.config)
+    assert "fill" in k.name and cfg["grid"] == (8, 1, 1)
+    assert cfg["arg 0"] == "pointer" and cfg["arg 1"] == 1000
     g.reset()
 
 

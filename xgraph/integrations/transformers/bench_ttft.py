@@ -67,12 +67,16 @@ def transformers_ttft(
     return {"ttft_s": best, "compile": compile}
 
 
-def run_ttft(
-    gm: GraphModel, reference: Any, cases: list[tuple[int, int]], iters: int, compile: bool
+def ttft_rows(
+    reference: Any,
+    cases: list[tuple[int, int]],
+    ours: list[dict[str, Any]],
+    iters: int,
+    compile: bool,
 ) -> list[dict[str, Any]]:
+    """xgraph's times of `cases` (measured first) beside transformers' own."""
     rows = []
-    for n, length in cases:
-        x = xgraph_ttft(gm, n, length, iters)
+    for (n, length), x in zip(cases, ours):
         t = transformers_ttft(reference, n, length, iters, compile)
         ratio = t["ttft_s"] / x["ttft_s"] if x.get("ttft_s") else None
         rows.append({"case": f"{n}x{length}", "xgraph": x, "transformers": t, "speedup": ratio})

@@ -241,8 +241,9 @@ def test_a_check_that_cannot_be_captured_runs_eagerly_and_still_guards(how):
         fault = fail_driver_call(vm, "_map_chunk", nth=1)
         fault.__enter__()
     try:
-        with pytest.warns(xgraph.XGraphWarning, match="could not be captured"):
+        with pytest.warns(xgraph.XGraphWarning, match="could not be captured") as warned:
             out, ref = run_both(dw, dex, hex_, dw.decode_step(rng, 4), rng)
+        assert warned[0].filename == __file__  # the step call's line
     finally:
         if fault is not None:
             fault.__exit__(None, None, None)

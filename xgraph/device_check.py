@@ -62,6 +62,7 @@ PROBLEMS = {
 
 # the staged buffer of a checked step's real counts: sequences n, block-table width w
 COUNTS = "device_counts"
+VIEWS_KEPT = 4096  # raw-buffer views kept for reuse, one per (sequences, width, tokens)
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,8 @@ class DeviceCheck:
             if raw is None:
                 raw = self._raw = _Raw.make(self.layout, *self.sizes, self.device)
             got = (raw.seq_lens[:n], raw.table[:n, :w], raw.slots[:t])
+            if len(self._views) >= VIEWS_KEPT:  # tables of ever new widths: kept bounded
+                self._views.clear()
             self._views[(n, w, t)] = got
         return got
 
@@ -201,7 +204,7 @@ class DeviceCheck:
             f"be captured ({type(exc).__name__}: {exc}); such keys check their metadata with "
             "the same ops issued eagerly each step (as safe, more host time). Shown once."
         )
-        warnings.warn(msg, XGraphWarning, stacklevel=2)
+        warnings.warn(msg, XGraphWarning, stacklevel=7)  # the engine's step call
         logger.warning(msg)
 
     def _check(self, out: dict[str, torch.Tensor], s: int, q: int) -> None:

@@ -88,8 +88,14 @@ class StagedBuffers:
     """Named views of one device tensor, staged through pinned host memory (see module doc)."""
 
     def __init__(
-        self, specs: Sequence[BufferSpec], device: torch.device, copier: CopierFactory | None = None
+        self,
+        specs: Sequence[BufferSpec],
+        device: torch.device,
+        copier: CopierFactory | None = None,
+        allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
+        """`allocate(nbytes)`: where the packed device buffer lives (a uint8 tensor), e.g. an
+        executor's xgraph.arena.Arena, whose memory sleep gives back; default torch's."""
         self.device = device
         self.specs = {s.name: s for s in specs}
         self.offsets: dict[str, int] = {}
@@ -99,7 +105,12 @@ class StagedBuffers:
             total += -(-_nbytes(s) // ALIGN) * ALIGN
         self.nbytes = total
         # zeros: alignment gaps hold no stale bytes (buffers compare equal byte for byte)
-        self.packed = torch.zeros(max(total, ALIGN), dtype=torch.uint8, device=device)
+        n = max(total, ALIGN)
+        self.packed = (
+            torch.zeros(n, dtype=torch.uint8, device=device)
+            if allocate is None
+            else allocate(n).zero_()
+        )
         self.host_packed = _host_twin(self.packed)
         self.device_views = {s.name: self._view(self.packed, s) for s in specs}
         self.host_views = {s.name: self._view(self.host_packed, s) for s in specs}

@@ -55,6 +55,10 @@ class MemoryInUseError(XGraphError):
     """Closing graph memory (a GraphMemory, a SharedPhysicalPool) that open executors use."""
 
 
+class AsleepError(XGraphError, RuntimeError):
+    """A step, capture or allocation over memory that sleep() gave back; wake() first."""
+
+
 class ReplayError(XGraphError, RuntimeError):
     """An op of a replayed graph failed (an index outside its table, on the CPU backend)."""
 

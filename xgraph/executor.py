@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 import warnings
 from collections import Counter
@@ -26,6 +25,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import sleepmode
+from .arena import Arena
 from .attention import InlineRunner, step_context
 from .buckets import Buckets, Dim, Input
 from .errors import (
@@ -112,6 +113,7 @@ class GraphExecutor(PreCapture):
         self.forward, self.name, self.compiled = forward, name, compiled
         self.backend = get_backend(backend)
         self.device = self.backend.device
+        self._arena = Arena.of(self.backend, name)  # persistent buffers sleep can give back
         self.buckets = Buckets.of(buckets, DEFAULT_MAX_TOKENS)
         self.attention = attention
         self.decode_runner, self.prefill_runner = self._runners(attention)
@@ -125,6 +127,7 @@ class GraphExecutor(PreCapture):
             self.mode,
             Fallback.parse(on_overflow, "on_overflow"),
             self.backend.host_copier,
+            None if self._arena is None else lambda n: self._arena.empty(n, keep=True),
         )
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self._eager_keys: dict[tuple, str] = {}
@@ -132,13 +135,15 @@ class GraphExecutor(PreCapture):
         self._out_spec: Any = None
         self._out_views: dict[int, Any] = {}
         self._stats = ExecutorStats()
-        self._busy = threading.Lock()  # one step at a time: outputs are shared buffers
         self.memory = GraphMemory.of(self.backend, memory)
         self._steps = self.memory.steps  # steps over shared memory run one at a time
         self._outside = OutsidePoolMeter(self.memory)
         # graphs and memory live apart from this object: released by close(), or when it is
         # collected (xgraph.lifetime), whichever comes first
         self._held = Holdings(name, self.backend, self.memory, not isinstance(memory, GraphMemory))
+        self._held.arena = self._arena
+        self._busy = self._held.busy  # one step at a time: outputs are shared buffers
+        sleepmode.join(self._held)
         self._graphs: dict[tuple, Entry] = self._held.graphs
         self._finalizer = release_when_collected(self, self._held)
 
@@ -180,6 +185,8 @@ class GraphExecutor(PreCapture):
         try:
             if self._held.closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
+            if self._held.asleep:
+                raise sleepmode.asleep_error(self.name, self._held.asleep)
             step = self.planner.plan(inputs, attn)
             self._steps.acquire(self.name)
             try:
@@ -208,6 +215,8 @@ class GraphExecutor(PreCapture):
         try:
             if self._held.closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
+            if self._held.asleep and what != "close":
+                raise sleepmode.asleep_error(self.name, self._held.asleep)
             yield
         finally:
             self._busy.release()
@@ -343,10 +352,7 @@ class GraphExecutor(PreCapture):
         # allocated, so neither the output buffers nor a graph pool pin a warm-up segment
         settle(self.backend)
         if layout is not None:
-            self._out_bufs = [
-                torch.empty((self.buckets.max, *shp), dtype=dt, device=dev)
-                for shp, dt, dev in layout
-            ]
+            self._out_bufs = [self._out_buffer((self.buckets.max, *s), d, v) for s, d, v in layout]
         self._outside.start()
         lease: Lease | None = None
         graph: Recording | None = None
@@ -374,6 +380,13 @@ class GraphExecutor(PreCapture):
         logger.info("%s: captured %s in %.3f s", self.name, step.key, seconds)
         self._replay(entry, step, hit=False)  # the capture step's own result
         return self._outputs(step.num_tokens)
+
+    def _out_buffer(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An output buffer: in the arena (its memory sleeps; outputs are not kept across a
+        sleep) where there is one and the output is on the backend's device."""
+        if self._arena is None or device != self.device:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return self._arena.tensor(shape, dtype, keep=False)
 
     def _capture_failed(self, step: Step, exc: Exception) -> Any:
         key = step.key
@@ -413,6 +426,7 @@ class GraphExecutor(PreCapture):
             "outside_pool_bytes": self._outside.bytes,
             "graph_bytes": self.memory.graph_bytes(),
             "memory": self.memory.stats(),
+            "asleep": sorted(self._held.asleep),
             "keys": sorted(self._graphs, key=repr),
         }
 
@@ -425,6 +439,16 @@ class GraphExecutor(PreCapture):
     def closed(self) -> bool:
         """Whether close() ran (or the executor was released when collected)."""
         return self._held.closed
+
+    def sleep(self) -> sleepmode.SleepReport:
+        """Give back the physical memory of graph memory and persistent buffers, keeping every
+        address: steps raise AsleepError until wake(), which replays every key with no
+        recapture. Executors sharing the graph memory sleep too (docs/sleep.md)."""
+        return sleepmode.sleep(self, tags=())
+
+    def wake(self) -> sleepmode.WakeReport:
+        """Map fresh memory at the addresses sleep() kept; idempotent (docs/sleep.md)."""
+        return sleepmode.wake(self, tags=())
 
     def close(self) -> None:
         """Wait for queued work, reset every graph, give back graph memory (if owned).

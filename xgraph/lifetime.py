@@ -17,10 +17,12 @@ it. A finalizer never raises: a failure is logged, and what the driver refused s
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
+from .arena import Arena
 from .interfaces import Backend
 from .memory import GraphMemory, Lease
 from .options import Kind
@@ -62,6 +64,9 @@ class Holdings:
         self.owns_memory = owns_memory
         self.graphs: dict[tuple, Entry] = {}
         self.closed = False
+        self.busy = threading.Lock()  # held by each step (and by sleep, to wait for one)
+        self.asleep: set[str] = set()  # what sleep() gave back that its graphs use
+        self.arena: Arena | None = None  # its persistent buffers, where they can sleep
         memory.attach(self)  # a closed memory is refused here, before anything is held
 
     def release(self) -> None:
@@ -78,6 +83,8 @@ class Holdings:
         while self.graphs:
             _, entry = self.graphs.popitem()
             entry.graph.reset()
+        if self.arena is not None:
+            self.arena.drain()  # buffers already gone; the rest go with their tensors
         if self.owns_memory:
             self.memory.close()
 

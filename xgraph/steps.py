@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +111,7 @@ class StepPlanner:
         mode: Mode,
         on_overflow: Fallback,
         copier: CopierFactory | None = None,
+        allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         self.name, self.device, self.mode, self.on_overflow = name, device, mode, on_overflow
         self.buckets = buckets
@@ -120,7 +121,7 @@ class StepPlanner:
         self.attention = attention
         self.key_buckets = {n: Buckets(d.buckets) for n, d in self.dims.items() if d.buckets}
         self.max_seqs = max(attention.max_seqs, buckets.max) if attention is not None else 0
-        self.staged = StagedBuffers(self._buffer_specs(), device, copier)
+        self.staged = StagedBuffers(self._buffer_specs(), device, copier, allocate)
         self._qsl = np.zeros(self.max_seqs + 1, dtype=np.int32)  # query start locations
         self._warned_overflow = False
         self.decode = DecodePath(self) if DecodePath.serves(self) else None

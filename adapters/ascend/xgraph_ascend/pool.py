@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from xgraph.interfaces import CapturePool, SegmentAllocator
@@ -53,6 +54,13 @@ class AscendCapturePool(CapturePool):
             return contextlib.nullcontext()
         return routing(self.segments)
 
+    def allocating(self) -> contextlib.AbstractContextManager[Any] | None:
+        """This thread's NPU allocations in the block come from the pool, their segments from
+        `segments` (xgraph.memory_region: the runtime's use_mem_pool, routed)."""
+        if self.segments is None:
+            return None
+        return _allocating(self.runtime, self._mempool, self.segments)
+
     def _release(self) -> None:
         """Drop the MemPool; its segments go back once graphs captured on it are reset."""
         held = self.use_count() - 1
@@ -68,3 +76,9 @@ class AscendCapturePool(CapturePool):
     def __repr__(self) -> str:
         kind = "routed" if self.segments is not None else "native"
         return f"<AscendCapturePool {kind} id={self.id} {'closed' if self.closed else 'open'}>"
+
+
+@contextlib.contextmanager
+def _allocating(runtime: NpuRuntime, mempool: Any, segments: SegmentAllocator) -> Iterator[None]:
+    with routing(segments), runtime.use_mem_pool(mempool):
+        yield

@@ -90,6 +90,10 @@ class NpuRuntime(ABC):
         """torch_npu's pluggable allocator over two C function pointers."""
 
     @abstractmethod
+    def use_mem_pool(self, mempool: Any) -> contextlib.AbstractContextManager[Any]:
+        """This thread's NPU allocations in the block come from `mempool` (use_mem_pool)."""
+
+    @abstractmethod
     def mempool_use_count(self, mempool: Any) -> int:
         """The caching allocator's use count of the pool (1 where torch_npu cannot say)."""
 
@@ -283,6 +287,9 @@ class TorchNpuRuntime(NpuRuntime):
 
     def custom_allocator(self, alloc_fn: int, free_fn: int) -> Any:
         return self._tn._C._npu_customAllocator(alloc_fn, free_fn)
+
+    def use_mem_pool(self, mempool: Any) -> contextlib.AbstractContextManager[Any]:
+        return self._tn.npu.memory.use_mem_pool(mempool)  # vllm-ascend's sleep mode uses it
 
     def mempool_use_count(self, mempool: Any) -> int:
         fn = getattr(mempool, "use_count", None)

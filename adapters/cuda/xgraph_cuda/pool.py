@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -127,6 +128,13 @@ class CUDACapturePool(CapturePool):
             return contextlib.nullcontext()
         return routing(self.segments)
 
+    def allocating(self) -> contextlib.AbstractContextManager[Any] | None:
+        """This thread's CUDA allocations in the block come from the pool, their segments from
+        `segments` (xgraph.memory_region: torch.cuda.use_mem_pool over the routed allocator)."""
+        if self.segments is None:
+            return None
+        return _allocating(self._mempool, self.segments, self.device)
+
     def _release(self) -> None:
         """Drop the MemPool so torch frees its segments; reset graphs captured on it first."""
         # tensors captured on the pool must be dead too: torch keeps a segment with a live
@@ -151,3 +159,9 @@ class CUDACapturePool(CapturePool):
         kind = "routed" if self.segments is not None else "native"
         state = "closed" if self.closed else "open"
         return f"<CUDACapturePool {kind} id={self.id} {state}>"
+
+
+@contextlib.contextmanager
+def _allocating(mempool: Any, segments: SegmentAllocator, device: torch.device) -> Iterator[None]:
+    with routing(segments), torch.cuda.use_mem_pool(mempool, device):
+        yield

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from xgraph.backends.cpu import HostCachingPool
+from xgraph.backends.cpu import HostCachingPool, PlaceInPool
 
 from .. import acl
 from ..errors import AclRuntimeError
@@ -161,6 +161,14 @@ class SimCachingAllocator:
             yield
         finally:
             stack.pop()
+
+    def use_mem_pool(self, pool_id: tuple[int, int]) -> contextlib.AbstractContextManager[Any]:
+        """Allocations of the block go to the pool (what use_mem_pool routes on an NPU)."""
+        with self._lock:
+            pool = self._pools.get(tuple(pool_id))  # type: ignore[call-overload]
+        if pool is None:
+            raise RuntimeError(f"use_mem_pool: no pool {pool_id}")
+        return PlaceInPool(pool.cache)
 
     # -- segments --------------------------------------------------------------------------
 

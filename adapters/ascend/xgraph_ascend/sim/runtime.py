@@ -119,6 +119,10 @@ class SimRuntime(NpuRuntime):
     def mempool_use_count(self, mempool: Any) -> int:
         return int(mempool.use_count())
 
+    def use_mem_pool(self, mempool: Any) -> contextlib.AbstractContextManager[Any]:
+        """torch_npu.npu.memory.use_mem_pool: the block's tensors land in the pool's blocks."""
+        return self.caching.use_mem_pool(mempool.id)
+
     def end_allocate_to_pool(self, pool_id: PoolId) -> bool:
         try:
             self.caching.end_allocate_to_pool(pool_id)

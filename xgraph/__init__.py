@@ -43,6 +43,11 @@ from .options import Fallback, Kind, MemoryMode, Mode
 from .paging import PagedAttention, PagedKVCache
 from .plugins import BackendInfo, get_backend, list_backends
 from .pool import SharedPhysicalPool
+
+# sleep mode (docs/sleep.md): public names outside __all__; their module is xgraph.sleepmode
+from .sleepmode import memory_region as memory_region
+from .sleepmode import sleep as sleep
+from .sleepmode import wake as wake
 from .vmm import CheckedVirtualMemory
 
 __version__ = "0.1.0"

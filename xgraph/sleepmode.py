@@ -28,9 +28,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .backends.cpu.vmm import resident_in
 from .errors import AsleepError, ConcurrentStepError, XGraphError
 from .interfaces import Backend
 from .lifetime import Holdings
+from .memory import settle
 from .plugins import get_backend
 from .pool import SharedPhysicalPool
 from .pool_sleep import is_asleep, sleep_pool, wake_pool
@@ -272,3 +274,32 @@ def _back_to_sleep(woke: list[RestorableSegments], pools: list[SharedPhysicalPoo
             sleep_pool(p)
         except Exception:
             logger.exception("putting graph memory back to sleep after a failed wake failed")
+
+
+# -- readings ----------------------------------------------------------------------------
+
+
+def address_ranges(
+    *executors: Any, tags: Iterable[str] | str | None = None, backend: Any = None
+) -> list[tuple[int, int]]:
+    """(start, size) of every reservation that sleep keeps for the executors (their graph
+    memory and persistent buffers) and the memory regions `tags`."""
+    out: list[tuple[int, int]] = []
+    group = _group(_pools([_holdings(e) for e in executors]))
+    for h in group:
+        out.extend((s.base, s.size) for s in h.memory.physical.spaces if not s.closed)  # type: ignore[union-attr]
+        if h.arena is not None:
+            out.extend(h.arena.segments.ranges())
+    for r in _chosen(executors, tags, backend):
+        out.extend(r.segments.ranges())
+    return list(dict.fromkeys(out))
+
+
+def memory_reading(backend: Backend, ranges: list[tuple[int, int]]) -> int | None:
+    """The driver's reading of device memory in use, for sleep's before and after: on a
+    backend whose device is the host, the kernel's resident pages of `ranges` (offloaded
+    copies are host memory too, so the process's total would not drop); elsewhere the
+    device's memory in use once queued work is done and cached memory returned."""
+    if backend.device.type == "cpu":
+        return resident_in(ranges)
+    return settle(backend)

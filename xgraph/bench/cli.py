@@ -10,18 +10,19 @@ from typing import Any
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..cli_types import positive_int, sizes
 from ..interfaces import Backend
-from . import decode, host, memory, memory_plot, prefill, soak
+from . import decode, host, memory, memory_plot, prefill, sleep, soak
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
 # the benchmarks each option is read by: given to another one, it is refused, not ignored
 USED_BY = {
-    "sizes": ("memory", "prefill", "decode", "host"),
+    "sizes": ("memory", "prefill", "decode", "host", "sleep"),
     "max_size": ("memory", "prefill"),
     "compile": ("prefill", "decode"),
     "table_check": ("decode",),
-    "piecewise_max": ("memory",),
-    "iters": ("prefill", "decode", "host"),
+    "piecewise_max": ("memory", "sleep"),
+    "iters": ("prefill", "decode", "host", "sleep"),
+    "kv_cache_gib": ("sleep",),
     "steps": ("soak",),
     "memory": ("soak",),
     "plot": ("memory",),
@@ -84,7 +85,8 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="memory: piecewise graphs at SGLang-style sizes up to this (default 2048 for the "
-        "reference and 1024 for hf-llama on accelerators, 128 on the CPU backend)",
+        "reference and 1024 for hf-llama on accelerators, 128 on the CPU backend); sleep: "
+        "the piecewise executor's sizes (default 2048, 64 on the CPU backend)",
     )
     p.add_argument(
         "--all-modes",
@@ -95,10 +97,12 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("bench", help="benchmarks: memory | prefill | decode | all | soak | host")
+    p = sub.add_parser(
+        "bench", help="benchmarks: memory | prefill | decode | all | soak | host | sleep"
+    )
     p.add_argument(
         "which",
-        choices=[*BENCHMARKS, "all", "soak", "host"],
+        choices=[*BENCHMARKS, "all", "soak", "host", "sleep"],
         help="which benchmark to run (all: memory, prefill and decode)",
     )
     p.add_argument(
@@ -117,7 +121,7 @@ def add_parsers(sub: Any) -> None:
         default=None,
         type=sizes,
         help="comma-separated sizes (memory: capture sizes; prefill: step sizes; "
-        "decode: batch sizes); defaults depend on the backend",
+        "decode: batch sizes; sleep: decode capture sizes); defaults depend on the backend",
     )
     p.add_argument(
         "--max-size",
@@ -147,7 +151,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="prefill, decode, host: timed repetitions per measurement (default 10 prefill, "
-        "50 decode; host: 2000, 300 for the model on accelerators)",
+        "50 decode; host: 2000, 300 for the model on accelerators); sleep: sleep/wake "
+        "cycles (default 2)",
     )
     p.add_argument(
         "--steps",
@@ -166,6 +171,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         default="trivial",
         choices=["trivial", "model"],
         help="host: the forward replayed (trivial: two ops; model: the reference model)",
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="sleep: the KV cache dropped at each sleep, GiB (default 16 on accelerators)",
     )
     p.add_argument("--json", default=None, help="write the results here (bench all: a folder)")
     p.add_argument("--plot", default=None, help="memory: write a PNG plot here")
@@ -243,12 +254,27 @@ def _host(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -
     return data, host.summarize(data)
 
 
+def _sleep(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    pw = None if args.piecewise_max is None else sglang_piecewise_sizes(args.piecewise_max)
+    data = sleep.run(
+        backend,
+        args.model,
+        sizes,
+        pw,
+        kv_cache_gib=args.kv_cache_gib,
+        cycles=2 if args.iters is None else args.iters,
+        checkpoint=Checkpoint(_json_path(args, "sleep")),
+    )
+    return data, sleep.summarize(data)
+
+
 RUNNERS: dict[str, Runner] = {
     "memory": _memory,
     "prefill": _prefill,
     "decode": _decode,
     "soak": _soak,
     "host": _host,
+    "sleep": _sleep,
 }
 
 

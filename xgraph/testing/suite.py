@@ -20,6 +20,7 @@ from .graph import GraphTests
 from .kernels import KernelTests
 from .piecewise import PiecewiseTests
 from .pool import PoolTests
+from .sleep import SleepTests
 from .vmm import VirtualMemoryTests
 
 
@@ -31,5 +32,6 @@ class ConformanceSuite(
     PoolTests,
     PiecewiseTests,
     KernelTests,
+    SleepTests,
 ):
     """Every conformance test; subclass it once per backend."""

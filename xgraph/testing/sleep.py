@@ -1,0 +1,267 @@
+"""Conformance of sleep and wake: memory given back by the driver's reading, every captured
+key replayed after wake with no recapture, weights and KV cache kept bit for bit across an
+offloading sleep, failed wakes rolled back with balanced books."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from xgraph.interfaces import Backend
+
+from .base import VirtualMemoryFixture
+from .faults import books, fail_driver_call
+
+HIDDEN, WIDE = 256, 4096  # intermediates of 4 MiB at 256 tokens: several chunks of any VMM
+# a wake's create or map fails: the graph memory's second, or the persistent buffers' second
+# (each after others succeeded, so the undo has work to do)
+WAKE_FAULTS = [(c, at) for c in ("_create_chunk", "_map_chunk") for at in ("graphs", "buffers")]
+WEIGHTS, KV = "conformance-weights", "conformance-kv-cache"  # regions live for the process
+
+
+def mlp_executor(backend: Backend, sizes: list[int]) -> Any:
+    """A full-graph executor over a wide MLP whose weights are plain device tensors."""
+    import torch.nn.functional as F
+
+    from xgraph import GraphExecutor, Input
+
+    g = torch.Generator().manual_seed(5)
+    w1, w2 = (torch.randn(HIDDEN, WIDE, generator=g).mul(0.05).to(backend.device) for _ in "ab")
+    w3 = torch.randn(WIDE, HIDDEN, generator=g).mul(0.05).to(backend.device)
+
+    def forward(x):  # type: ignore[no-untyped-def]
+        return (F.silu(x @ w1) * (x @ w2)) @ w3
+
+    inputs = [Input("x", torch.float32, ("num_tokens", HIDDEN))]
+    return GraphExecutor(
+        forward, inputs=inputs, backend=backend, buckets=sizes, on_capture_error="raise"
+    )
+
+
+def given_back(backend: Backend, awake: int, asleep: int, held: int) -> None:
+    """The reading dropped by >= 95% of `held` (bytes by the books). On a backend whose
+    device is the host the reading counts only pages ever written (a chunk's untouched tail
+    has none), so there it is >= 95% of what the reading saw before the sleep."""
+    if backend.device.type == "cpu":
+        assert awake > 0 and asleep <= 0.05 * awake, (awake, asleep, held)
+    else:
+        assert awake - asleep >= 0.95 * held, (awake, asleep, held)
+
+
+class SleepTests(VirtualMemoryFixture):
+    """Sleep and wake: graph memory, persistent buffers and memory regions given back and
+    restored at the same addresses."""
+
+    sleep_sizes: ClassVar[list[int]] = [16, 64, 256]
+
+    @pytest.fixture
+    def sleepable(self, backend: Backend, vm: Any) -> Backend:
+        support = backend.segments_support()
+        if not support.available:
+            pytest.skip(f"no shared-physical graph memory here, so no sleep: {support.reason}")
+        return backend
+
+    def _replay_all(self, ex: Any) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        g = torch.Generator().manual_seed(9)
+        xs = {n: torch.randn(n, HIDDEN, generator=g) for n in self.sleep_sizes}
+        return xs, {n: ex(x=x, clone=True) for n, x in xs.items()}
+
+    def test_sleep_gives_back_graph_memory_and_wake_replays_every_key(
+        self, sleepable: Backend
+    ) -> None:
+        from xgraph.sleepmode import address_ranges, memory_reading
+
+        backend = sleepable
+        ex = mlp_executor(backend, self.sleep_sizes)
+        xs, before = self._replay_all(ex)
+        captures, held = ex.stats()["captures"], ex.memory.graph_bytes()
+        ranges = address_ranges(ex)
+        awake = memory_reading(backend, ranges)
+        if awake is None:
+            pytest.skip("backend reports no memory in use")
+        report = ex.sleep()
+        asleep = memory_reading(backend, ranges)
+        assert asleep is not None and report.released_bytes >= held > 0
+        given_back(backend, awake, asleep, held)
+        assert ex.sleep().released_bytes == 0  # idempotent
+        assert ex.wake().restored_bytes == report.released_bytes
+        assert ex.wake().restored_bytes == 0
+        for n, x in xs.items():
+            self.assert_matches(backend, ex(x=x), before[n])
+        s = ex.stats()
+        assert s["captures"] == captures == len(self.sleep_sizes) and s["asleep"] == []
+        ex.close()
+
+    def test_a_step_while_asleep_raises_and_close_while_asleep_gives_everything_back(
+        self, sleepable: Backend, vm: Any
+    ) -> None:
+        import gc
+
+        from xgraph.errors import AsleepError
+
+        backend = sleepable
+        gc.collect()
+        start = books(vm)
+        ex = mlp_executor(backend, self.sleep_sizes)
+        xs, _ = self._replay_all(ex)
+        ex.sleep()
+        with pytest.raises(AsleepError, match=r"wake\(\)"):
+            ex(x=xs[16])
+        with pytest.raises(AsleepError, match=r"wake\(\)"):
+            ex.capture([64])
+        ex.close()  # no wake, no synchronize
+        del ex
+        gc.collect()
+        assert books(vm) == start
+
+    @pytest.mark.parametrize("call, at", WAKE_FAULTS)
+    def test_a_failed_wake_rolls_back_and_the_next_wake_works(
+        self, sleepable: Backend, vm: Any, call: str, at: str
+    ) -> None:
+        from xgraph.errors import AsleepError, VirtualMemoryError
+
+        backend = sleepable
+        ex = mlp_executor(backend, self.sleep_sizes)
+        xs, before = self._replay_all(ex)
+        pool = ex.memory.physical
+        graphs = (
+            len(pool.chunks) if call == "_create_chunk" else pool.mapped_bytes // pool.chunk_size
+        )
+        nth = 2 if at == "graphs" else graphs + 2  # graph memory wakes before the buffers
+        ex.sleep()
+        asleep = books(vm)
+        with fail_driver_call(vm, call, nth=nth) as fault:
+            with pytest.raises(VirtualMemoryError, match="injected"):
+                ex.wake()
+        assert fault.fired and books(vm) == asleep
+        with pytest.raises(AsleepError):
+            ex(x=xs[16])
+        ex.wake()
+        for n, x in xs.items():
+            self.assert_matches(backend, ex(x=x), before[n])
+        assert ex.stats()["captures"] == len(self.sleep_sizes)
+        ex.close()
+
+    # -- memory regions --------------------------------------------------------------------
+
+    def _in_regions(self, backend: Backend) -> Any:
+        """The tiny reference model with its weights and an 8 MiB KV cache in regions."""
+        from xgraph import PagedKVCache
+        from xgraph.errors import XGraphError
+        from xgraph.models import Qwen3Model, Workload
+        from xgraph.sleepmode import memory_region
+
+        try:
+            with memory_region(WEIGHTS, backend):
+                model = Qwen3Model.build("tiny", num_blocks=1, block_size=4, device=backend.device)
+            c = model.config
+            with memory_region(KV, backend):
+                cache = PagedKVCache(
+                    c.num_layers, c.num_kv_heads, c.head_dim, 4096, 4, device=backend.device
+                )
+        except XGraphError as exc:
+            if "cannot place tensors" in str(exc):
+                pytest.skip(str(exc))
+            raise
+        model.kv_cache = cache
+        model.mark_cache_static()
+        return Workload(model, max_blocks=8, max_seqs=16)
+
+    def _steps(self, w: Any) -> list[Any]:
+        import random
+
+        rng = random.Random(13)
+        decode = [w.decode_step(rng, n) for n in (1, 5, 16)]
+        return [*decode, w.prefill_step(rng, [7, 9], [0, 3])]  # full graphs and a piecewise one
+
+    def test_regions_and_graphs_sleep_and_wake_with_weights_and_kv_kept_bitwise(
+        self, sleepable: Backend
+    ) -> None:
+        import xgraph
+        from xgraph.errors import AsleepError
+        from xgraph.sleepmode import address_ranges, memory_reading, regions
+
+        backend = sleepable
+        w = self._in_regions(backend)
+        w.randomize_cache(4)
+        ex = w.executor(backend=backend, buckets=[1, 2, 4, 8, 16])
+        kv0 = [t.clone() for t in w.cache.tensors()]
+        steps = self._steps(w)
+        before = [ex(**s.kwargs(), clone=True) for s in steps]
+        kv1 = [t.clone() for t in w.cache.tensors()]
+        weights = [p.clone() for p in w.model.parameters()]
+        captures, tags = ex.stats()["captures"], [WEIGHTS, KV]
+        held = ex.memory.graph_bytes() + sum(r.nbytes for r in regions(backend, tags))
+        ranges = address_ranges(ex, tags=tags)
+        awake = memory_reading(backend, ranges)
+        if awake is None:
+            pytest.skip("backend reports no memory in use")
+        report = xgraph.sleep(ex, tags=tags, offload=tags)
+        asleep = memory_reading(backend, ranges)
+        assert asleep is not None and report.released_bytes >= held
+        given_back(backend, awake, asleep, held)
+        with pytest.raises(AsleepError, match="memory region"):
+            ex(**steps[0].kwargs())
+        xgraph.wake(ex, tags=tags)
+        assert all(torch.equal(a, b) for a, b in zip(w.cache.tensors(), kv1))
+        assert all(torch.equal(a, b) for a, b in zip(w.model.parameters(), weights))
+        for t, k in zip(w.cache.tensors(), kv0):
+            t.copy_(k)
+        for s, out in zip(steps, before):
+            self.assert_matches(backend, ex(**s.kwargs()), out)
+        assert ex.stats()["captures"] == captures
+        ex.close()
+
+    def test_a_dropped_kv_cache_comes_back_zeroed_and_weights_kept(
+        self, sleepable: Backend
+    ) -> None:
+        import xgraph
+
+        backend = sleepable
+        w = self._in_regions(backend)
+        w.randomize_cache(5)
+        weights = [p.clone() for p in w.model.parameters()]
+        report = xgraph.sleep(tags=[WEIGHTS, KV], offload=WEIGHTS, backend=backend)
+        assert report.offloaded_bytes < report.released_bytes  # the cache was not copied
+        xgraph.wake(tags=[WEIGHTS, KV], backend=backend)
+        assert all(not t.any() for t in w.cache.tensors())
+        assert all(torch.equal(a, b) for a, b in zip(w.model.parameters(), weights))
+
+    @pytest.mark.parametrize("at", ["regions", "graphs"])
+    def test_a_failed_wake_of_regions_and_graphs_goes_back_to_sleep(
+        self, sleepable: Backend, vm: Any, at: str
+    ) -> None:
+        import xgraph
+        from xgraph.errors import VirtualMemoryError
+        from xgraph.sleepmode import regions
+
+        backend = sleepable
+        w = self._in_regions(backend)
+        w.randomize_cache(6)
+        ex = w.executor(backend=backend, buckets=[1, 2, 4, 8, 16])
+        steps = self._steps(w)
+        kv0 = [t.clone() for t in w.cache.tensors()]
+        before = [ex(**s.kwargs(), clone=True) for s in steps]
+        tags = [WEIGHTS, KV]
+        xgraph.sleep(ex, tags=tags, offload=tags)
+        asleep = books(vm)
+        # regions wake first: fail inside them (the second chunk), or in the graph memory
+        # after both regions were restored
+        nth = (
+            2
+            if at == "regions"
+            else sum(len(r.segments.segments) for r in regions(backend, tags)) + 1
+        )
+        with fail_driver_call(vm, "_create_chunk", nth=nth) as fault:
+            with pytest.raises(VirtualMemoryError, match="injected"):
+                xgraph.wake(ex, tags=tags)
+        assert fault.fired and books(vm) == asleep
+        assert all(r.asleep for r in regions(backend, tags))
+        xgraph.wake(ex, tags=tags)
+        for t, k in zip(w.cache.tensors(), kv0):
+            t.copy_(k)
+        for s, out in zip(steps, before):
+            self.assert_matches(backend, ex(**s.kwargs()), out)
+        ex.close()

@@ -1,18 +1,22 @@
-"""Arena: an executor's persistent buffers in memory that sleep gives back and wake restores
-at the same addresses.
+"""Arena: an executor's persistent input buffers in memory that sleep gives back and wake
+restores at the same addresses.
 
-Each buffer (the packed input buffer, each output buffer) is a segment of its own
-(`RestorableSegments` over the backend's VirtualMemory) seen as a device tensor through
-`Backend.as_tensor`, so graphs that read or write it keep their addresses across a sleep.
-Input buffers are kept across a sleep (copied to host memory and back: they hold the staged
-inputs, a few KB to MB); output buffers are dropped (the last step's outputs are not kept;
-they come back zeroed).
+The packed input buffer (token ids, positions, attention metadata: a few KB to MB) is a
+segment of its own, one reservation and one chunk (`RestorableSegments`), seen as a device
+tensor through `Backend.as_tensor`, so the graphs that read it keep their addresses across a
+sleep; its contents are copied to host memory and back, so nothing needs staging again after
+wake. The segments live on a VirtualMemory of their own (a second instance of the backend's
+class), so the graph memory's books (and faults injected into them) stay the graph memory's.
 
-A buffer's segment goes when its tensor does (a finalizer on the storage), so output views a
-caller still holds stay valid after close(), as they are with torch's own allocator. A
-finalizer may fire anywhere, inside a VirtualMemory call or a capture of this thread (cyclic
-garbage collection), where giving memory back is not safe: the segment then goes at the
-arena's next operation or the next arena made.
+The output buffers stay in torch's allocator: a caller may hold views of the last outputs
+past a step, a close, or an exception's traceback, so their memory must go with the last
+view, which a driver allocation that sleep unmaps cannot promise.
+
+Input buffers go when the executor closes (nothing reads them any more). An executor that
+fails in construction never closes: a finalizer on the buffer's storage gives it back then.
+A finalizer may fire anywhere, inside a VirtualMemory call or a capture of this thread
+(cyclic garbage collection), where giving memory back is not safe: the segment then goes at
+the arena's next operation or the next arena made.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ import torch
 
 from .graphs import capturing_graph
 from .interfaces import Backend, VirtualMemory
-from .restorable import RestorableSegments
+from .restorable import RestorableSegments, Segment
 
 logger = logging.getLogger("xgraph")
 
 _pending: weakref.WeakSet[Arena] = weakref.WeakSet()  # arenas with deferred releases
+_vms: weakref.WeakKeyDictionary[Backend, VirtualMemory] = weakref.WeakKeyDictionary()
+_vms_lock = threading.Lock()
 
 
 class Arena:
@@ -38,42 +44,29 @@ class Arena:
     def __init__(self, backend: Backend, vm: VirtualMemory, name: str) -> None:
         self.backend, self.vm = backend, vm
         self.segments = RestorableSegments(backend, vm, f"{name}: persistent buffers")
-        self._keep: dict[int, bool] = {}  # segment address -> contents kept across a sleep
-        self._dead: list[int] = []
+        self._dead: list[Segment] = []
         self._lock = threading.Lock()
         for other in list(_pending):
             other.drain()
 
     @classmethod
     def of(cls, backend: Backend, name: str) -> Arena | None:
-        """An arena over the backend's VirtualMemory, or None without one."""
-        vm = backend.virtual_memory()
+        """An arena over the backend's buffer memory (None without virtual memory)."""
+        vm = buffer_memory(backend)
         return None if vm is None else cls(backend, vm, name)
 
-    def empty(self, nbytes: int, keep: bool) -> torch.Tensor:
-        """A uint8 device tensor of `nbytes` in a segment of its own; `keep`: its contents
-        survive a sleep (copied to host memory and back)."""
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """A uint8 device tensor of `nbytes` in a segment of its own, kept across a sleep."""
         self.drain()
-        if nbytes <= 0:
-            return torch.empty(0, dtype=torch.uint8, device=self.backend.device)
-        seg = self.segments.add(nbytes)
-        self._keep[seg.address] = keep
+        seg = self.segments.add(max(int(nbytes), 1))
         t = self.backend.as_tensor(seg.address, seg.size)
-        done = weakref.finalize(t.untyped_storage(), self._died, seg.address)
+        done = weakref.finalize(t.untyped_storage(), self._died, seg)
         done.atexit = False  # at exit the memory outlives Python's objects
         return t[:nbytes]
 
-    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, keep: bool) -> torch.Tensor:
-        """An uninitialised tensor of `shape` and `dtype` in a segment of its own."""
-        n = 1
-        for s in shape:
-            n *= int(s)
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        return self.empty(nbytes, keep).view(dtype).view(shape)
-
-    def _died(self, address: int) -> None:
+    def _died(self, seg: Segment) -> None:
         with self._lock:
-            self._dead.append(address)
+            self._dead.append(seg)
         owned = getattr(getattr(self.vm, "_lock", None), "_is_owned", None)
         if capturing_graph() is not None or owned is None or owned():
             _pending.add(self)  # not safe here: the next operation gives it back
@@ -87,24 +80,30 @@ class Arena:
                 if not self._dead:
                     _pending.discard(self)
                     return
-                address = self._dead[-1]
+                seg = self._dead[-1]
             try:
-                self.segments.remove(address)
+                if self.segments.segments.get(seg.address) is seg:  # not given back already
+                    self.segments.remove(seg.address)
             except Exception:  # from a finalizer: report, keep it for the next attempt
                 logger.exception("releasing a persistent buffer's memory failed")
                 _pending.add(self)
                 return
             with self._lock:
-                self._dead.remove(address)
-                self._keep.pop(address, None)
+                self._dead.remove(seg)
+
+    def close(self) -> None:
+        """The executor is closed: give every buffer's memory back."""
+        self.drain()
+        for address in list(self.segments.segments):
+            self.segments.remove(address)
 
     # -- sleep and wake --------------------------------------------------------------------
 
     def sleep(self) -> tuple[int, int]:
-        """Give every buffer's memory back (input buffers copied to host memory first);
-        returns (bytes given back, bytes copied)."""
+        """Copy every buffer to host memory, then give its memory back; returns (bytes given
+        back, bytes copied)."""
         self.drain()
-        return self.segments.release(lambda s: self._keep.get(s.address, False))
+        return self.segments.release(lambda s: True)
 
     def wake(self, commit: bool = True) -> int:
         self.drain()
@@ -113,3 +112,16 @@ class Arena:
     @property
     def asleep(self) -> bool:
         return self.segments.asleep
+
+
+def buffer_memory(backend: Backend) -> VirtualMemory | None:
+    """The VirtualMemory persistent buffers live on: a second instance of the backend's class,
+    made once per backend; None where the backend has no virtual memory."""
+    vm = backend.virtual_memory()
+    if vm is None:
+        return None
+    with _vms_lock:
+        own = _vms.get(backend)
+        if own is None:
+            own = _vms[backend] = type(vm)(backend)  # type: ignore[call-arg]
+        return own

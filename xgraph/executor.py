@@ -127,7 +127,7 @@ class GraphExecutor(PreCapture):
             self.mode,
             Fallback.parse(on_overflow, "on_overflow"),
             self.backend.host_copier,
-            None if self._arena is None else lambda n: self._arena.empty(n, keep=True),
+            None if self._arena is None else self._arena.empty,
         )
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self._eager_keys: dict[tuple, str] = {}
@@ -352,7 +352,10 @@ class GraphExecutor(PreCapture):
         # allocated, so neither the output buffers nor a graph pool pin a warm-up segment
         settle(self.backend)
         if layout is not None:
-            self._out_bufs = [self._out_buffer((self.buckets.max, *s), d, v) for s, d, v in layout]
+            self._out_bufs = [
+                torch.empty((self.buckets.max, *shp), dtype=dt, device=dev)
+                for shp, dt, dev in layout
+            ]
         self._outside.start()
         lease: Lease | None = None
         graph: Recording | None = None
@@ -380,13 +383,6 @@ class GraphExecutor(PreCapture):
         logger.info("%s: captured %s in %.3f s", self.name, step.key, seconds)
         self._replay(entry, step, hit=False)  # the capture step's own result
         return self._outputs(step.num_tokens)
-
-    def _out_buffer(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An output buffer: in the arena (its memory sleeps; outputs are not kept across a
-        sleep) where there is one and the output is on the backend's device."""
-        if self._arena is None or device != self.device:
-            return torch.empty(shape, dtype=dtype, device=device)
-        return self._arena.tensor(shape, dtype, keep=False)
 
     def _capture_failed(self, step: Step, exc: Exception) -> Any:
         key = step.key

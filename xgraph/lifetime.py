@@ -84,7 +84,7 @@ class Holdings:
             _, entry = self.graphs.popitem()
             entry.graph.reset()
         if self.arena is not None:
-            self.arena.drain()  # buffers already gone; the rest go with their tensors
+            self.arena.close()
         if self.owns_memory:
             self.memory.close()
 

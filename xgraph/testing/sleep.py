@@ -15,8 +15,8 @@ from .base import VirtualMemoryFixture
 from .faults import books, fail_driver_call
 
 HIDDEN, WIDE = 256, 4096  # intermediates of 4 MiB at 256 tokens: several chunks of any VMM
-# a wake's create or map fails: the graph memory's second, or the persistent buffers' second
-# (each after others succeeded, so the undo has work to do)
+# a wake's create or map fails: in graph memory (its second, after one succeeded), or in the
+# persistent buffers, which wake after graph memory (so the undo spans both)
 WAKE_FAULTS = [(c, at) for c in ("_create_chunk", "_map_chunk") for at in ("graphs", "buffers")]
 WEIGHTS, KV = "conformance-weights", "conformance-kv-cache"  # regions live for the process
 
@@ -63,6 +63,12 @@ class SleepTests(VirtualMemoryFixture):
             pytest.skip(f"no shared-physical graph memory here, so no sleep: {support.reason}")
         return backend
 
+    @pytest.fixture
+    def own(self, sleepable: Backend) -> Backend:
+        """A backend instance of the same class for region tests: regions live as long as the
+        process, so they stay off the instance every other test shares."""
+        return type(sleepable)()
+
     def _replay_all(self, ex: Any) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         g = torch.Generator().manual_seed(9)
         xs = {n: torch.randn(n, HIDDEN, generator=g) for n in self.sleep_sizes}
@@ -99,11 +105,13 @@ class SleepTests(VirtualMemoryFixture):
     ) -> None:
         import gc
 
+        from xgraph.arena import buffer_memory
         from xgraph.errors import AsleepError
 
         backend = sleepable
+        buffers = buffer_memory(backend)
         gc.collect()
-        start = books(vm)
+        start = books(vm), books(buffers)
         ex = mlp_executor(backend, self.sleep_sizes)
         xs, _ = self._replay_all(ex)
         ex.sleep()
@@ -112,9 +120,7 @@ class SleepTests(VirtualMemoryFixture):
         with pytest.raises(AsleepError, match=r"wake\(\)"):
             ex.capture([64])
         ex.close()  # no wake, no synchronize
-        del ex
-        gc.collect()
-        assert books(vm) == start
+        assert (books(vm), books(buffers)) == start
 
     @pytest.mark.parametrize("call, at", WAKE_FAULTS)
     def test_a_failed_wake_rolls_back_and_the_next_wake_works(
@@ -125,17 +131,14 @@ class SleepTests(VirtualMemoryFixture):
         backend = sleepable
         ex = mlp_executor(backend, self.sleep_sizes)
         xs, before = self._replay_all(ex)
-        pool = ex.memory.physical
-        graphs = (
-            len(pool.chunks) if call == "_create_chunk" else pool.mapped_bytes // pool.chunk_size
-        )
-        nth = 2 if at == "graphs" else graphs + 2  # graph memory wakes before the buffers
+        buffers = ex._arena.vm  # the persistent buffers' own VirtualMemory
+        target, nth = (vm, 2) if at == "graphs" else (buffers, 1)
         ex.sleep()
-        asleep = books(vm)
-        with fail_driver_call(vm, call, nth=nth) as fault:
+        asleep = books(vm), books(buffers)
+        with fail_driver_call(target, call, nth=nth) as fault:
             with pytest.raises(VirtualMemoryError, match="injected"):
                 ex.wake()
-        assert fault.fired and books(vm) == asleep
+        assert fault.fired and (books(vm), books(buffers)) == asleep
         with pytest.raises(AsleepError):
             ex(x=xs[16])
         ex.wake()
@@ -177,13 +180,13 @@ class SleepTests(VirtualMemoryFixture):
         return [*decode, w.prefill_step(rng, [7, 9], [0, 3])]  # full graphs and a piecewise one
 
     def test_regions_and_graphs_sleep_and_wake_with_weights_and_kv_kept_bitwise(
-        self, sleepable: Backend
+        self, own: Backend
     ) -> None:
         import xgraph
         from xgraph.errors import AsleepError
         from xgraph.sleepmode import address_ranges, memory_reading, regions
 
-        backend = sleepable
+        backend = own
         w = self._in_regions(backend)
         w.randomize_cache(4)
         ex = w.executor(backend=backend, buckets=[1, 2, 4, 8, 16])
@@ -214,12 +217,10 @@ class SleepTests(VirtualMemoryFixture):
         assert ex.stats()["captures"] == captures
         ex.close()
 
-    def test_a_dropped_kv_cache_comes_back_zeroed_and_weights_kept(
-        self, sleepable: Backend
-    ) -> None:
+    def test_a_dropped_kv_cache_comes_back_zeroed_and_weights_kept(self, own: Backend) -> None:
         import xgraph
 
-        backend = sleepable
+        backend = own
         w = self._in_regions(backend)
         w.randomize_cache(5)
         weights = [p.clone() for p in w.model.parameters()]
@@ -231,20 +232,20 @@ class SleepTests(VirtualMemoryFixture):
 
     @pytest.mark.parametrize("at", ["regions", "graphs"])
     def test_a_failed_wake_of_regions_and_graphs_goes_back_to_sleep(
-        self, sleepable: Backend, vm: Any, at: str
+        self, own: Backend, at: str
     ) -> None:
         import xgraph
         from xgraph.errors import VirtualMemoryError
         from xgraph.sleepmode import regions
 
-        backend = sleepable
+        backend = own
         w = self._in_regions(backend)
         w.randomize_cache(6)
         ex = w.executor(backend=backend, buckets=[1, 2, 4, 8, 16])
         steps = self._steps(w)
         kv0 = [t.clone() for t in w.cache.tensors()]
         before = [ex(**s.kwargs(), clone=True) for s in steps]
-        tags = [WEIGHTS, KV]
+        tags, vm = [WEIGHTS, KV], backend.virtual_memory()
         xgraph.sleep(ex, tags=tags, offload=tags)
         asleep = books(vm)
         # regions wake first: fail inside them (the second chunk), or in the graph memory

@@ -18,6 +18,7 @@ from .graph import GraphTests
 from .kernels import KernelTests
 from .piecewise import PiecewiseTests
 from .pool import PoolTests
+from .sleep import SleepTests
 from .suite import ConformanceSuite
 from .vmm import VirtualMemoryTests
 
@@ -32,6 +33,7 @@ __all__ = [
     "PiecewiseTests",
     "PluginTests",
     "PoolTests",
+    "SleepTests",
     "VirtualMemoryTests",
     "capture",
     "small_mlp",

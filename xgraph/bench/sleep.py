@@ -114,9 +114,11 @@ class Engine:
             t.zero_()
         rng = random.Random(21)
         full, pw = self.executors
-        prefill = self.piecewise.prefill_step(rng, [13, 29, 6])
+        p = max(self.piecewise_sizes)
+        prefill = self.piecewise.prefill_step(rng, [max(1, p // 4), max(1, p // 2)])
         outs = [pw(**prefill.kwargs(), clone=True)]
-        for batch in (1, 8, min(64, max(self.decode_sizes))):
+        m = max(self.decode_sizes)
+        for batch in (1, min(8, m), min(64, m)):
             outs.append(full(**self.full.decode_step(rng, batch).kwargs(), clone=True))
         self.backend.synchronize()
         return outs
@@ -125,7 +127,7 @@ class Engine:
         """One decode step of 8 sequences, wall time to its end on the device."""
         import random
 
-        step = self.full.decode_step(random.Random(3), 8)
+        step = self.full.decode_step(random.Random(3), min(8, max(self.decode_sizes)))
         self.backend.synchronize()
         t0 = time.perf_counter()
         self.executors[0](**step.kwargs())
@@ -139,11 +141,15 @@ class Engine:
 
 
 def _compare(before: list[torch.Tensor], after: list[torch.Tensor]) -> dict[str, Any]:
+    """Bit for bit on the CPU backend; elsewhere within bf16's resolution (a recapture may
+    choose other kernels)."""
     diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(before, after))
-    return {
-        "outputs_equal": all(torch.equal(a, b) for a, b in zip(before, after)),
-        "max_abs_diff": diff,
-    }
+    equal = all(torch.equal(a, b) for a, b in zip(before, after))
+    cpu = before[0].device.type == "cpu"
+    close = all(
+        torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in zip(before, after)
+    )
+    return {"outputs_equal": equal, "outputs_match": equal if cpu else close, "max_abs_diff": diff}
 
 
 def _xgraph_cycle(e: Engine, reference: list[torch.Tensor]) -> dict[str, Any]:
@@ -216,7 +222,7 @@ def run(
     data["wake_speedup"] = [
         a["wake_seconds"] / x["wake_seconds"] for x, a in zip(data["xgraph"], data["anchor"])
     ]
-    data["mismatches"] = sum(not r["outputs_equal"] for r in data["xgraph"] + data["anchor"])
+    data["mismatches"] = sum(not r["outputs_match"] for r in data["xgraph"] + data["anchor"])
     return data
 
 
@@ -245,6 +251,7 @@ def summarize(data: dict[str, Any]) -> str:
         "given_back_MiB",
         "first_step_ms",
         "outputs_equal",
+        "max_abs_diff",
     ]
     rows = []
     for which in ("xgraph", "anchor"):

@@ -3,8 +3,9 @@
 #   OUT=out/device bash scripts/device.sh [STAGES] [MODEL]
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
 # "all": every one, in that order; "host-copy", "skinny", "decode-cublas", "decode-forward",
-# "soak" and "sleep" run only when named; DECODE_SCOPE=forward compiles the decode stage's
-# whole forward instead of its layers). MODEL: the reference shape (default qwen3-0.6b). A stage
+# "soak", "sleep" and "dist" run only when named; "dist": graphs across ranks, one process per GPU
+# (DIST_NPROC, default every GPU; docs/distributed.md); DECODE_SCOPE=forward compiles the decode stage's whole
+# forward instead of its layers). MODEL: the reference shape (default qwen3-0.6b). A stage
 # past its limit is killed and the next one starts; the limits of "all" add up to 750 s,
 # more than one ten-minute device call, so name the stages a call needs (docs/benchmarks.md,
 # "Running on a GPU machine", lists every stage with its command and its time on an H200).
@@ -13,6 +14,8 @@
 # the tail of each stage is printed as it ends.
 # The machine has torch and cuda-bindings but no network: install without dependencies.
 set -uo pipefail
+# NVLink multicast stays off in every process started here (the lent machines' rule)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stages=${1:-all}
 [ "$stages" = all ] && stages=host,conformance,attention,decode,prefill,memory
 has() { [[ ",$stages," == *",$1,"* ]]; }
@@ -53,7 +56,19 @@ conformance() {
   return $((a || b))
 }
 
-export -f conformance
+# dist: NCCL inside graphs through the executor (a world-size-1 group), then the multi-rank
+# run under torchrun (tp_graphs.json: every rank's results)
+dist() {
+  python3 -m pytest -q -rfEs -p no:randomly tests/test_distributed_cuda.py \
+    -W ignore::DeprecationWarning -W ignore::FutureWarning
+  local a=$?
+  torchrun --standalone --nproc-per-node "${DIST_NPROC:-$(nvidia-smi -L | wc -l)}" \
+    adapters/cuda/tools/tp_graphs.py --backend cuda
+  local b=$?
+  return $((a || b))
+}
+
+export -f conformance dist
 export model OUT
 # host first, on an idle machine: no compile workers of an earlier stage still running
 has host && stage host 30 20 xgraph bench host --backend cuda --model "$model" \
@@ -90,5 +105,6 @@ has soak && stage soak 300 26 xgraph bench soak --backend cuda --steps "${SOAK_S
   --json "$OUT/soak.json"
 has sleep && stage sleep 290 20 xgraph bench sleep --backend cuda --model "$model" \
   --kv-cache-gib 16 --json "$OUT/sleep.json"
+has dist && stage dist 540 40 bash -c dist
 echo "=== all stages: $((SECONDS - started)) s, exit $rc" | tee -a "$log"
 exit $rc

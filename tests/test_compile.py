@@ -24,7 +24,8 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 
-from xgraph import Buckets, CheckedGraph, XGraphError
+from xgraph import Buckets, XGraphError
+from xgraph.adapter import CheckedGraph
 from xgraph.attention import eager_attention
 from xgraph.backends.cpu import CPUBackend, HostCachingPool
 from xgraph.models import Qwen3Config, Qwen3Model, Workload

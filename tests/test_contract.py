@@ -11,10 +11,16 @@ import pytest
 import torch
 
 import xgraph
-from xgraph import CapturePool, CheckedGraph, CheckedVirtualMemory
-from xgraph.contract import check_backend_class
-from xgraph.interfaces import Backend
-from xgraph.plugins import registry
+from xgraph.adapter import (
+    Backend,
+    CapturePool,
+    CheckedGraph,
+    CheckedVirtualMemory,
+    Graph,
+    IncompleteBackendError,
+    check_backend_class,
+)
+from xgraph.plugins import list_backends, registry
 
 
 @pytest.fixture(autouse=True)
@@ -28,13 +34,19 @@ def _install_plugin(tmp_path, dist: str, module: str, backend_name: str) -> None
     """A distribution on sys.path that declares only an xgraph.backends entry point."""
     (tmp_path / f"{module}.py").write_text(
         textwrap.dedent(f"""
-        from xgraph.hooks import BackendSpec, hookimpl
+        from xgraph.adapter import BackendSpec, hookimpl
+        from xgraph.backends.cpu.backend import CPUBackend
+
+
+        class Backend(CPUBackend):
+            name = {backend_name!r}
+
 
         @hookimpl
         def xgraph_backends():
             return [BackendSpec(
                 name={backend_name!r}, priority=1,
-                backend="xgraph.backends.cpu.backend:CPUBackend",
+                backend="{module}:Backend",
                 probe="xgraph.backends.cpu.backend:CPUBackend.availability",
                 distribution={dist!r}, hidden=True)]
     """)
@@ -56,7 +68,7 @@ def test_a_backend_registered_by_entry_point_alone_is_found_through_pluggy(tmp_p
         lambda outcome, name, impls, kwargs: None,
     )
     try:
-        infos = {b.name: b for b in xgraph.list_backends(hidden=True)}
+        infos = {b.name: b for b in list_backends(hidden=True)}
     finally:
         undo()
     # pluggy loaded the entry point (it records the distribution) and called the hook on it
@@ -66,7 +78,7 @@ def test_a_backend_registered_by_entry_point_alone_is_found_through_pluggy(tmp_p
     assert [n for n, _ in calls] == ["xgraph_backends"]
     assert "xgraph_epdemo" in calls[0][1] and "xgraph.cpu" in calls[0][1]
     assert infos["epdemo"].available and infos["epdemo"].plugin == "xgraph-epdemo"
-    assert xgraph.get_backend("epdemo").name == "cpu"  # the class the spec names
+    assert xgraph.get_backend("epdemo").name == "epdemo"  # the class the spec names
 
 
 def test_a_broken_entry_point_is_reported_and_the_others_still_load(tmp_path, monkeypatch):
@@ -77,7 +89,7 @@ def test_a_broken_entry_point_is_reported_and_the_others_still_load(tmp_path, mo
     (info / "entry_points.txt").write_text("[xgraph.backends]\nbadplug = no_such_module_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
-    infos = {b.name: b for b in xgraph.list_backends(hidden=True)}
+    infos = {b.name: b for b in list_backends(hidden=True)}
     assert infos["goodplug"].available
     assert not infos["badplug"].available and "no_such_module_xyz" in infos["badplug"].reason
 
@@ -85,10 +97,11 @@ def test_a_broken_entry_point_is_reported_and_the_others_still_load(tmp_path, mo
 # -- every declared duty, removed in turn ------------------------------------------------
 
 
-def _dummy():
-    from xgraph_dummy.backend import DummyBackend, DummyGraph, DummyPool, DummyVirtualMemory
+def _cpu():
+    """The CPU backend: a complete backend that writes every duty itself."""
+    from xgraph.backends.cpu import CPUBackend, CPUGraph, HostCachingPool, HostVirtualMemory
 
-    return DummyBackend, DummyGraph, DummyPool, DummyVirtualMemory
+    return CPUBackend, CPUGraph, HostCachingPool, HostVirtualMemory
 
 
 def _without(cls: type, name: str) -> type:
@@ -99,55 +112,114 @@ def _without(cls: type, name: str) -> type:
 
 def _declared_duties() -> list[tuple[str, str]]:
     """(part, method) for every abstract method the core leaves to an adapter."""
+    from xgraph.device import TorchRuntime
+
     parts = {
         "backend": Backend,
         "graph": CheckedGraph,
         "pool": CapturePool,
         "vm": CheckedVirtualMemory,
+        "runtime": TorchRuntime,
     }
     return [(part, m) for part, base in parts.items() for m in sorted(base.__abstractmethods__)]
 
 
-def test_the_dummy_adapter_implements_exactly_the_declared_duties():
-    backend, graph, pool, vm = _dummy()
+def test_the_cpu_backend_implements_exactly_the_declared_duties():
+    backend, graph, pool, vm = _cpu()
     check_backend_class(backend)
     classes = {"backend": backend, "graph": graph, "pool": pool, "vm": vm}
     for part, method in _declared_duties():
-        assert method in vars(classes[part]), f"{classes[part].__name__} does not show {method}"
+        if part in classes:
+            assert method in vars(classes[part]), f"{classes[part].__name__} lacks {method}"
     # nothing public is overridden: the core's Checked* classes own the public API
     for cls in (graph, vm):
         own = {n for n, v in vars(cls).items() if inspect.isfunction(v) and not n.startswith("_")}
-        assert not own, f"{cls.__name__} overrides {own}"
+        assert not own - {"backed_bytes"}, f"{cls.__name__} overrides {own}"
+
+
+def test_the_dummy_adapter_writes_its_runtime_vmm_and_probe_only():
+    """A torch-style adapter: the layer implements every backend, graph and pool duty."""
+    from xgraph_dummy.backend import DummyBackend, DummyVirtualMemory
+
+    from xgraph.device import MemPoolCapturePool, StreamGraph, TorchBackend
+
+    check_backend_class(DummyBackend)
+    assert DummyBackend.graph_class is StreamGraph and StreamGraph.pool_type is MemPoolCapturePool
+    own = {n for n, v in vars(DummyBackend).items() if callable(v) or isinstance(v, classmethod)}
+    assert own <= {"availability", "runtime_class", "virtual_memory_class"}, own
+    assert issubclass(DummyBackend, TorchBackend)
+    for method in sorted(CheckedVirtualMemory.__abstractmethods__):
+        assert method in vars(DummyVirtualMemory)
 
 
 @pytest.mark.parametrize("part,method", _declared_duties())
 def test_removing_any_duty_is_refused_naming_it(part, method):
-    backend, graph, pool, vm = _dummy()
-    if part == "pool":
-        pool = _without(pool, method)
-        graph = type(graph.__name__, (graph,), {"pool_type": pool})
-    elif part == "graph":
-        graph = _without(graph, method)
-    elif part == "vm":
-        vm = _without(vm, method)
+    from xgraph_dummy.backend import DummyBackend
+
+    from xgraph.testing.sim import SimRuntime
+
+    if part == "runtime":
+        runtime = _without(SimRuntime, method)
+        variant = type("DummyBackend", (DummyBackend,), {"runtime_class": runtime})
+        owner: type = runtime
     else:
-        backend = _without(backend, method)
-    variant = type("DummyBackend", (backend,), {"graph_class": graph, "virtual_memory_class": vm})
-    owner = {"backend": backend, "graph": graph, "pool": pool, "vm": vm}[part]
-    with pytest.raises(xgraph.IncompleteBackendError) as info:
+        backend, graph, pool, vm = _cpu()
+        if part == "pool":
+            pool = _without(pool, method)
+            graph = type(graph.__name__, (graph,), {"pool_type": pool})
+        elif part == "graph":
+            graph = _without(graph, method)
+        elif part == "vm":
+            vm = _without(vm, method)
+        else:
+            backend = _without(backend, method)
+        body = {"graph_class": graph, "virtual_memory_class": vm}
+        variant = type("CPUBackend", (backend,), body)
+        owner = {"backend": backend, "graph": graph, "pool": pool, "vm": vm}[part]
+    with pytest.raises(IncompleteBackendError) as info:
         check_backend_class(variant)
     assert f"{owner.__name__}.{method}" in str(info.value)
 
 
-def test_a_graph_that_is_not_a_checked_graph_is_refused():
-    backend, *_ = _dummy()
+def test_a_torch_style_backend_without_a_runtime_is_refused():
+    from xgraph_dummy.backend import DummyBackend
 
-    class Raw(xgraph.Graph):
+    variant = type("DummyBackend", (DummyBackend,), {"runtime_class": None})
+    with pytest.raises(IncompleteBackendError, match=r"DummyBackend\.runtime_class"):
+        check_backend_class(variant)
+
+
+def test_a_graph_that_is_not_a_checked_graph_is_refused():
+    backend, *_ = _cpu()
+
+    class Raw(Graph):
         pass
 
-    variant = type("DummyBackend", (backend,), {"graph_class": Raw})
-    with pytest.raises(xgraph.IncompleteBackendError, match=r"subclass of xgraph\.CheckedGraph"):
+    variant = type("CPUBackend", (backend,), {"graph_class": Raw})
+    with pytest.raises(IncompleteBackendError, match=r"subclass of xgraph\.adapter\.CheckedGraph"):
         check_backend_class(variant)
+
+
+def test_a_class_named_unlike_its_spec_is_refused():
+    from xgraph.adapter import BackendSpec, hookimpl
+
+    class Plugin:
+        @hookimpl
+        def xgraph_backends(self):
+            return [
+                BackendSpec(
+                    "renamed",
+                    3,
+                    "xgraph.backends.cpu.backend:CPUBackend",
+                    "xgraph.backends.cpu.backend:CPUBackend.availability",
+                )
+            ]
+
+    registry.register(Plugin(), name="renamed-plugin")
+    with pytest.raises(IncompleteBackendError, match="is named 'cpu'"):
+        xgraph.get_backend("renamed")
+    info = {b.name: b for b in list_backends(hidden=True)}["renamed"]
+    assert not info.available and "make them equal" in info.reason
 
 
 # -- CheckedGraph's state machine, the same for every backend ------------------------------

@@ -61,7 +61,7 @@ backend = xgraph.get_backend("cpu")
 rng = random.Random(0)
 
 for what in ("pool", "memory"):
-    pool = xgraph.SharedPhysicalPool(backend.virtual_memory())
+    pool = xgraph.pool.SharedPhysicalPool(backend.virtual_memory())
     mem = xgraph.GraphMemory(backend, physical=pool) if what == "memory" else pool
     ex = w.executor(backend=backend, buckets=[1, 2, 4], memory=mem, name="decode")
     ex(**w.decode_step(rng, 2).kwargs())  # captured ('full', 2)
@@ -83,7 +83,7 @@ for what in ("pool", "memory"):
     print(what, "closed in order", books(backend.virtual_memory()))
 
 # a graph captured by hand on a space of a pool, the pool closed: the replay is refused
-pool = xgraph.SharedPhysicalPool(backend.virtual_memory())
+pool = xgraph.pool.SharedPhysicalPool(backend.virtual_memory())
 native = backend.new_pool(segments=pool.new_space())
 x = torch.ones(4096)
 g = backend.new_graph()
@@ -134,7 +134,7 @@ def test_an_executor_refuses_a_closed_memory_at_construction():
     mem.close()
     with pytest.raises(xgraph.PoolClosedError, match="GraphMemory is closed"):
         w.executor(backend=backend, buckets=BUCKETS, memory=mem)
-    pool = xgraph.SharedPhysicalPool(backend.virtual_memory())
+    pool = xgraph.pool.SharedPhysicalPool(backend.virtual_memory())
     pool.close()
     with pytest.raises(xgraph.PoolClosedError, match="SharedPhysicalPool is closed"):
         w.executor(backend=backend, buckets=BUCKETS, memory=pool)
@@ -288,7 +288,7 @@ def test_a_capture_reserves_what_it_can_use_and_the_default_is_defined_once():
     backend = xgraph.get_backend("cpu")
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert backend.capture_space_bytes() == ram
-    pool = xgraph.SharedPhysicalPool(backend.virtual_memory())
+    pool = xgraph.pool.SharedPhysicalPool(backend.virtual_memory())
     gran = pool.chunk_size
     assert pool.space_bytes == -(-ram // gran) * gran
     pool.close()
@@ -303,7 +303,7 @@ def test_a_failed_reservation_follows_the_capture_error_policy(how, policy):
     backend = xgraph.get_backend("cpu")
     vm = backend.virtual_memory()
     # 2**47 bytes is the whole user address space of x86-64 and arm64: mmap refuses it
-    pool = xgraph.SharedPhysicalPool(vm, space_bytes=(1 << 47) if how != "injected" else None)
+    pool = xgraph.pool.SharedPhysicalPool(vm, space_bytes=(1 << 47) if how != "injected" else None)
     ex = w.executor(backend=backend, buckets=BUCKETS, memory=pool, on_capture_error=policy)
     vm_before, pool_before = books(vm), pool.stats()
     step = w.decode_step(random.Random(3), 3)

@@ -1,7 +1,7 @@
 """`xgraph.linear`: a backend's kernel for the calls it serves, F.linear for the rest.
 
-A test kernel is installed for the CPU device type (what `Backend.linear_kernel` gives the
-core on selection) and removed again after each test.
+A test kernel is installed for the CPU device type (what `Backend.kernels().linear` gives
+the core on activation) and removed again after each test.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import xgraph
 from xgraph import linear as core_linear
+from xgraph.adapter import IncompleteBackendError, Kernels
 from xgraph.backends.cpu.backend import CPUBackend
 from xgraph.models import Workload
 from xgraph.testing.kernels import KernelTests
@@ -92,23 +93,25 @@ def test_every_projection_of_the_reference_model_goes_through_it(kernel: Recorde
     assert kernel.rows == [1] * (4 * w.model.config.num_layers)
 
 
-def test_selecting_a_backend_installs_its_kernel_and_a_bad_one_is_refused() -> None:
+def test_activating_a_backend_installs_its_kernel_and_a_bad_one_is_refused() -> None:
     rec = Recorder()
 
     class WithKernel(CPUBackend):
-        def linear_kernel(self):  # type: ignore[no-untyped-def]
-            return rec
+        def kernels(self):  # type: ignore[no-untyped-def]
+            return Kernels(linear=rec)
 
     class BadKernel(CPUBackend):
-        def linear_kernel(self):  # type: ignore[no-untyped-def]
-            return "not a function"
+        def kernels(self):  # type: ignore[no-untyped-def]
+            return Kernels(linear="not a function")  # type: ignore[arg-type]
 
     try:
-        xgraph.get_backend(WithKernel())
+        with_kernel = xgraph.get_backend(WithKernel())
+        assert core_linear.installed("cpu") is None  # getting a backend installs nothing
+        with_kernel.activate()
         assert core_linear.installed("cpu") is rec
-        with pytest.raises(xgraph.IncompleteBackendError, match="is not callable"):
-            xgraph.get_backend(BadKernel())
-        xgraph.get_backend(CPUBackend())  # no kernel of its own: F.linear again
+        with pytest.raises(IncompleteBackendError, match="is not callable"):
+            BadKernel().activate()
+        CPUBackend().activate()  # no kernel of its own: F.linear again
         assert core_linear.installed("cpu") is None
     finally:
         core_linear.install("cpu", None, "test")
@@ -119,8 +122,8 @@ def _answer_one_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
 
 
 class _CPUWithKernel(CPUBackend):
-    def linear_kernel(self):  # type: ignore[no-untyped-def]
-        return _answer_one_row
+    def kernels(self):  # type: ignore[no-untyped-def]
+        return Kernels(linear=_answer_one_row)
 
 
 class TestKernelConformanceOnCPU(KernelTests):
@@ -129,7 +132,6 @@ class TestKernelConformanceOnCPU(KernelTests):
     @pytest.fixture
     def backend(self) -> Iterator[CPUBackend]:  # type: ignore[override]
         b = _CPUWithKernel()
-        xgraph.get_backend(b)  # selection installs the kernel
         try:
             yield b
         finally:

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xgraph
-from xgraph import Buckets, default_sizes
+from xgraph import Buckets
 from xgraph.attention import attention
+from xgraph.buckets import default_sizes
 from xgraph.models import Workload
 from xgraph.runners import PagedPrefillRunner
 

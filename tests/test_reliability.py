@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import xgraph
 from xgraph import Buckets, GraphMemory
+from xgraph.buckets import default_sizes
 from xgraph.models import Workload
 from xgraph.piecewise import PiecewiseGraph
 from xgraph.testing.faults import books, fail_driver_call
@@ -127,7 +128,7 @@ def test_keyboard_interrupt_mid_capture_rolls_everything_back(stage, monkeypatch
 
 def test_capture_in_one_thread_does_not_disturb_tolist_and_sdpa_in_another():
     ex_w, _ = workloads()
-    ex = ex_w.executor(backend="cpu", buckets=xgraph.default_sizes(64), mode="piecewise")
+    ex = ex_w.executor(backend="cpu", buckets=default_sizes(64), mode="piecewise")
     stop, errors, calls = threading.Event(), [], [0]
     q = torch.randn(1, 2, 4, 8)
 
@@ -148,7 +149,7 @@ def test_capture_in_one_thread_does_not_disturb_tolist_and_sdpa_in_another():
         stop.set()
         t.join()
     assert errors == [] and calls[0] > 0
-    assert ex.stats()["captures"] == len(xgraph.default_sizes(64))
+    assert ex.stats()["captures"] == len(default_sizes(64))
 
     # and the capturing thread is still guarded
     def reads_host(input_ids, positions):
@@ -315,7 +316,7 @@ def test_two_executors_sharing_memory_in_two_threads_step_one_at_a_time(share):
     if share == "GraphMemory":
         shared = GraphMemory(backend, "shared-physical")
     else:
-        shared = xgraph.SharedPhysicalPool(backend.virtual_memory())
+        shared = xgraph.pool.SharedPhysicalPool(backend.virtual_memory())
     exs = [
         ex_w.executor(backend=backend, buckets=BUCKETS, memory=shared, name=f"ex{i}")
         for i in range(2)

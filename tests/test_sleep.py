@@ -1,5 +1,6 @@
-"""Sleep and wake on the CPU backend: the conformance class, and what the host shows on top
-(shared memory, threads, refusals, regions' placement, random sequences)."""
+"""Sleep and wake on the CPU backend beyond the conformance class (`SleepTests`, run on the
+CPU by tests/test_cpu_conformance.py): shared memory, threads, refusals, regions' placement,
+random sequences."""
 
 from __future__ import annotations
 
@@ -17,11 +18,6 @@ from xgraph.backends.cpu import CPUBackend
 from xgraph.errors import AsleepError, ConcurrentStepError, VirtualMemoryError
 from xgraph.models import Workload
 from xgraph.testing.faults import books, fail_driver_call
-from xgraph.testing.sleep import SleepTests
-
-
-class TestCPUSleep(SleepTests):
-    backend_name = "cpu"
 
 
 def test_executors_sharing_graph_memory_sleep_and_wake_together(cpu):

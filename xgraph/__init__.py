@@ -1,23 +1,23 @@
 """xgraph: one graph-mode runtime for LLM inference engines across accelerators.
 
 Pick a backend (`get_backend`), wrap the model forward in a `GraphExecutor`, call it every
-step. See README.md and docs/ for the model adaptation guide and the adapter contract.
+step. This namespace is what an engine needs; adapter authors import `xgraph.adapter`.
+See README.md and docs/ for the model adaptation guide and the adapter contract.
 """
 
 from __future__ import annotations
 
 import logging
 
-from .attention import attention, eager_attention
-from .buckets import Buckets, Dim, Input, default_sizes, vllm_capture_sizes
-from .contract import check_backend_class
+from .attention import attention
+from .buckets import Buckets, Dim, Input
+from .distributed import Parallel
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
     BucketOverflowError,
     CaptureError,
     ConcurrentStepError,
-    IncompleteBackendError,
     InputError,
     PoolClosedError,
     VirtualMemoryError,
@@ -25,30 +25,18 @@ from .errors import (
     XGraphWarning,
 )
 from .executor import GraphExecutor
-from .graphs import CheckedGraph, graph
-from .hooks import BackendSpec, hookimpl
-from .interfaces import (
-    AttentionRunner,
-    Availability,
-    Backend,
-    CapturePool,
-    Graph,
-    PhysicalChunk,
-    SegmentAllocator,
-    VirtualMemory,
-)
+from .graphs import graph
 from .memory import GraphMemory
-from .metadata import AttentionInputs, AttentionMetadata
-from .options import Fallback, Kind, MemoryMode, Mode
+from .metadata import AttentionInputs
+from .options import Fallback, MemoryMode, Mode
 from .paging import PagedAttention, PagedKVCache
-from .plugins import BackendInfo, get_backend, list_backends
-from .pool import SharedPhysicalPool
+from .plugins import get_backend
 
-# sleep mode (docs/sleep.md): public names outside __all__; their module is xgraph.sleepmode
+# sleep mode (docs/sleep.md): engine-facing, but outside the 25 names of __all__; their
+# module is xgraph.sleepmode
 from .sleepmode import memory_region as memory_region
 from .sleepmode import sleep as sleep
 from .sleepmode import wake as wake
-from .vmm import CheckedVirtualMemory
 
 __version__ = "0.1.0"
 
@@ -56,50 +44,28 @@ logging.getLogger("xgraph").addHandler(logging.NullHandler())
 
 __all__ = [
     "AttentionInputs",
-    "AttentionMetadata",
-    "AttentionRunner",
-    "Availability",
-    "Backend",
-    "BackendInfo",
     "BackendNotFoundError",
-    "BackendSpec",
     "BackendUnavailableError",
     "BucketOverflowError",
     "Buckets",
     "CaptureError",
-    "CapturePool",
-    "CheckedGraph",
-    "CheckedVirtualMemory",
     "ConcurrentStepError",
     "Dim",
     "Fallback",
-    "Graph",
     "GraphExecutor",
     "GraphMemory",
-    "IncompleteBackendError",
     "Input",
     "InputError",
-    "Kind",
     "MemoryMode",
     "Mode",
     "PagedAttention",
     "PagedKVCache",
-    "PhysicalChunk",
+    "Parallel",
     "PoolClosedError",
-    "SegmentAllocator",
-    "SharedPhysicalPool",
-    "VirtualMemory",
     "VirtualMemoryError",
     "XGraphError",
     "XGraphWarning",
-    "__version__",
     "attention",
-    "check_backend_class",
-    "default_sizes",
-    "eager_attention",
     "get_backend",
     "graph",
-    "hookimpl",
-    "list_backends",
-    "vllm_capture_sizes",
 ]

@@ -95,7 +95,7 @@ def _attend(
     if not s:
         raise XGraphError(
             "xgraph.attention was called outside a step. Run the forward through a "
-            "GraphExecutor, or inside `with xgraph.eager_attention(runner, metadata):`."
+            "GraphExecutor, or inside `with eager_attention(runner, metadata):` (xgraph.attention)."
         )
     return s[-1].attend(q, k, v, kv_cache, scale)
 

@@ -67,7 +67,7 @@ class Buckets:
         if isinstance(spec, int):
             raise XGraphError(
                 f"buckets={spec}: give the bucket sizes (a list or xgraph.Buckets), for example "
-                f"xgraph.default_sizes({spec})."
+                f"xgraph.buckets.default_sizes({spec})."
             )
         return cls(spec)
 

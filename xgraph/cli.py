@@ -20,6 +20,8 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
+from .plugins import list_backends
+
 WIDTH = 100
 PYTEST_PLUGIN = "pytest_xgraph"  # the pytest11 entry point's module
 
@@ -41,7 +43,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     import xgraph
 
     chosen = xgraph.get_backend(args.backend).name  # first: a chosen hidden one is listed
-    infos = xgraph.list_backends(refresh=True, hidden=args.all)
+    infos = list_backends(refresh=True, hidden=args.all)
     if args.json:
         print(
             json.dumps(

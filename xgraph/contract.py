@@ -1,9 +1,11 @@
 """The adapter contract, checked once: when a backend class is chosen (and for `xgraph info`).
 
-A backend class is complete when its graph class is a CheckedGraph naming its pool class,
-its virtual-memory class (if any) is a CheckedVirtualMemory, and none of the four classes
-(backend, graph, pool, virtual memory) leaves an abstract method of xgraph.interfaces
-unimplemented. The error names every missing duty at once.
+A backend class is complete when it has a name, its graph class is a CheckedGraph naming
+its pool class, its virtual-memory class (if any) is a CheckedVirtualMemory, a torch-style
+backend (`xgraph.adapter.TorchBackend`) names its runtime class, and none of these classes
+(backend, graph, pool, virtual memory, runtime) leaves an abstract method of the contract
+unimplemented. The error names every missing duty at once. The registry also checks that
+the class's name is the one its BackendSpec registers (`check_spec_name`).
 """
 
 from __future__ import annotations
@@ -13,35 +15,46 @@ from typing import Any
 
 from .errors import IncompleteBackendError
 from .graphs import CheckedGraph
+from .hooks import BackendSpec
 from .interfaces import Backend, CapturePool
 from .vmm import CheckedVirtualMemory
 
 
-def _parts(cls: type[Backend], missing: list[str]) -> list[type]:
-    """The classes that make up the backend, noting missing or misplaced ones in `missing`."""
-    parts: list[type] = [cls]
-    if not getattr(cls, "name", None):
-        missing.append(f"{cls.__name__}.name")
+def _graph_parts(cls: type[Backend], missing: list[str]) -> list[type]:
     graph_cls: Any = getattr(cls, "graph_class", None)
     if graph_cls is None:
         missing.append(f"{cls.__name__}.graph_class")
-    elif not (isinstance(graph_cls, type) and issubclass(graph_cls, CheckedGraph)):
-        missing.append(f"{cls.__name__}.graph_class (a subclass of xgraph.CheckedGraph)")
-    else:
-        parts.append(graph_cls)
-        pool_cls = graph_cls.pool_type
-        if pool_cls is CapturePool or not issubclass(pool_cls, CapturePool):
-            missing.append(f"{graph_cls.__name__}.pool_type (the backend's CapturePool class)")
-        else:
-            parts.append(pool_cls)
+        return []
+    if not (isinstance(graph_cls, type) and issubclass(graph_cls, CheckedGraph)):
+        missing.append(f"{cls.__name__}.graph_class (a subclass of xgraph.adapter.CheckedGraph)")
+        return []
+    pool_cls = graph_cls.pool_type
+    if pool_cls is CapturePool or not issubclass(pool_cls, CapturePool):
+        missing.append(f"{graph_cls.__name__}.pool_type (the backend's CapturePool class)")
+        return [graph_cls]
+    return [graph_cls, pool_cls]
+
+
+def _parts(cls: type[Backend], missing: list[str]) -> list[type]:
+    """The classes that make up the backend, noting missing or misplaced ones in `missing`."""
+    parts: list[type] = [cls, *_graph_parts(cls, missing)]
+    if not getattr(cls, "name", None):
+        missing.append(f"{cls.__name__}.name")
     vm_cls: Any = cls.virtual_memory_class
     if vm_cls is not None:
         if not (isinstance(vm_cls, type) and issubclass(vm_cls, CheckedVirtualMemory)):
             missing.append(
-                f"{cls.__name__}.virtual_memory_class (a subclass of xgraph.CheckedVirtualMemory)"
+                f"{cls.__name__}.virtual_memory_class (a subclass of "
+                "xgraph.adapter.CheckedVirtualMemory)"
             )
         else:
             parts.append(vm_cls)
+    if hasattr(cls, "runtime_class"):  # a torch-style backend: its runtime is a duty too
+        runtime_cls: Any = cls.runtime_class  # type: ignore[attr-defined]
+        if not isinstance(runtime_cls, type):
+            missing.append(f"{cls.__name__}.runtime_class (its xgraph.adapter.TorchRuntime)")
+        else:
+            parts.append(runtime_cls)
     return parts
 
 
@@ -56,4 +69,15 @@ def check_backend_class(cls: type[Backend]) -> None:
             f"Backend class {cls.__module__}.{cls.__qualname__} is incomplete: it does not "
             f"implement {', '.join(missing)}. Implement them (see docs/writing-an-adapter.md) "
             "and run `xgraph conformance --backend NAME` to check the adapter."
+        )
+
+
+def check_spec_name(cls: type[Backend], spec: BackendSpec) -> None:
+    """Raise IncompleteBackendError unless the class's name is the one its spec registers."""
+    name = getattr(cls, "name", None)
+    if name != spec.name:
+        raise IncompleteBackendError(
+            f"Backend {spec.name!r}: its class {cls.__module__}.{cls.__qualname__} is named "
+            f"{name!r}. A backend's name is written twice (the BackendSpec selects it, the "
+            "class reports it): make them equal."
         )

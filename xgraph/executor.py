@@ -29,6 +29,7 @@ from . import sleepmode
 from .arena import Arena
 from .attention import InlineRunner, step_context
 from .buckets import Buckets, Dim, Input
+from .distributed import Parallel, attach
 from .errors import (
     CaptureError,
     ConcurrentStepError,
@@ -74,7 +75,7 @@ class GraphExecutor(PreCapture):
         inputs: declared inputs; shapes use "num_tokens" and the names of `dims`.
         backend: a name, a Backend, or None (XGRAPH_BACKEND, else the best available).
         buckets: the num_tokens bucket sizes (a list or a Buckets); default: 1, 2, 4, 8, then
-            multiples of 16 up to 512 (`xgraph.default_sizes`).
+            multiples of 16 up to 512 (`xgraph.buckets.default_sizes`).
         dims: further symbolic dims (shape-determining ones carry their own buckets).
         attention: paged-attention settings when the model calls `xgraph.attention`.
         memory: a MemoryMode name ("shared-physical", the default with VMM; "shared-pool";
@@ -90,6 +91,8 @@ class GraphExecutor(PreCapture):
             Dynamo would run the eager forward instead); a host read still fails the
             capture in the runtime, and Tensor.tolist / numpy stay blocked. Host-recording
             backends (cpu) keep the guard and record the eager ops.
+        parallel: the torch.distributed groups of this rank (xgraph.Parallel): the ranks then
+            agree on every step and capture together (docs/distributed.md). None: one rank.
     """
 
     def __init__(
@@ -107,11 +110,13 @@ class GraphExecutor(PreCapture):
         on_capture_error: Fallback | str = Fallback.EAGER,
         name: str = "executor",
         compiled: bool = False,
+        parallel: Parallel | None = None,
     ) -> None:
         self.mode = Mode.parse(mode, "mode")
         self.on_capture_error = Fallback.parse(on_capture_error, "on_capture_error")
         self.forward, self.name, self.compiled = forward, name, compiled
         self.backend = get_backend(backend)
+        self.backend.activate()  # its kernels serve the core's ops (xgraph.linear) from now on
         self.device = self.backend.device
         self._arena = Arena.of(self.backend, name)  # persistent buffers sleep can give back
         self.buckets = Buckets.of(buckets, DEFAULT_MAX_TOKENS)
@@ -146,13 +151,16 @@ class GraphExecutor(PreCapture):
         sleepmode.join(self._held)
         self._graphs: dict[tuple, Entry] = self._held.graphs
         self._finalizer = release_when_collected(self, self._held)
+        self.lockstep = attach(parallel, self)  # several ranks: self.planner agrees each step
+        # several ranks: a failure after the agreement stops the executor; one rank: none
+        self._lockstep_run = getattr(self.lockstep, "run", None)
 
     def _runners(
         self, attention: PagedAttention | None
     ) -> tuple[AttentionRunner | None, AttentionRunner | None]:
         if attention is None:
             return None, None
-        runners = {**reference_runners(), **self.backend.attention_runners()}
+        runners = {**reference_runners(), **self.backend.kernels().attention}
         decode = attention.decode_runner or runners["decode"]
         prefill = attention.prefill_runner or runners["prefill"]
         if self.mode in (Mode.AUTO, Mode.FULL) and not decode.graph_safe:
@@ -190,7 +198,8 @@ class GraphExecutor(PreCapture):
             step = self.planner.plan(inputs, attn)
             self._steps.acquire(self.name)
             try:
-                out = self._run(step)
+                run = self._lockstep_run  # no frame between for one rank: warnings' lines
+                out = self._run(step) if run is None else run(self._run, step)
             finally:
                 self._steps.release()
             if clone:  # inside the lock: the next step may overwrite the buffers right after
@@ -344,7 +353,7 @@ class GraphExecutor(PreCapture):
         t0 = time.perf_counter()
         # warm-up: the forward runs eagerly once (lazy init, autotuning, workspaces) and its
         # outputs fix the persistent output buffers
-        with self.backend.warmup_context():
+        with self.backend.warmup_context(), self.lockstep.warm_up(step):
             warm = self._eager_forward(step.views, step, step.kind)
         layout = self._ensure_out_buffers(warm, step.padded["num_tokens"])
         del warm
@@ -361,7 +370,7 @@ class GraphExecutor(PreCapture):
         graph: Recording | None = None
         try:  # a reservation that fails is a failed capture like any other
             lease = self.memory.begin()
-            graph = self._recording(step.kind, lease)
+            graph = self.lockstep.checked(step, self._recording(step.kind, lease))
             self._record(step, graph)
         except BaseException as exc:  # a transaction: Ctrl-C mid-capture rolls back too
             try:
@@ -405,6 +414,19 @@ class GraphExecutor(PreCapture):
         logger.warning(msg)
         return self._run_padded(step, "capture failed")
 
+    def idle_step(self) -> None:
+        """Under data parallelism, a step with no tokens on this rank: it runs the step the
+        others agree on over dummy tokens, so its collectives meet theirs. Returns nothing."""
+        with self._exclusive("idle step"):
+            step = self.lockstep.idle()  # None: no rank has tokens, nothing runs
+            if step is None:
+                return
+            self._steps.acquire(self.name)  # as a step: one at a time over shared memory
+            try:
+                self.lockstep.run(self._run, step)  # idle() refused one rank already
+            finally:
+                self._steps.release()
+
     # -- reporting and teardown ------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -424,6 +446,7 @@ class GraphExecutor(PreCapture):
             "memory": self.memory.stats(),
             "asleep": sorted(self._held.asleep),
             "keys": sorted(self._graphs, key=repr),
+            "parallel": self.lockstep.stats(),  # None for one rank
         }
 
     def graph(self, key: tuple) -> Recording | None:

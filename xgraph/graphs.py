@@ -19,13 +19,12 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import PoolClosedError, XGraphError
-from .interfaces import CapturePool, Graph, OpCheck
+from .interfaces import Backend, CapturePool, Graph, OpCheck
 from .regions import refuse_capture_inside
 from .safety import block_host_conversions, check_op
 
@@ -77,7 +76,7 @@ class CheckedGraph(Graph):
 
     pool_type = CapturePool
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Backend) -> None:
         super().__init__(backend)
         self._state = _IDLE
         self._pools: list[CapturePool] = []
@@ -113,6 +112,12 @@ class CheckedGraph(Graph):
             )
         if pool.closed:
             raise PoolClosedError("capture_begin: the pool is closed; create a new one.")
+        if pool.poisoned:
+            raise XGraphError(
+                "capture_begin: a failed capture left the runtime recording to this pool's id "
+                "(no call undoes that), so it takes no more captures; capture on a new pool "
+                "(backend.new_pool())."
+            )
         route = contextlib.ExitStack()
         try:
             route.enter_context(pool.capturing())

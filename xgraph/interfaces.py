@@ -11,7 +11,7 @@ executable form of these contracts. Core never imports a device runtime.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -65,6 +65,9 @@ class VirtualMemory(ABC):
     """
 
     granularity: int
+
+    def __init__(self, backend: Backend | None) -> None:
+        self.backend = backend
 
     # -- public (CheckedVirtualMemory) -----------------------------------------------------
 
@@ -128,12 +131,15 @@ class CapturePool(ABC):
 
     A pool made with `segments` (Backend.new_pool) must take every segment it holds from
     that SegmentAllocator and give each back through it: this is how the shared-physical
-    pool puts each capture in its own address range.
+    pool puts each capture in its own address range. A pool is `poisoned` once a capture
+    whose begin or end the runtime refused may have left the runtime routing its id where
+    nothing can undo it: the core never captures on it again (a new pool serves instead).
     """
 
     def __init__(self, segments: SegmentAllocator | None = None) -> None:
         self.segments = segments
         self.closed = False
+        self.poisoned = False
 
     @abstractmethod
     def reserved_bytes(self) -> int:
@@ -186,7 +192,8 @@ class Graph(ABC):
     def capture_begin(
         self, pool: CapturePool, op_check: OpCheck | None = None, check_ops: bool = True
     ) -> None:
-        """Start recording the work issued from now on; allocations come from `pool`."""
+        """Start recording the work issued from now on; allocations come from `pool`. Low
+        level: engines capture through GraphExecutor or the `xgraph.graph()` context."""
 
     @abstractmethod
     def capture_end(self) -> None:
@@ -259,6 +266,22 @@ class AttentionRunner(ABC):
         """Store k, v at this step's slots, then write attention of q over the cache into out."""
 
 
+LinearKernel = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """A device's faster kernels for the core's ops (`Backend.kernels`).
+
+    `attention`: runners by role, "decode" (graph-safe for full graphs) and "prefill"; the
+    core's reference runners fill in a role left out. `linear`: x @ w.T for `xgraph.linear`,
+    answering None for calls it does not serve (F.linear runs those).
+    """
+
+    attention: dict[str, AttentionRunner] = field(default_factory=dict)
+    linear: LinearKernel | None = None
+
+
 class HostCopier(ABC):
     """Sends prefixes of one pinned host buffer into one device buffer, asynchronously."""
 
@@ -274,13 +297,16 @@ class HostCopier(ABC):
 class Backend(ABC):
     """One accelerator family: its graphs, its virtual memory and its native capture pools.
 
-    Subclasses set `name`, `priority`, `graph_class` (a CheckedGraph) and, where the
-    platform has VMM, `virtual_memory_class` (a CheckedVirtualMemory); a backend is
-    constructed with no arguments. Methods below the abstract ones have working defaults.
+    Subclasses set `name` (the name its BackendSpec registers), `graph_class` (a
+    CheckedGraph) and, where the platform has VMM, `virtual_memory_class` (a
+    CheckedVirtualMemory); a backend is constructed with no arguments. Selection priority
+    lives in the BackendSpec alone. Methods below the abstract ones have working defaults,
+    grouped by what they serve: graphs and memory, kernels, staging. Benchmark hooks are
+    apart (BenchmarkHooks). `xgraph.adapter.TorchBackend` implements the graph and memory
+    duties once for torch-style devices.
     """
 
     name: ClassVar[str]
-    priority: ClassVar[int] = 0
     graph_class: ClassVar[type[Graph]]
     virtual_memory_class: ClassVar[type[VirtualMemory] | None] = None
 
@@ -301,13 +327,14 @@ class Backend(ABC):
 
     @abstractmethod
     def synchronize(self) -> None:
-        """Block until all work queued on the device has finished."""
+        """Block until the work queued on the device has finished; while another thread
+        captures, at least the calling thread's work (never a call that fails then)."""
 
     @abstractmethod
     def as_tensor(self, address: int, nbytes: int) -> torch.Tensor:
         """A uint8 device tensor over `nbytes` at `address` (memory the caller keeps alive)."""
 
-    # -- optional hooks, with defaults -----------------------------------------------------
+    # -- graphs and memory, with defaults --------------------------------------------------
 
     def new_graph(self) -> Graph:
         """A fresh graph of this backend."""
@@ -319,7 +346,7 @@ class Backend(ABC):
             return None
         vm = getattr(self, "_virtual_memory", None)
         if vm is None:
-            vm = self._virtual_memory = self.virtual_memory_class(self)  # type: ignore[call-arg]
+            vm = self._virtual_memory = self.virtual_memory_class(self)
         return vm
 
     def segments_support(self) -> Availability:
@@ -339,6 +366,12 @@ class Backend(ABC):
         except Exception:  # a runtime that cannot say: the fallback, as on any other device
             return FALLBACK_CAPTURE_SPACE_BYTES
 
+    def capture_stream(self) -> Any:
+        """The stream this thread's captures run on (a non-default one, joined to the
+        current stream before and after each capture); None where the runtime has no
+        streams (host recorders)."""
+        return None
+
     def warmup_context(self) -> AbstractContextManager[Any]:
         """Where warm-up runs: on the capture stream, so per-stream lazy allocations (cuBLAS
         workspaces) happen outside every capture pool. Default: nothing to switch."""
@@ -352,34 +385,62 @@ class Backend(ABC):
         """Bytes of device memory the process holds, as the driver sees it; None if unknown."""
         return None
 
-    def attention_runners(self) -> dict[str, AttentionRunner]:
-        """Faster runners of this device by role ('decode', 'prefill'); the core's reference
-        runners fill in any role left out."""
-        return {}
+    # -- kernels ---------------------------------------------------------------------------
 
-    def linear_kernel(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
-        """A faster x @ w.T for `xgraph.linear` on this device, answering None for calls it
-        does not serve (F.linear runs them); None: no kernel of its own."""
-        return None
+    def kernels(self) -> Kernels:
+        """This device's faster kernels (fresh runners on every call); none by default."""
+        return Kernels()
 
-    def device_name(self) -> str:
-        """A human-readable name of the device (benchmark reports)."""
-        return str(self.device)
+    def activate(self) -> Kernels:
+        """Make this backend's kernels the ones the core's ops use on its device
+        (`xgraph.linear`) and return them. GraphExecutor calls it once, when it is built;
+        code that runs the core's ops without an executor calls it itself."""
+        from . import linear  # the op whose kernel table this fills
+
+        kernels = self.kernels()
+        linear.install(self.device.type, kernels.linear, self.name)
+        return kernels
+
+    # -- staging ---------------------------------------------------------------------------
 
     def host_copier(self, device: torch.Tensor, host: torch.Tensor) -> HostCopier | None:
         """A per-step copier from `host` (pinned) to `device` (uint8, one size) cheaper than
         the core's (a torch copy and an event), or None."""
         return None
 
+    # -- collectives inside graphs (graphs across ranks; docs/distributed.md) ----------------
+
+    def prepare_collectives(self, groups: Sequence[Any]) -> None:
+        """Make collectives on `groups` (torch.distributed process groups) capturable here:
+        called once per group, on every rank together, before any capture of a forward that
+        issues them. Default: one all_reduce of a one-element tensor on this device per group,
+        then synchronize, so a communicator that sets up on first use (NCCL, HCCL) does so
+        outside every capture. A runtime with further needs (a capture mode, a stream, an
+        environment setting) checks or sets them here and raises, naming them, if it cannot."""
+        import torch.distributed as dist  # only executors with `parallel` get here
+
+        for group in groups:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+        self.synchronize()
+
+    def __repr__(self) -> str:
+        return f"<xgraph backend {self.name!r} on {self.device}>"
+
+
+class BenchmarkHooks(Protocol):
+    """What `xgraph bench` asks of a backend where it has it (each method is optional; the
+    bench looks each up and falls back: str(device), host wall time, no native anchor)."""
+
+    def device_name(self) -> str:
+        """A human-readable name of the device (benchmark reports)."""
+        ...
+
     def time_on_device(self, fn: Callable[[], Any]) -> float | None:
         """Seconds the device spent on the work `fn` queues (not the host's time to queue
         it: the device is kept busy until it is queued), or None if it cannot time it."""
-        return None
+        ...
 
     def native_graph(self, fn: Callable[[], Any]) -> Callable[[], None] | None:
         """`fn` captured with the runtime's own graph API, bypassing xgraph, as a replay
         callable: a benchmark anchor. None where the runtime has none of its own."""
-        return None
-
-    def __repr__(self) -> str:
-        return f"<xgraph backend {self.name!r} on {self.device}>"
+        ...

@@ -1,11 +1,11 @@
 """`linear(x, w)`: y = x @ w.T through the backend's kernel for the calls it serves.
 
-A backend may offer a faster kernel for some projections (`Backend.linear_kernel`; the CUDA
-adapter's serves decode's few-row calls, where cuBLAS leaves most of the GPU idle). The
-core installs it when the backend is selected (`install`); the reference model calls
-`linear` for every projection of its layers. A kernel answers None for calls it does not
-serve, and F.linear runs those; devices without a kernel run F.linear directly (the CPU
-reference stays bit for bit what it was).
+A backend may offer a faster kernel for some projections (`Backend.kernels().linear`; the
+CUDA adapter's serves decode's few-row calls, where cuBLAS leaves most of the GPU idle).
+The core installs it when the backend is activated (`Backend.activate`, which calls
+`install`); the reference model calls `linear` for every projection of its layers. A
+kernel answers None for calls it does not serve, and F.linear runs those; devices without a
+kernel run F.linear directly (the CPU reference stays bit for bit what it was).
 
 Compiled code reaches the kernel through the custom op `xgraph::linear`, opaque to the
 compiler like an extern GEMM, so the choice is made per call at run time (and recorded by a
@@ -34,7 +34,7 @@ def install(device_type: str, kernel: LinearKernel | None, backend: str) -> None
         return
     if not callable(kernel):
         raise IncompleteBackendError(
-            f"Backend {backend!r}: linear_kernel() returned {kernel!r}, which is not "
+            f"Backend {backend!r}: kernels().linear is {kernel!r}, which is not "
             "callable. Return a function (x, weight) -> tensor or None, or None for no kernel."
         )
     _kernels[device_type] = kernel

@@ -141,7 +141,7 @@ class GraphMemory:
         if self.mode is MemoryMode.PRIVATE:
             lease = Lease(self.backend.new_pool())
         elif self.mode is MemoryMode.SHARED_POOL:
-            if self._shared is None:
+            if self._shared is None or self._shared.poisoned:  # a failed capture's pool: replaced
                 self._shared = self.backend.new_pool()
                 self._pools.append(self._shared)
             return Lease(self._shared, owned=False)

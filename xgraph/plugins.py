@@ -22,9 +22,9 @@ from typing import Any
 
 import pluggy
 
-from . import linear, safety
+from . import safety
 from .backends.cpu import plugin as cpu_plugin
-from .contract import check_backend_class
+from .contract import check_backend_class, check_spec_name
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
@@ -188,10 +188,11 @@ class Registry:
             ) from exc
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise IncompleteBackendError(
-                f"Backend {spec.name!r}: {spec.backend} is not a subclass of xgraph.Backend. "
-                "Adapters subclass xgraph.Backend (see docs/writing-an-adapter.md)."
+                f"Backend {spec.name!r}: {spec.backend} is not a subclass of "
+                "xgraph.adapter.Backend. Adapters subclass it (see docs/writing-an-adapter.md)."
             )
         check_backend_class(cls)
+        check_spec_name(cls, spec)
         # frames of the adapter's package are library code: CaptureError names the model line
         package = importlib.import_module(cls.__module__.split(".")[0])
         if getattr(package, "__file__", None):
@@ -232,7 +233,6 @@ class Registry:
                 )
             cls = self._backend_class(spec)  # incomplete adapters fail here, loudly
             backend = cls()
-            install_kernels(backend)
             self._instances[name] = backend
             logger.info("xgraph backend %r selected (%s)", name, source)
             return backend
@@ -257,17 +257,13 @@ registry = Registry()
 def get_backend(name: str | Backend | None = None) -> Backend:
     """The backend named by the argument, else by XGRAPH_BACKEND, else the best available one.
 
-    An explicit choice that cannot be honoured raises (never a silent fallback).
+    An explicit choice that cannot be honoured raises (never a silent fallback). Getting a
+    backend changes nothing else: its kernels take over the core's ops once it is activated
+    (`Backend.activate`; GraphExecutor does it).
     """
     if isinstance(name, Backend):
-        install_kernels(name)
         return name
     return registry.get(name)
-
-
-def install_kernels(backend: Backend) -> None:
-    """Make the backend's kernels for the core's ops (`xgraph.linear`) the ones in use."""
-    linear.install(backend.device.type, backend.linear_kernel(), backend.name)
 
 
 def list_backends(refresh: bool = False, hidden: bool = False) -> list[BackendInfo]:

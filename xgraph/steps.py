@@ -156,17 +156,20 @@ class StepPlanner:
         attn: AttentionInputs | None,
         kind: Kind | None = None,
         synthetic: bool = False,
+        pad_to: Mapping[str, int] | None = None,
     ) -> Step:
         """Validate, classify, bucket and stage one step; `kind` forces the graph kind;
-        `synthetic` marks the executor's own pre-capture steps (dummy block only)."""
-        if self.decode is not None and kind is None:
+        `synthetic` marks the executor's own pre-capture steps (dummy block only); `pad_to`
+        pads key dims to at least these sizes (ranks agreeing on one key; a key dim no input
+        uses, such as a communication dim, joins the key at its padded size)."""
+        if self.decode is not None and kind is None and not pad_to:
             step = self.decode.plan(inputs, attn)
             if step is not None:
                 return step
         tensors, sizes = validate_inputs(self.name, self.inputs, self.dims, inputs, self.device)
         attn = self._attention(attn, sizes[NUM_TOKENS], synthetic)
         step = Step(Kind.EAGER, tensors, sizes, attn=attn)
-        self._classify(step, kind)
+        self._classify(step, kind, pad_to or {})
         if step.kind is Kind.EAGER:
             if step.attn is not None:
                 step.metadata = step.attn.inputs().metadata(self.device)
@@ -192,7 +195,7 @@ class StepPlanner:
             self.name, self.attention, attn, num_tokens, self.max_seqs, self.device, synthetic
         )
 
-    def _classify(self, step: Step, forced: Kind | None) -> None:
+    def _classify(self, step: Step, forced: Kind | None, pad_to: Mapping[str, int]) -> None:
         """Choose the kind and the key; above the buckets: the overflow policy."""
         if forced is Kind.EAGER:
             step.reason = "warm-up"
@@ -211,10 +214,11 @@ class StepPlanner:
             kind = Kind.PIECEWISE
         padded: dict[str, int] = {}
         for name, b in self.key_buckets.items():
-            if name in step.sizes:
-                p = b.pad(step.sizes[name])
+            if name in step.sizes or name in pad_to:
+                want = max(step.sizes.get(name, 0), pad_to.get(name, 0))
+                p = b.pad(want)
                 if p is None:
-                    self._overflow(step, name, b.max)
+                    self._overflow(step, name, want, b.max)
                     return
                 padded[name] = p
         for name, d in self.dims.items():
@@ -230,8 +234,7 @@ class StepPlanner:
         # part of their key; a full graph bakes it in through the padded sequence count
         step.key = (kind.value, *(padded[n] for n in self.key_buckets if n in padded))
 
-    def _overflow(self, step: Step, dim: str, largest: int) -> None:
-        n = step.sizes[dim]
+    def _overflow(self, step: Step, dim: str, n: int, largest: int) -> None:
         if self.on_overflow is Fallback.RAISE:
             raise BucketOverflowError(
                 f"{self.name}: {dim}={n} is above the largest bucket {largest}. Raise the "

@@ -22,8 +22,8 @@ class CheckedVirtualMemory(VirtualMemory):
     driver for its granularity once.
     """
 
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
+    def __init__(self, backend: Backend | None) -> None:
+        super().__init__(backend)
         self.granularity = int(self._granularity())
         if self.granularity <= 0:
             raise VirtualMemoryError("granularity", f"the driver reported {self.granularity}")

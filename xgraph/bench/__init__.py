@@ -2,9 +2,9 @@
 
 Every benchmark measures its anchors side by side in the same process and prints ratios.
 Nothing here is specific to one accelerator: times are device times where the backend can
-measure them (`Backend.time_on_device`; CUDA events on CUDA) and host wall times otherwise
-(the CPU backend's prove correctness, not speed); the raw-graph anchor comes from
-`Backend.native_graph` and is left out where the runtime has no graph API of its own.
+measure them (the `time_on_device` benchmark hook; CUDA events on CUDA) and host wall times
+otherwise (the CPU backend's prove correctness, not speed); the raw-graph anchor comes from
+the `native_graph` hook and is left out where the runtime has no graph API of its own.
 
 Modules: `cli` (options and dispatch), `decode`, `prefill`, `memory` (one benchmark each),
 `soak` (random mixed steps checked against eager, memory sampled), `host` (the executor's

@@ -1,7 +1,7 @@
 """The benchmarks' anchors and compiled variants, each built once per run and reused.
 
 - `native_anchor`: the forward captured with the runtime's own graph API on static buffers
-  (`backend.native_graph`), bypassing xgraph: the raw-graph anchor.
+  (`native_graph`, a benchmark hook), bypassing xgraph: the raw-graph anchor.
 - Each anchor is timed two ways: replaying the same step's static device inputs (a replay,
   nothing sent), and as a step an engine would run without xgraph (`+ inputs`): the step's
   token inputs and attention metadata first copied from pinned host tensors into those
@@ -32,6 +32,7 @@ from ..interfaces import AttentionRunner, Backend
 from ..metadata import AttentionMetadata
 from ..models import Qwen3Model, Step, Workload
 from ..runners import reference_runners
+from . import hooks
 from .timing import Timer
 
 
@@ -50,7 +51,7 @@ def _static_metadata(w: Workload, step: Step) -> AttentionMetadata:
 
 def _decode_runner(backend: Backend) -> AttentionRunner:
     """A fresh decode runner of the kind the executor picks, so the anchors run the same forward."""
-    return {**reference_runners(), **backend.attention_runners()}["decode"]
+    return {**reference_runners(), **backend.kernels().attention}["decode"]
 
 
 def sender(backend: Backend, targets: list[torch.Tensor]) -> Callable[[], None]:
@@ -100,7 +101,7 @@ def native_anchor(
         with torch.no_grad(), step_context(ctx):
             w.model.forward(ids, pos)
 
-    replay = backend.native_graph(forward)
+    replay = hooks.native_graph(backend, forward)
     return None if replay is None else (replay, send)
 
 

@@ -10,18 +10,18 @@ from typing import Any
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..cli_types import positive_int, sizes
 from ..interfaces import Backend
-from . import decode, host, memory, memory_plot, prefill, sleep, soak
+from . import decode, distributed, host, memory, memory_plot, prefill, sleep, soak
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
 # the benchmarks each option is read by: given to another one, it is refused, not ignored
 USED_BY = {
-    "sizes": ("memory", "prefill", "decode", "host", "sleep"),
+    "sizes": ("memory", "prefill", "decode", "host", "distributed", "sleep"),
     "max_size": ("memory", "prefill"),
     "compile": ("prefill", "decode"),
     "table_check": ("decode",),
     "piecewise_max": ("memory", "sleep"),
-    "iters": ("prefill", "decode", "host", "sleep"),
+    "iters": ("prefill", "decode", "host", "distributed", "sleep"),
     "kv_cache_gib": ("sleep",),
     "steps": ("soak",),
     "memory": ("soak",),
@@ -98,11 +98,12 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
-        "bench", help="benchmarks: memory | prefill | decode | all | soak | host | sleep"
+        "bench",
+        help="benchmarks: memory | prefill | decode | all | soak | host | distributed | sleep",
     )
     p.add_argument(
         "which",
-        choices=[*BENCHMARKS, "all", "soak", "host", "sleep"],
+        choices=[*BENCHMARKS, "all", "soak", "host", "distributed", "sleep"],
         help="which benchmark to run (all: memory, prefill and decode)",
     )
     p.add_argument(
@@ -254,6 +255,14 @@ def _host(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -
     return data, host.summarize(data)
 
 
+def _distributed(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    # under torchrun every rank runs this; rank 0 alone writes the JSON (all ranks' rows)
+    data = distributed.run(backend, args.model, sizes, iters=args.iters or 30, prefill=None)
+    if distributed.dist.get_rank() != 0:
+        args.json = None
+    return data, distributed.summarize(data)
+
+
 def _sleep(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
     pw = None if args.piecewise_max is None else sglang_piecewise_sizes(args.piecewise_max)
     data = sleep.run(
@@ -274,6 +283,7 @@ RUNNERS: dict[str, Runner] = {
     "decode": _decode,
     "soak": _soak,
     "host": _host,
+    "distributed": _distributed,
     "sleep": _sleep,
 }
 
@@ -300,6 +310,7 @@ def main(args: argparse.Namespace) -> int:
     import xgraph
 
     backend = xgraph.get_backend(args.backend)
+    backend.activate()  # eager anchors run the backend's kernels too, as its executors do
     which = list(BENCHMARKS) if args.which == "all" else [args.which]
     failed = False
     out = args.out

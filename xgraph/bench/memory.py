@@ -42,7 +42,7 @@ from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..integrations.transformers.errors import MissingExtraError
 from ..interfaces import Backend
 from ..memory import GraphMemory
-from . import targets
+from . import hooks, targets
 from .readings import MiB, driver_reading, measure, settle
 from .report import attempt, error_text, note, table
 
@@ -248,7 +248,7 @@ def run(
     modes = MODES if all_modes else (LIMIT_MODE,)
     data: dict[str, Any] = {
         "backend": backend.name,
-        "device": backend.device_name(),
+        "device": hooks.device_name(backend),
         "model": model,
         "measure": measure(backend),
         "modes": list(modes),

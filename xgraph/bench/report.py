@@ -12,6 +12,7 @@ import torch
 
 from ..interfaces import Backend
 from ..models import Qwen3Model, Workload
+from . import hooks
 
 
 def workload(
@@ -48,7 +49,7 @@ def header(backend: Backend, model: str, w: Workload) -> dict[str, Any]:
     """What every benchmark's JSON starts with: backend, device, model and dtype."""
     return {
         "backend": backend.name,
-        "device": backend.device_name(),
+        "device": hooks.device_name(backend),
         "model": model,
         "dtype": str(next(w.model.parameters()).dtype),
     }

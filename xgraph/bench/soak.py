@@ -19,6 +19,7 @@ import torch
 from ..buckets import Buckets
 from ..interfaces import Backend
 from ..models import Workload
+from . import hooks
 from .readings import MiB
 from .report import table
 
@@ -81,7 +82,7 @@ def run(
     ex.close()
     return {
         "backend": backend.name,
-        "device": backend.device_name(),
+        "device": hooks.device_name(backend),
         "steps": steps,
         "mismatches": mismatches,
         "max_abs_error": worst,

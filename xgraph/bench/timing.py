@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..interfaces import Backend
+from . import hooks
 
 
 class Timer:
@@ -29,7 +30,7 @@ class Timer:
     def once(self, fn: Callable[[], Any]) -> float:
         """Seconds one call of `fn` took (device time, or synchronized host wall time)."""
         if self.on_device is not False:
-            t = self.backend.time_on_device(fn)
+            t = hooks.time_on_device(self.backend, fn)
             if t is not None:
                 self.on_device = True
                 return t
@@ -52,7 +53,7 @@ class Timer:
     def unit(self) -> str:
         """What the times are, for the reports' "timing" field."""
         if self.on_device:
-            return f"device time ({self.backend.device_name()})"
+            return f"device time ({hooks.device_name(self.backend)})"
         if self.backend.device.type == "cpu":
             return "host wall time (CPU backend)"
         return f"host wall time, synchronized ({self.backend.name} has no device timer)"

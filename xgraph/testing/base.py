@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import xgraph
-from xgraph.errors import BackendUnavailableError
+from xgraph.errors import BackendUnavailableError, XGraphError
 from xgraph.interfaces import Backend, CapturePool, Graph
 
 
@@ -82,13 +82,37 @@ class BackendTests:
         else:
             torch.testing.assert_close(actual, expected, rtol=self.rtol, atol=self.atol)
 
-
-class VirtualMemoryFixture(BackendTests):
-    """Tests that need the backend's VirtualMemory (skipped on a backend without one)."""
+    # -- capabilities: overridable fixtures (fsspec style); tests adapt instead of skipping --
 
     @pytest.fixture
-    def vm(self, backend: Backend) -> xgraph.VirtualMemory:
+    def has_virtual_memory(self, backend: Backend) -> bool:
+        """Whether the backend has a VirtualMemory (override to pin what the adapter has)."""
+        return backend.virtual_memory() is not None
+
+    @pytest.fixture
+    def reports_memory(self, backend: Backend) -> bool:
+        """Whether `memory_in_use()` reads the device's memory (else books are checked)."""
+        return backend.memory_in_use() is not None
+
+    @pytest.fixture
+    def routes_segments(self, backend: Backend) -> bool:
+        """Whether capture pools can take their segments from xgraph (shared-physical)."""
+        return backend.segments_support().available
+
+    @pytest.fixture
+    def has_linear_kernel(self, backend: Backend) -> bool:
+        """Whether the backend has a linear kernel of its own."""
+        return backend.kernels().linear is not None
+
+
+class VirtualMemoryFixture(BackendTests):
+    """Tests of the backend's VirtualMemory; without one they check the documented absence."""
+
+    @pytest.fixture
+    def vm(self, backend: Backend, has_virtual_memory: bool) -> Any:
         vm = backend.virtual_memory()
+        assert (vm is not None) == has_virtual_memory
         if vm is None:
-            pytest.skip(f"backend {backend.name!r} has no virtual memory")
+            with pytest.raises(XGraphError, match="has no virtual memory"):
+                xgraph.GraphMemory(backend, "shared-physical")
         return vm

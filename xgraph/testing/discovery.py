@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 import xgraph
-from xgraph.interfaces import Backend
+from xgraph.adapter import Backend, check_backend_class
 
+from ..plugins import list_backends
 from .base import BackendTests
 
 
@@ -14,14 +15,14 @@ class PluginTests(BackendTests):
     """Discovery and selection: listed, selectable by name and by XGRAPH_BACKEND, complete."""
 
     def test_listed_as_available(self, backend: Backend) -> None:
-        info = {b.name: b for b in xgraph.list_backends()}
+        info = {b.name: b for b in list_backends()}
         assert backend.name in info
         assert info[backend.name].available, info[backend.name].reason
 
     def test_selected_by_name_is_one_object(self, backend: Backend) -> None:
         assert xgraph.get_backend(backend.name) is backend
         assert isinstance(backend, Backend)
-        xgraph.check_backend_class(type(backend))
+        check_backend_class(type(backend))
 
     def test_selected_by_environment(self, backend: Backend, monkeypatch) -> None:
         monkeypatch.setenv("XGRAPH_BACKEND", backend.name)

@@ -1,4 +1,4 @@
-"""Conformance of a backend's kernels for the core's ops (`Backend.linear_kernel`)."""
+"""Conformance of a backend's kernels for the core's ops (`Backend.kernels().linear`)."""
 
 from __future__ import annotations
 
@@ -19,18 +19,27 @@ TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
 
 
 class KernelTests(BackendTests):
-    """A linear kernel answers x @ w.T (or declines with None), is installed on selection,
-    and is recorded in a graph like any other device work."""
+    """A linear kernel answers x @ w.T (or declines with None), is installed on activation,
+    and is recorded in a graph like any other device work; without one, `xgraph.linear` is
+    F.linear on the device."""
 
     @pytest.fixture
-    def kernel(self, backend: Backend) -> Any:
-        k = backend.linear_kernel()
-        if k is None:
-            pytest.skip(f"backend {backend.name!r} has no linear kernel of its own")
-        return k
+    def kernel(self, backend: Backend, has_linear_kernel: bool) -> Any:
+        kernel = backend.activate().linear
+        assert (kernel is not None) == has_linear_kernel
+        assert core_linear.installed(backend.device.type) is kernel
+        return kernel if kernel is not None else F.linear
 
-    def test_the_kernel_is_installed_for_the_device(self, backend: Backend, kernel: Any) -> None:
-        assert core_linear.installed(backend.device.type) is not None
+    def test_activation_installs_the_kernel_for_the_device(
+        self, backend: Backend, kernel: Any, has_linear_kernel: bool
+    ) -> None:
+        x = torch.randn(2, 8).to(backend.device)
+        w = torch.randn(4, 8).to(backend.device)
+        if not has_linear_kernel:  # nothing installed: F.linear itself, bit for bit
+            assert torch.equal(core_linear.linear(x, w), F.linear(x, w))
+        assert core_linear.installed(backend.device.type) is (
+            None if not has_linear_kernel else kernel
+        )
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_answers_match_f_linear_or_decline(

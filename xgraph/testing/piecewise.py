@@ -15,7 +15,8 @@ class PiecewiseTests(BackendTests):
     def test_compositions_share_one_graph(self, backend: Backend) -> None:
         import random
 
-        from xgraph import Buckets, default_sizes
+        from xgraph import Buckets
+        from xgraph.buckets import default_sizes
 
         ex_w, ref_w = (
             tiny_workload(backend, num_blocks=128, max_blocks=32, max_seqs=16) for _ in range(2)
@@ -40,7 +41,8 @@ class PiecewiseTests(BackendTests):
     def test_bypassed_attention_is_refused(self, backend: Backend) -> None:
         import random
 
-        from xgraph import Buckets, CaptureError, default_sizes
+        from xgraph import Buckets, CaptureError
+        from xgraph.buckets import default_sizes
 
         w = tiny_workload(backend, max_blocks=8, max_seqs=8)
         k_cache = w.cache.layers[0][0]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from xgraph.interfaces import Backend
@@ -14,6 +13,8 @@ class PoolTests(VirtualMemoryFixture):
     """SharedPhysicalPool on this backend's VMM: aliasing across spaces, max not sum, teardown."""
 
     def test_two_spaces_alias_one_chunk_with_data(self, backend: Backend, vm) -> None:  # type: ignore[no-untyped-def]
+        if vm is None:
+            return  # the fixture checked the documented absence
         from xgraph.pool import SharedPhysicalPool
 
         with SharedPhysicalPool(vm) as pool:
@@ -29,6 +30,8 @@ class PoolTests(VirtualMemoryFixture):
             del t1, t2
 
     def test_failed_capture_space_is_rolled_back(self, vm) -> None:  # type: ignore[no-untyped-def]
+        if vm is None:
+            return  # the fixture checked the documented absence
         from xgraph.pool import SharedPhysicalPool
 
         with SharedPhysicalPool(vm) as pool:
@@ -61,26 +64,49 @@ class PoolTests(VirtualMemoryFixture):
             ex(x=torch.randn(n, 256))
         return ex
 
+    def _mlp(self, backend: Backend) -> torch.nn.Module:
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(
+            torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)
+        )
+        return mlp.to(backend.device).eval()
+
+    def _falls_back_to_shared_pool(self, backend: Backend) -> None:
+        """Where pools cannot route segments: shared-physical becomes shared-pool, warned."""
+        import warnings
+
+        from xgraph import GraphMemory, XGraphWarning
+        from xgraph import memory as core_memory
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            core_memory._warned.clear()  # warned once per process: this test wants to see it
+            mem = GraphMemory(backend, "shared-physical")
+        assert mem.mode.value == "shared-pool"
+        assert any(issubclass(c.category, XGraphWarning) for c in caught)
+        mlp, sizes = self._mlp(backend), [256, 64, 128]
+        ex = self._capture_sizes(backend, mem, sizes, mlp)
+        for n in sizes:
+            x = torch.randn(n, 256)
+            with torch.no_grad():
+                self.assert_matches(backend, ex(x=x), mlp(x.to(backend.device)))
+        ex.close()
+        mem.close()
+
     def test_shared_physical_is_max_in_any_order_and_replays_match(
-        self, backend: Backend, vm
+        self, backend: Backend, vm, routes_segments: bool
     ) -> None:
+        """Where pools cannot route segments, the documented fallback instead."""
+        if vm is None:
+            return  # the fixture checked the documented absence
+        if not routes_segments:
+            return self._falls_back_to_shared_pool(backend)
         import random
 
         from xgraph import GraphMemory
 
-        support = backend.segments_support()
-        if not support.available:  # GraphMemory falls back (tested by the adapter)
-            pytest.skip(f"backend {backend.name!r} cannot route segments: {support.reason}")
-
         dev = backend.device
-        torch.manual_seed(0)
-        mlp = (
-            torch.nn.Sequential(
-                torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)
-            )
-            .to(dev)
-            .eval()
-        )
+        mlp = self._mlp(backend)
         sizes = [64, 128, 256, 512, 1024]
         alone_mem = GraphMemory(backend, "shared-physical")
         self._capture_sizes(backend, alone_mem, [max(sizes)], mlp).close()
@@ -104,7 +130,12 @@ class PoolTests(VirtualMemoryFixture):
         ex.close()
         private.close()
 
-    def test_close_returns_memory_to_baseline(self, backend: Backend, vm) -> None:  # type: ignore[no-untyped-def]
+    def test_close_returns_memory_to_baseline(  # type: ignore[no-untyped-def]
+        self, backend: Backend, vm, reports_memory: bool
+    ) -> None:
+        """By the driver's reading where the backend has one, and by the books always."""
+        if vm is None:
+            return  # the fixture checked the documented absence
         import gc
 
         from xgraph.pool import SharedPhysicalPool
@@ -112,9 +143,7 @@ class PoolTests(VirtualMemoryFixture):
         # garbage of earlier tests freed now, not between the readings (on the host the
         # reading is the whole process's resident memory)
         gc.collect()
-        before = backend.memory_in_use()
-        if before is None:
-            pytest.skip("backend reports no memory in use")
+        books, before = vm.live(), backend.memory_in_use()
         pool = SharedPhysicalPool(vm)
         n = max(8 * pool.chunk_size, 32 << 20)
         for _ in range(4):
@@ -125,7 +154,9 @@ class PoolTests(VirtualMemoryFixture):
         pool.close()
         backend.synchronize()
         after = backend.memory_in_use()
-        assert during is not None and after is not None
-        assert during - before >= 0.9 * n  # four spaces, one copy of physical memory
-        assert during - before < 2 * n
-        assert after - before < 0.1 * n, (before, during, after)
+        assert vm.live() == books
+        if reports_memory:
+            assert before is not None and during is not None and after is not None
+            assert during - before >= 0.9 * n  # four spaces, one copy of physical memory
+            assert during - before < 2 * n
+            assert after - before < 0.1 * n, (before, during, after)

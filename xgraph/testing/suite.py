@@ -20,6 +20,7 @@ from .graph import GraphTests
 from .kernels import KernelTests
 from .piecewise import PiecewiseTests
 from .pool import PoolTests
+from .reliability import ReliabilityTests
 from .sleep import SleepTests
 from .vmm import VirtualMemoryTests
 
@@ -32,6 +33,7 @@ class ConformanceSuite(
     PoolTests,
     PiecewiseTests,
     KernelTests,
+    ReliabilityTests,
     SleepTests,
 ):
     """Every conformance test; subclass it once per backend."""

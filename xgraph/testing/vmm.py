@@ -15,9 +15,13 @@ class VirtualMemoryTests(VirtualMemoryFixture):
     """VirtualMemory: reserve, create, map whole chunks, alias with data, tear down clean."""
 
     def test_granularity(self, vm) -> None:
+        if vm is None:
+            return  # the fixture checked the documented absence
         assert vm.granularity > 0 and vm.granularity % 4096 == 0
 
     def test_one_chunk_at_two_addresses_aliases(self, backend: Backend, vm) -> None:
+        if vm is None:
+            return  # the fixture checked the documented absence
         g = vm.granularity
         a, b = vm.reserve(2 * g), vm.reserve(2 * g)
         chunk = vm.create(g)
@@ -39,6 +43,8 @@ class VirtualMemoryTests(VirtualMemoryFixture):
         vm.release(b)
 
     def test_unmap_keeps_reservation_for_another_chunk(self, backend: Backend, vm) -> None:
+        if vm is None:
+            return  # the fixture checked the documented absence
         g = vm.granularity
         a = vm.reserve(g)
         c1, c2 = vm.create(g), vm.create(g)
@@ -58,6 +64,8 @@ class VirtualMemoryTests(VirtualMemoryFixture):
         vm.release(a)
 
     def test_bad_sizes_and_addresses_raise(self, vm) -> None:
+        if vm is None:
+            return  # the fixture checked the documented absence
         g = vm.granularity
         with pytest.raises(VirtualMemoryError):
             vm.create(g + 1)
@@ -70,12 +78,14 @@ class VirtualMemoryTests(VirtualMemoryFixture):
         vm.free(chunk)
         vm.release(a)
 
-    def test_teardown_returns_memory(self, backend: Backend, vm) -> None:
+    def test_teardown_returns_memory(self, backend: Backend, vm, reports_memory: bool) -> None:
+        """By the driver's reading where the backend has one, and by the books always."""
+        if vm is None:
+            return  # the fixture checked the documented absence
         g = vm.granularity
         n = max(8, (16 << 20) // g)
+        books = vm.live()
         before = backend.memory_in_use()
-        if before is None:
-            pytest.skip("backend reports no memory in use")
         a = vm.reserve(n * g)
         chunks = [vm.create(g) for _ in range(n)]
         for i, c in enumerate(chunks):
@@ -90,6 +100,9 @@ class VirtualMemoryTests(VirtualMemoryFixture):
         vm.release(a)
         backend.synchronize()
         after = backend.memory_in_use()
-        assert during is not None and after is not None
-        assert during - before >= n * g * 0.9
-        assert after - before < n * g * 0.1, (before, during, after)
+        assert vm.live() == books
+        assert (before is not None) == reports_memory
+        if reports_memory:
+            assert during is not None and after is not None
+            assert during - before >= n * g * 0.9
+            assert after - before < n * g * 0.1, (before, during, after)

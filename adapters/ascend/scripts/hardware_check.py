@@ -47,6 +47,7 @@ import torch
 import xgraph
 from xgraph import Buckets, CaptureError, GraphExecutor, GraphMemory, Input
 from xgraph.models import Workload
+from xgraph.pool import SharedPhysicalPool
 from xgraph.runners import PagedDecodeRunner
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -177,7 +178,7 @@ def check_recapture_pool(backend: Any, args: argparse.Namespace) -> str:
         assert torch.equal(y.cpu(), torch.arange(8.0) * factor), f"round {round_}"
         graph.reset()  # the pool's only graph goes: the next capture must still work
     pool.close()
-    return "3 capture/replay/reset rounds on one pool, no keeper graph"
+    return "3 capture/replay/reset rounds on one pool, kept by its keeper graph"
 
 
 def _fused_decode(backend: Any, dtype: torch.dtype, block_size: int) -> tuple[dict, float]:
@@ -261,7 +262,7 @@ def _code(exc: BaseException) -> int | None:
 def check_teardown(backend: Any, args: argparse.Namespace) -> str:
     before = backend.memory_in_use()
     assert before is not None, "the backend reports no memory in use"
-    pool = xgraph.SharedPhysicalPool(backend.virtual_memory())
+    pool = SharedPhysicalPool(backend.virtual_memory())
     n = 64 << 20
     for _ in range(4):
         backend.as_tensor(pool.new_space().alloc(n), n).fill_(1)

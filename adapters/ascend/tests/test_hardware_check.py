@@ -85,24 +85,21 @@ def test_a_failed_check_leaves_the_others_passing(make_sim, monkeypatch) -> None
     assert list(results) == ORDER
     failed = results.pop("capture_replay")
     assert failed["status"] == "FAIL" and "ACL_ERROR_RT_DRV_INTERNAL_ERROR" in failed["detail"]
-    assert "was ended through aclmdlRICaptureEnd" in failed["detail"]
     assert {r["status"] for r in results.values()} == {"PASS"}, results
     assert rt.books() == dict.fromkeys(rt.books(), 0)
 
 
-def test_without_isolation_the_same_failure_fails_the_next_check(make_sim, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The control: one backend (one capture stream) for every check and no cleanup."""
+def test_without_isolation_the_device_layer_still_recovers(make_sim, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """One backend (one capture stream) for every check and no cleanup by the script: the
+    capture that could not be ended is given up by the adapter itself (a new capture
+    stream, pools parked), so the next check passes all the same."""
     module = _script()
     backend = make_sim()
     rt = backend.runtime
     failing = _capture_end_fails_during(module, rt)
     monkeypatch.setattr(module, "fresh_backend", lambda b: b)
     monkeypatch.setattr(module, "end_stuck_capture", lambda b: "")
-    try:
-        first = module.run_check(failing, backend, _args())
-        second = module.run_check(module.check_recapture_pool, backend, _args())
-    finally:
-        monkeypatch.undo()
-        module.end_stuck_capture(backend)  # leave no capture open in this thread
-    assert first["status"] == "FAIL" and second["status"] == "FAIL", second
+    first = module.run_check(failing, backend, _args())
+    second = module.run_check(module.check_recapture_pool, backend, _args())
+    assert first["status"] == "FAIL" and second["status"] == "PASS", second
     assert not rt.is_capturing(backend.capture_stream())

@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 
-import xgraph
 from xgraph import GraphExecutor, GraphMemory, Input, XGraphError, XGraphWarning
+from xgraph.pool import SharedPhysicalPool
 from xgraph.routing import callback_pointers, routing
 
 SIZES = [64, 128, 256, 512, 1024]
@@ -122,7 +122,7 @@ def test_context_era_falls_back_to_shared_pool_with_one_warning(make_sim, monkey
     mem.close()
     mem2.close()
     with pytest.raises(XGraphError, match="Routed capture pools are refused"):
-        backend.new_pool(segments=xgraph.SharedPhysicalPool(backend.virtual_memory()).new_space())
+        backend.new_pool(segments=SharedPhysicalPool(backend.virtual_memory()).new_space())
     assert backend.runtime.lib.violations == []
 
 
@@ -130,7 +130,7 @@ def test_context_era_hazard_is_what_the_simulator_shows(make_sim) -> None:  # ty
     """Why the fallback: a routed pool's segments are freed with aclrtFree on VMM addresses."""
     backend = make_sim(era="context")
     rt = backend.runtime
-    physical = xgraph.SharedPhysicalPool(backend.virtual_memory())
+    physical = SharedPhysicalPool(backend.virtual_memory())
     space = physical.new_space()
     mempool = rt.new_mempool(rt.custom_allocator(*callback_pointers()))
     graph, side = rt.new_graph(), rt.new_stream()

@@ -173,11 +173,6 @@ def test_a_driver_that_cannot_update_says_to_upgrade(sim) -> None:  # type: igno
     pool.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AclRuntimeError,
-    reason="the simulated task_update_begin (sim/runtime.py) still refuses with 107037",
-)
 def test_an_update_while_a_replay_may_run_is_a_recorded_violation(sim) -> None:  # type: ignore[no-untyped-def]
     """The runtime does not check (StreamBeginTaskUpdate): on hardware the race is silent, so
     the simulator records it instead of failing the call (107037 comes only from

@@ -1,6 +1,7 @@
 """The runtime facade: the only code of the adapter that touches torch_npu and libascendcl.
 
-`NpuRuntime` lists everything the adapter asks of the NPU stack; `TorchNpuRuntime` is the
+`NpuRuntime` lists everything the adapter asks of the NPU stack: the core's TorchRuntime
+port (what xgraph's device layer drives) and what is Ascend's own. `TorchNpuRuntime` is the
 real one (torch_npu + libascendcl through ctypes); `xgraph_ascend.sim.SimRuntime` is the
 simulated one used by the `ascend-sim` backend. The rest of the adapter runs unchanged on
 either: it never imports torch_npu, never loads a library, never patches sys.modules.
@@ -16,17 +17,17 @@ import ctypes
 import enum
 import importlib
 import threading
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
 
 import torch
 
+from xgraph.adapter import PoolId, TorchRuntime
+
 from . import dlpack
 from .acl import AclFunctions
-
-PoolId = tuple[int, int]
 
 
 class PoolEra(str, enum.Enum):
@@ -36,78 +37,37 @@ class PoolEra(str, enum.Enum):
     CONTEXT = "context"  # MemPoolContext era: allocation routed, frees via a bare aclrtFree
 
 
-class NpuRuntime(ABC):
-    """torch_npu and libascendcl as the adapter uses them; one object per device."""
+class NpuRuntime(TorchRuntime):
+    """torch_npu and libascendcl as the adapter uses them; one object per device.
+
+    The TorchRuntime part (streams, graphs, MemPools, memory) is what the core's device layer
+    drives; below it, what is Ascend's own: the ACL function table, the memory-pool era,
+    graph task updates and the fused attention kernel.
+    """
 
     name: str
     era: PoolEra
     acl: AclFunctions
-    device: torch.device
     device_index: int
-
-    # -- device and streams ----------------------------------------------------------------
-
-    @abstractmethod
-    def synchronize(self) -> None:
-        """Block until every queued task of the device has finished."""
 
     @abstractmethod
     def ensure_device(self) -> None:
         """Make the device current in this thread (aclrt calls need a context)."""
 
     @abstractmethod
-    def new_stream(self) -> Any:
-        """A new non-default stream of the device."""
-
-    @abstractmethod
-    def current_stream(self) -> Any:
-        """This thread's current stream."""
-
-    @abstractmethod
-    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        """Make `stream` current in this thread for the block."""
-
-    @abstractmethod
     def stream_handle(self, stream: Any) -> int:
         """The aclrtStream of a stream (for direct ACL calls)."""
 
-    @abstractmethod
-    def is_capturing(self, stream: Any) -> bool:
-        """Whether `stream` is capturing a graph."""
-
-    # -- graphs and pools ------------------------------------------------------------------
-
-    @abstractmethod
-    def new_graph(self) -> Any:
-        """An NPUGraph: capture_begin(pool, capture_error_mode), capture_end, replay, reset."""
-
-    @abstractmethod
-    def new_mempool(self, allocator: Any | None) -> Any:
-        """A MemPool (`.id`), drawing segments from `allocator` when given."""
-
-    @abstractmethod
-    def custom_allocator(self, alloc_fn: int, free_fn: int) -> Any:
-        """torch_npu's pluggable allocator over two C function pointers."""
-
-    @abstractmethod
-    def use_mem_pool(self, mempool: Any) -> contextlib.AbstractContextManager[Any]:
-        """This thread's NPU allocations in the block come from `mempool` (use_mem_pool)."""
-
-    @abstractmethod
-    def mempool_use_count(self, mempool: Any) -> int:
-        """The caching allocator's use count of the pool (1 where torch_npu cannot say)."""
-
-    @abstractmethod
-    def end_allocate_to_pool(self, pool_id: PoolId) -> bool:
-        """Stop routing this thread's allocations to the pool; False if they were not."""
-
-    @abstractmethod
-    def release_pool(self, pool_id: PoolId) -> None:
-        """Drop one use of the pool (what a graph's reset does)."""
-
-    @abstractmethod
-    def pool_bytes(self, pool_id: PoolId, mempool: Any) -> int:
-        """Bytes of segments the caching allocator holds for the pool."""
+    def end_capture(self, stream: Any) -> bool:
+        """End a capture torch_npu could not end through aclmdlRICaptureEnd (and destroy the
+        model it returns); False where libascendcl lacks the calls or refuses."""
+        if not self.acl.has("aclmdlRICaptureEnd", "aclmdlRIDestroy"):
+            return False
+        ri = ctypes.c_void_p()
+        rc = self.acl.aclmdlRICaptureEnd(self.stream_handle(stream), ctypes.byref(ri))
+        if ri.value:
+            self.acl.aclmdlRIDestroy(ri.value)
+        return rc == 0
 
     # -- graph task update -----------------------------------------------------------------
 
@@ -161,18 +121,7 @@ class NpuRuntime(ABC):
     ) -> torch.Tensor | None:
         """The largest workspace the op may need for these shapes (allocated once)."""
 
-    # -- memory and reporting --------------------------------------------------------------
-
-    @abstractmethod
-    def as_tensor(self, address: int, nbytes: int) -> torch.Tensor:
-        """A uint8 device tensor over memory the caller keeps alive."""
-
-    @abstractmethod
-    def mem_get_info(self) -> tuple[int, int]:
-        """(free, total) bytes of device memory as the driver sees them."""
-
-    @abstractmethod
-    def empty_cache(self) -> None: ...
+    # -- reporting -------------------------------------------------------------------------
 
     @abstractmethod
     def device_name(self) -> str: ...
@@ -288,36 +237,19 @@ class TorchNpuRuntime(NpuRuntime):
     def custom_allocator(self, alloc_fn: int, free_fn: int) -> Any:
         return self._tn._C._npu_customAllocator(alloc_fn, free_fn)
 
-    def use_mem_pool(self, mempool: Any) -> contextlib.AbstractContextManager[Any]:
-        return self._tn.npu.memory.use_mem_pool(mempool)  # vllm-ascend's sleep mode uses it
+    def use_mem_pool(self, mempool: Any) -> contextlib.AbstractContextManager[Any] | None:
+        return self._tn.npu.memory.use_mem_pool(mempool)  # what vllm-ascend's sleep mode uses
 
-    def mempool_use_count(self, mempool: Any) -> int:
-        fn = getattr(mempool, "use_count", None)
-        return int(fn()) if fn is not None else 1
-
-    def end_allocate_to_pool(self, pool_id: PoolId) -> bool:
+    def end_allocate_to_pool(self, pool_id: PoolId) -> None:
         c = self._tn._C
-        end = getattr(c, "_npu_endAllocateToPool", None) or getattr(
-            c, "_npu_endAllocateCurrentStreamToPool", None
-        )
-        if end is None:
-            return False
-        try:
-            end(self.device_index, pool_id)
-            return True
-        except Exception:  # nothing was routed to the pool: nothing to undo
-            return False
+        end = getattr(c, "_npu_endAllocateToPool", None) or c._npu_endAllocateCurrentStreamToPool
+        end(self.device_index, pool_id)
 
     def release_pool(self, pool_id: PoolId) -> None:
         self._tn._C._npu_releasePool(self.device_index, pool_id)
 
-    def pool_bytes(self, pool_id: PoolId, mempool: Any) -> int:
-        snap = getattr(mempool, "snapshot", None)
-        segments = snap() if snap is not None else self._tn.npu.memory_snapshot()
-        want = tuple(pool_id)
-        return sum(
-            int(s["total_size"]) for s in segments if tuple(s.get("segment_pool_id", ())) == want
-        )
+    def memory_snapshot(self) -> list[dict[str, Any]]:
+        return list(self._tn.npu.memory_snapshot())
 
     # -- graph task update -----------------------------------------------------------------
 

@@ -2,12 +2,13 @@
 
 Capture side (per op): `event.wait(s); event.reset(s)` become graph nodes, then the op is
 launched inside `graph_task_group_begin(s) ... graph_task_group_end(s)`, which returns the
-group's handle. Replay side (before every replay, all ops of the graph): synchronize, so the
-previous replay has finished reading the old parameters; then, on the update stream,
-`graph_task_update_begin(u, handle)`, the same op with this step's host values,
-`graph_task_update_end(u)`, `event.record(u)`: the graph's captured wait holds the op until
-its update is in. An update that never runs leaves the wait unreleased (a hang on an NPU),
-never a silent stale launch.
+group's handle. Replay side (before every replay, all ops of the graph): synchronize (the
+backend's: this thread's stream while another thread captures, where a device-wide
+synchronize would fail), so the previous replay has finished reading the old parameters;
+then, on the update stream, `graph_task_update_begin(u, handle)`, the same op with this
+step's host values, `graph_task_update_end(u)`, `event.record(u)`: the graph's captured
+wait holds the op until its update is in. An update that never runs leaves the wait
+unreleased (a hang on an NPU), never a silent stale launch.
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ class _Update:
 class TaskUpdates:
     """The task-updated ops of one captured graph; called before each replay."""
 
-    def __init__(self, runtime: NpuRuntime, update_stream: Any) -> None:
+    def __init__(
+        self, runtime: NpuRuntime, update_stream: Any, synchronize: Callable[[], None]
+    ) -> None:
         self.runtime = runtime
         self.update_stream = update_stream
+        self.synchronize = synchronize  # the backend's: never a device-wide call that fails
         self.items: list[_Update] = []
 
     def record(self, launch: Launch, params: Callable[[], Any]) -> None:
@@ -59,7 +63,7 @@ class TaskUpdates:
     def __call__(self) -> None:
         """Before a replay: re-launch every op with this step's parameters."""
         rt, u = self.runtime, self.update_stream
-        rt.synchronize()  # the previous replay must be done with the parameters we replace
+        self.synchronize()  # the previous replay must be done with the parameters we replace
         try:
             with rt.use_stream(u):
                 for item in self.items:

@@ -6,12 +6,14 @@ skip) on machines without a GPU, cuda-python or a CUDA build of torch.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
 import torch
 
 import xgraph
+from xgraph.pool import SharedPhysicalPool
 from xgraph.testing import ConformanceSuite
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -19,17 +21,54 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 class TestCUDAConformance(ConformanceSuite):
     backend_name = "cuda"
+    busy_width, busy_depth = 4096, 24  # replays that keep an H200 busy for milliseconds
+
+    @pytest.fixture(
+        params=[("create", 1), ("create", 3), ("map", 2), ("access", 2), ("reserve", 1)]
+    )
+    def driver_failure(self, request):  # type: ignore[no-untyped-def]
+        return request.param
+
+    @pytest.fixture
+    def inject_driver_failure(self, monkeypatch):  # type: ignore[no-untyped-def]
+        """The n-th cuMem call of a kind returns CUDA_ERROR_OUT_OF_MEMORY, in the driver."""
+        from cuda.bindings import driver as cu
+
+        calls = {
+            "create": "cuMemCreate",
+            "map": "cuMemMap",
+            "access": "cuMemSetAccess",
+            "reserve": "cuMemAddressReserve",
+        }
+
+        @contextlib.contextmanager
+        def inject(kind: str, nth: int):  # type: ignore[no-untyped-def]
+            call = calls[kind]
+            real, seen = getattr(cu, call), {"n": 0}
+
+            def failing(*args):  # type: ignore[no-untyped-def]
+                seen["n"] += 1
+                if seen["n"] == nth:
+                    oom = cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+                    return (oom,) if kind in ("map", "access") else (oom, None)
+                return real(*args)
+
+            monkeypatch.setattr(cu, call, failing)
+            try:
+                yield
+            finally:
+                monkeypatch.setattr(cu, call, real)
+
+        return inject
 
 
 @needs_cuda
 def test_routed_pool_places_capture_segments_in_the_address_space(backend) -> None:  # type: ignore[no-untyped-def]
-    from xgraph_cuda.pool import CUDACapturePool
-
     vm = backend.virtual_memory()
     live = vm.live()
-    physical = xgraph.SharedPhysicalPool(vm)
+    physical = SharedPhysicalPool(vm)
     space = physical.new_space()
-    pool = CUDACapturePool(segments=space, device=backend.device)
+    pool = backend.new_pool(segments=space)
     graph = backend.new_graph()
     dev = backend.device
     x = torch.randn(64, 256, device=dev)

@@ -299,7 +299,7 @@ def test_attention_choice_follows_the_environment(monkeypatch) -> None:  # type:
 @needs_cuda
 def test_backend_hands_out_the_triton_runners(backend, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.delenv(cuda_attention.ATTENTION_ENV, raising=False)
-    runners = backend.attention_runners()
+    runners = backend.kernels().attention
     assert isinstance(runners["decode"], TritonPagedDecodeRunner)
     assert runners["decode"].graph_safe and not runners["prefill"].graph_safe
 

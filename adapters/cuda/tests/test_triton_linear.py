@@ -71,13 +71,14 @@ def test_the_kernel_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch
 
 @needs_cuda
 def test_the_reference_model_decodes_the_same_with_and_without_the_kernel(backend) -> None:  # type: ignore[no-untyped-def]
-    """At batch 1 the model's projections go through the installed kernel (get_backend
-    installed it) and agree with cuBLAS's within bf16 rounding."""
+    """At batch 1 the model's projections go through the installed kernel (activating the
+    backend installs it) and agree with cuBLAS's within bf16 rounding."""
     import random
 
     import xgraph.linear as core_linear
     from xgraph.models import Workload
 
+    backend.activate()
     assert core_linear.installed("cuda") is skinny.linear
     w = Workload.tiny(device="cuda", dtype=torch.bfloat16, num_blocks=64, max_seqs=4)
     step = w.decode_step(random.Random(3), 1)

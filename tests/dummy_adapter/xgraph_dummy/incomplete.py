@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from xgraph import Availability, Backend, CapturePool, CheckedGraph
-from xgraph.hooks import BackendSpec, hookimpl
+from xgraph.adapter import Availability, Backend, BackendSpec, CapturePool, CheckedGraph, hookimpl
 
 
 class HalfGraph(CheckedGraph):

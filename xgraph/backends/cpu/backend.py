@@ -19,7 +19,6 @@ class CPUBackend(Backend):
     """Recorded-op graphs on the host; memfd-backed VMM, so pools behave as on a GPU."""
 
     name = "cpu"
-    priority = 0
     graph_class = CPUGraph
     virtual_memory_class = HostVirtualMemory if hasattr(os, "memfd_create") else None
 

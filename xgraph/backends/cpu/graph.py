@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...graphs import CheckedGraph
 from ...interfaces import CapturePool
 from .pool import HostCachingPool
 from .tape import OpTape
 
+if TYPE_CHECKING:
+    from .backend import CPUBackend
+
 
 class CPUGraph(CheckedGraph):
     """Records the ops of a capture on the host and re-executes them on replay."""
 
     pool_type = HostCachingPool
+    backend: CPUBackend
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: CPUBackend) -> None:
         super().__init__(backend)
         self.tape = OpTape()
 

@@ -157,6 +157,12 @@ class HostCachingPool(CapturePool):
     def reserved_bytes(self) -> int:
         return sum(s for _, s in self._segs)
 
+    def live_blocks(self) -> int:
+        """Blocks handed out and not freed yet (a pool with none can give its segments back)."""
+        with self._lock:
+            self._drain()
+            return len(self._used)
+
     def _release(self) -> None:
         with self._lock:
             segs, self._segs = self._segs, []

@@ -9,6 +9,13 @@ records become tensors over the same addresses (`seal`). Replay re-executes each
 tensors and writes its result into the recorded output: results follow new input values
 while the op sequence and every address stay fixed. Python control flow, host scalars and
 host reads are frozen at capture, which is what makes this a faithful stand-in for a GPU graph.
+
+Collectives (torch.distributed's c10d ops and functional collectives, on gloo) are recorded
+like any op and issued again on replay, so every rank must replay together, as with NCCL in
+a CUDA graph. They run asynchronously, so replay waits for each one before the next op, as
+the capture did: a c10d op returns a Work (waited), a functional collective a tensor
+(`wait_tensor`). c10d schemas declare no aliasing, so their tensor arguments, written in
+place, are never taken for fresh outputs.
 """
 
 from __future__ import annotations
@@ -34,6 +41,39 @@ _EMPTY_OPS = {
 }
 
 _buffer_types: dict[int, type] = {}
+
+Wait = Callable[[Any], None]
+
+# functional collectives' helpers: they wait for or wrap a collective's result, no device work
+_FUNCTIONAL_WRAPPERS = {
+    "_c10d_functional::wait_tensor",
+    "_c10d_functional::_wrap_tensor_autograd",
+}
+
+
+def _wait_work(index: int | None) -> Wait:
+    def wait(res: Any) -> None:
+        (res if index is None else res[index]).wait()
+
+    return wait
+
+
+def _wait_tensors(res: Any) -> None:
+    for t in res if isinstance(res, (list, tuple)) else [res]:
+        torch.ops._c10d_functional.wait_tensor(t)
+
+
+def collective_wait(func: Any) -> Wait | None:
+    """How to wait for `func`'s result if it is a collective: None for every other op."""
+    schema = func._schema
+    ns = schema.name.split("::")[0]
+    if ns == "c10d":
+        works = [i for i, r in enumerate(schema.returns) if str(r.type).endswith(".Work")]
+        if works:
+            return _wait_work(works[0] if len(schema.returns) > 1 else None)
+    elif ns == "_c10d_functional" and schema.name not in _FUNCTIONAL_WRAPPERS:
+        return _wait_tensors
+    return None
 
 
 def _buffer(address: int, nbytes: int) -> ctypes.Array:
@@ -75,6 +115,7 @@ class _TapeOp:
     spec: Any
     outs: list[tuple[int, int | None, _PoolRef]]  # (return index, list index, destination)
     multi: bool  # several returns (a tuple)
+    wait: Wait | None = None  # a collective: wait for its result on replay
 
 
 class OpTape:
@@ -83,7 +124,7 @@ class OpTape:
     def __init__(self) -> None:
         self._pool: HostCachingPool | None = None
         self._tape: list[_TapeOp] = []
-        self._program: list[tuple[Callable, tuple, dict, list, bool]] = []
+        self._program: list[tuple[Callable, tuple, dict, list, bool, Wait | None]] = []
 
     def begin(self, pool: HostCachingPool) -> None:
         """Start a recording whose fresh tensors live in `pool`."""
@@ -95,8 +136,10 @@ class OpTape:
         func = None
         with torch.no_grad():
             try:
-                for func, args, kwargs, outs, multi in self._program:
+                for func, args, kwargs, outs, multi, wait in self._program:
                     res = func(*args, **kwargs)
+                    if wait is not None:
+                        wait(res)
                     for i, j, dst in outs:
                         r = res[i] if multi else res
                         dst.copy_(r if j is None else r[j])
@@ -126,6 +169,8 @@ class OpTape:
         return torch.empty(0, dtype=t.dtype).set_(pst, t.storage_offset(), t.shape, t.stride())
 
     def _leaf(self, x: Any) -> Any:
+        if type(x).__name__ == "AsyncCollectiveTensor":  # a functional collective's result,
+            x = x.elem  # already waited for: the plain tensor, in the pool
         if isinstance(x, torch.Tensor):
             pool = self._pool
             assert pool is not None
@@ -141,6 +186,13 @@ class OpTape:
         """Record one op that ran; its fresh outputs move into the pool (returned instead)."""
         schema = func._schema
         multi = len(schema.returns) > 1
+        wait = collective_wait(func)
+        if schema.name in _FUNCTIONAL_WRAPPERS:
+            return out  # the collective's own record waits (at capture and on replay)
+        if wait is not None and schema.name.startswith("c10d::"):
+            return self._record_in_place(func, args, kwargs, out, multi, wait)
+        if wait is not None:
+            wait(out)  # complete before it is copied into the pool
         rets = list(out) if multi else [out]
         outs: list[tuple[int, int | None, _PoolRef]] = []
         for i, (r, rs) in enumerate(zip(rets, schema.returns)):
@@ -162,8 +214,16 @@ class OpTape:
         mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
         pure_view = not outs and not mutates
         if name not in _EMPTY_OPS and not pure_view:
-            self._tape.append(_TapeOp(func, flat, spec, outs, multi))
+            self._tape.append(_TapeOp(func, flat, spec, outs, multi, wait))
         return tuple(rets) if multi else rets[0]
+
+    def _record_in_place(
+        self, func: Any, args: tuple, kwargs: dict, out: Any, multi: bool, wait: Wait
+    ) -> Any:
+        """A c10d collective: it writes its tensor arguments; the caller waits on its Work."""
+        flat, spec = tree_flatten((args, kwargs))
+        self._tape.append(_TapeOp(func, [self._leaf(x) for x in flat], spec, [], multi, wait))
+        return out
 
     def seal(self) -> None:
         """Turn the tape's address records into tensors over the same (still mapped) memory."""
@@ -181,6 +241,6 @@ class OpTape:
             leaves = [tensor(x) if isinstance(x, _PoolRef) else x for x in e.flat]
             args, kwargs = tree_unflatten(leaves, e.spec)
             outs = [(i, j, tensor(r)) for i, j, r in e.outs]
-            program.append((e.func, tuple(args), dict(kwargs), outs, e.multi))
+            program.append((e.func, tuple(args), dict(kwargs), outs, e.multi, e.wait))
         self._tape = []
         self._program = program

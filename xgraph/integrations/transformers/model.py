@@ -68,7 +68,7 @@ class GraphModel:
         model: a transformers *ForCausalLM (an object; see `from_pretrained` for a folder).
         backend: a backend name or object, or None (XGRAPH_BACKEND, else the best one). The
             model is moved to its device.
-        buckets: num_tokens buckets (default: xgraph.default_sizes(max_num_tokens)).
+        buckets: num_tokens buckets (default: xgraph.buckets.default_sizes(max_num_tokens)).
         mode, memory, on_capture_error, name: passed to the GraphExecutor.
         limits / block_size, max_model_len, max_seqs, num_blocks, max_num_tokens: see Limits.
     """

@@ -1,0 +1,134 @@
+"""What the ranks agree on each step: one fixed-size message per rank, one rule for all.
+
+Each rank sends what its own plan chose (kind, padded key sizes, or why it runs eagerly),
+its real token count, the size of its graph cache and its tensor-parallel group; every rank
+then applies the same rule to the same table, so all reach the same decision without a
+second round:
+
+- the path is the least of the ranks' (eager < piecewise < full): one eager rank (overflow,
+  `mode`, a forced kind) makes every rank eager; a prefill among decodes makes all piecewise;
+- every key dim is padded to the largest size any rank needs (data-parallel ranks pad to the
+  group's largest token count);
+- a communication dim (`Parallel(comm_dims=...)`) takes the largest real token count of the
+  group, padded by its own buckets, and joins the key; above its buckets every rank is eager;
+- idle ranks (no tokens) take what the others agree; when every rank is idle nothing runs.
+
+The table also proves the ranks are in step: their graph caches hold as many graphs and
+eager keys, and the ranks of one tensor-parallel group were given the same step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..buckets import Buckets
+from ..options import Kind
+from ..steps import Step
+from .channel import STEP
+
+# message fields
+F_TAG, F_STATUS, F_KIND, F_REASON, F_TOKENS, F_GRAPHS, F_EAGER_KEYS, F_TP = range(8)
+F_DIMS = 8  # the key dims' sizes, in the planner's key order
+MAX_DIMS = 8
+
+OK, REFUSED, IDLE = 0, 1, 2
+KIND_CODE = {Kind.EAGER: 0, Kind.PIECEWISE: 1, Kind.FULL: 2}
+KINDS = {v: k for k, v in KIND_CODE.items()}
+REASONS = ["", "mode", "above largest bucket", "not decode (mode='full')", "warm-up"]
+
+
+def reason_code(reason: str) -> int:
+    return REASONS.index(reason) if reason in REASONS else len(REASONS)
+
+
+def reason_text(code: int) -> str:
+    return REASONS[code] if code < len(REASONS) else "another reason"
+
+
+@dataclass
+class Agreed:
+    """The step every rank runs: its kind (None: every rank idle) and padding."""
+
+    kind: Kind | None
+    pad_to: dict[str, int] = field(default_factory=dict)  # graph kinds: every key dim
+    comm: dict[str, int] = field(default_factory=dict)  # comm dims as the forward sees them
+    reason: str = ""  # eager: why
+    tokens: int = 0  # the largest real token count of the group
+
+
+def message(
+    step: Step | None, status: int, dims: Sequence[str], cache: tuple[int, int], tp: int
+) -> list[int]:
+    """This rank's message (`step` None: refused or idle)."""
+    out = [STEP, status, 3, 0, 0, cache[0], cache[1], tp] + [-1] * len(dims)
+    if step is not None:
+        out[F_KIND] = KIND_CODE[step.kind]
+        out[F_REASON] = reason_code(step.reason)
+        out[F_TOKENS] = step.num_tokens
+        sizes = step.padded if step.kind is not Kind.EAGER else step.sizes
+        for i, d in enumerate(dims):
+            out[F_DIMS + i] = sizes.get(d, -1)
+    return out
+
+
+def decide(table: list[list[int]], dims: Sequence[str], comm: dict[str, Buckets]) -> Agreed:
+    """The agreed step (the table holds no refusal: the caller handles those first)."""
+    busy = [(r, m) for r, m in enumerate(table) if m[F_STATUS] == OK]
+    if not busy:
+        return Agreed(None)
+    code = min(m[F_KIND] for _, m in busy)
+    kind = KINDS[code]
+    tokens = max(m[F_TOKENS] for _, m in busy)
+    reason = ""
+    if kind is Kind.EAGER:
+        r, m = next((r, m) for r, m in busy if m[F_KIND] == code)
+        reason = f"rank {r}: {reason_text(m[F_REASON])}"
+    sizes: dict[str, int] = {}
+    for name, b in comm.items():
+        p = b.pad(tokens)
+        if p is None and kind is not Kind.EAGER:
+            kind, reason = Kind.EAGER, f"{name}={tokens} above its largest bucket {b.max}"
+        sizes[name] = tokens if p is None else p
+    if kind is Kind.EAGER:
+        return Agreed(kind, {}, sizes, reason, tokens)
+    pad_to: dict[str, int] = {}
+    for i, d in enumerate(dims):
+        need = [m[F_DIMS + i] for _, m in busy if m[F_DIMS + i] >= 0]
+        if need:
+            pad_to[d] = max(need)
+    pad_to.update(sizes)
+    return Agreed(kind, pad_to, sizes, reason, tokens)
+
+
+def divergence(table: list[list[int]]) -> str | None:
+    """Why the table shows ranks out of step (caches differ), or None."""
+    caches = {(m[F_GRAPHS], m[F_EAGER_KEYS]) for m in table}
+    if len(caches) > 1:
+        seen = ", ".join(
+            f"rank {r}: {m[F_GRAPHS]} graphs, {m[F_EAGER_KEYS]} eager keys"
+            for r, m in enumerate(table)
+        )
+        return f"the ranks' graph caches differ ({seen})"
+    return None
+
+
+def tp_mismatch(table: list[list[int]]) -> str | None:
+    """Ranks of one tensor-parallel group given different steps, named; or None."""
+    groups: dict[int, list[int]] = {}
+    for r, m in enumerate(table):
+        if m[F_TP] >= 0:
+            groups.setdefault(m[F_TP], []).append(r)
+    for ranks in groups.values():
+        seen = {tuple(table[r][F_STATUS : F_TOKENS + 1]) + tuple(table[r][F_DIMS:]) for r in ranks}
+        if len(seen) > 1:
+            what = ", ".join(
+                f"rank {r}: {table[r][F_TOKENS]} tokens"
+                + (" (idle)" if table[r][F_STATUS] == IDLE else "")
+                for r in ranks
+            )
+            return (
+                f"ranks {ranks} form one tensor-parallel group but were given different steps "
+                f"({what}); the ranks of a tensor-parallel group must run the same batch"
+            )
+    return None

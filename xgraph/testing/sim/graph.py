@@ -1,0 +1,193 @@
+"""The simulated torch graph: torch.cuda.CUDAGraph's rules over a recorder of host ops.
+
+- capture_begin(pool, capture_error_mode): refuses an unknown mode, the default stream, a
+  stream already capturing and an instance that holds a capture; then, in torch's order,
+  routes the thread's allocations to the pool (a use of it), takes the host allocator's
+  record of the pool id, and only then begins the runtime's capture, so a begin that fails
+  leaves both behind, as torch does.
+- capture_end: ends the runtime's capture first and raises on failure before anything else
+  (the release branches' order), keeping the pool's use, the thread's routing and the host
+  allocator's routing of the id. A capture_end that failed must not be called again (on
+  torch_npu master that asserts `num_active_captures_ > 0`): the simulator records it.
+- replay: re-runs the recorded ops; they count as queued on the current stream until it
+  synchronizes.
+- reset: gives back the pool use and the host use of a completed capture, and only of one.
+The recorder is a TorchDispatchMode of the capturing thread: it records the ops issued on
+the capture stream into an OpTape whose fresh tensors land in the pool; ops issued on other
+streams run unrecorded.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode,
+)
+
+from xgraph.backends.cpu import OpTape
+
+from .caching import PoolId, PrivatePool, graph_pool_id
+
+if TYPE_CHECKING:
+    from .runtime import SimRuntime
+    from .streams import SimStream
+
+MODES = ("global", "thread_local", "relaxed")
+
+
+class SimRecorder(TorchDispatchMode):
+    """One capture's recording; entered in the capturing thread by `start`."""
+
+    def __init__(self, runtime: SimRuntime, stream: SimStream, pool: PrivatePool) -> None:
+        super().__init__()
+        self.runtime, self.stream = runtime, stream
+        self.thread = threading.get_ident()
+        self.tape = OpTape()
+        self.tape.begin(pool.cache)
+        self.attached = False  # its dispatch mode is on the capturing thread's stack
+        self.invalid: int = 0  # the code that invalidated the capture, if any
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.runtime.streams.current() is not self.stream:
+            return out  # another stream: runs, is not recorded
+        return self.tape.record(func, args, kwargs, out)
+
+    def start(self) -> None:
+        self.__enter__()
+        self.attached = True
+        self.stream.capture = self
+
+    def detach(self) -> None:
+        """Leave the capturing thread (the stream may go on capturing, recording nothing)."""
+        if not self.attached:
+            return
+        if _get_current_dispatch_mode() is not self:
+            raise RuntimeError(
+                "simulated capture end: another TorchDispatchMode is still active above the "
+                "capture's recorder; modes entered during a capture must be left before it ends"
+            )
+        self.__exit__(None, None, None)
+        self.attached = False
+
+    def stop(self) -> int:
+        """End the capture on its stream; 0, or the code that invalidated it."""
+        self.detach()
+        self.stream.capture = None
+        with _disable_current_modes():  # sealing builds tensors: not recorded
+            self.tape.seal()
+        return self.invalid
+
+    def replay(self) -> None:
+        self.tape.replay()
+
+    def drop(self) -> None:
+        self.tape.clear()
+
+
+class SimGraph:
+    """One torch graph instance (see the module docstring for its rules)."""
+
+    BEGIN, END, REPLAY = "capture_begin", "capture_end", "replay"  # fault names of the calls
+
+    def __init__(self, runtime: SimRuntime) -> None:
+        self._rt = runtime
+        self._recording: Any = None
+        self._pool_id: PoolId | None = None
+        self._state = "empty"  # -> "capturing" -> "captured" -> (reset) "empty"
+        self._end_failed = False
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        rt = self._rt
+        if capture_error_mode not in MODES:
+            raise RuntimeError(f"Unknown capture_error_mode {capture_error_mode!r}; use {MODES}")
+        if self._state != "empty":
+            raise RuntimeError(
+                "This graph instance already owns a captured graph or a capture. To capture "
+                "a new graph, create a new instance (or reset() this one)."
+            )
+        stream = rt.streams.current()
+        if stream.is_default:
+            raise RuntimeError("Graphs must be captured on a non-default stream.")
+        if stream.capture is not None:
+            raise rt.error(rt.STREAM_CAPTURED, self.BEGIN, "the stream is already capturing")
+        given = tuple(pool) if pool is not None else (0, 0)
+        pool_id: PoolId = (given[0], given[1]) if given != (0, 0) else graph_pool_id()
+        private = rt.caching.begin_allocate_to_pool(pool_id)
+        self._pool_id = pool_id
+        rt.caching.host_begin(pool_id)
+        rt.check_fault(self.BEGIN)
+        self._recording = self._recorder(stream, private, capture_error_mode)
+        self._recording.start()
+        self._state = "capturing"
+
+    def _recorder(self, stream: SimStream, pool: PrivatePool, mode: str) -> Any:
+        return SimRecorder(self._rt, stream, pool)
+
+    def _end_recording(self) -> int:
+        """End the runtime's capture: 0, or the code it failed with (the stream may go on
+        capturing)."""
+        code = self._rt.faults.check(self.END)
+        if code:
+            self._recording.detach()  # nothing ended the capture: its stream still captures
+            return code
+        return int(self._recording.stop())
+
+    def _end_error(self, code: int) -> Exception:
+        return self._rt.error(code, self.END, "the capture could not be ended")
+
+    def capture_end(self) -> None:
+        rt = self._rt
+        if self._state != "capturing":
+            raise RuntimeError("capture_end: this graph is not capturing")
+        if self._end_failed:
+            rt.violation("capture_end was called again after it failed on the same capture")
+            raise RuntimeError("capture_end: this capture's end already failed")
+        code = self._end_recording()
+        if code:
+            self._end_failed = True
+            raise self._end_error(code)
+        assert self._pool_id is not None
+        rt.caching.end_allocate_to_pool(self._pool_id)
+        rt.caching.host_end(self._pool_id)
+        self._state = "captured"
+
+    def replay(self) -> None:
+        rt = self._rt
+        if self._state != "captured":
+            raise RuntimeError("replay: this graph holds no completed capture")
+        rt.check_fault(self.REPLAY)
+        try:
+            self._recording.replay()
+        finally:
+            rt.mark_busy()
+
+    def _destroy(self) -> None:
+        """Give back what the runtime made for a completed capture (nothing here)."""
+
+    def _recording_on(self) -> bool:
+        """Whether this graph's capture still records (reset must wait for its end)."""
+        return self._recording is not None and self._recording.attached
+
+    def reset(self) -> None:
+        rec, state = self._recording, self._state
+        if state == "capturing" and self._recording_on():
+            raise RuntimeError("reset() during its capture: end the capture first")
+        if state == "captured":
+            assert self._pool_id is not None
+            self._destroy()
+            self._rt.caching.release_pool(self._pool_id)
+            self._rt.caching.host_release(self._pool_id)
+        if rec is not None:
+            rec.drop()
+        self._recording, self._state, self._end_failed = None, "empty", False
+
+    def pool(self) -> PoolId:
+        if self._state != "captured" or self._pool_id is None:
+            raise RuntimeError("pool: this graph holds no completed capture")
+        return self._pool_id

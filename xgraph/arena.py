@@ -12,11 +12,14 @@ The output buffers stay in torch's allocator: a caller may hold views of the las
 past a step, a close, or an exception's traceback, so their memory must go with the last
 view, which a driver allocation that sleep unmaps cannot promise.
 
-Input buffers go when the executor closes (nothing reads them any more). An executor that
-fails in construction never closes: a finalizer on the buffer's storage gives it back then.
-A finalizer may fire anywhere, inside a VirtualMemory call or a capture of this thread
-(cyclic garbage collection), where giving memory back is not safe: the segment then goes at
-the arena's next operation or the next arena made.
+The input buffers go when their executor closes: `close()` closes its planner first (planning,
+staging or reading its buffers then raises XGraphError instead of touching memory that is
+gone), resets the graphs, then gives every segment back. An executor collected without
+close() leaves each buffer to its last tensor (a finalizer on the storage), so a planner
+someone still holds keeps its buffer mapped. A finalizer may fire anywhere, inside a
+VirtualMemory call or a capture of this thread (cyclic garbage collection), where giving
+memory back is not safe: the segment then goes at the arena's next operation or the next
+arena made.
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ import weakref
 
 import torch
 
+from .errors import XGraphError
 from .graphs import capturing_graph
 from .interfaces import Backend, VirtualMemory
 from .restorable import RestorableSegments, Segment
 
 logger = logging.getLogger("xgraph")
 
-_pending: weakref.WeakSet[Arena] = weakref.WeakSet()  # arenas with deferred releases
+# arenas with deferred releases, held strongly: an executor's arena is often otherwise gone
+# by the time its buffers die, and its segments must still be given back
+_pending: set[Arena] = set()
 _vms: weakref.WeakKeyDictionary[Backend, VirtualMemory] = weakref.WeakKeyDictionary()
 _vms_lock = threading.Lock()
 
@@ -46,8 +52,8 @@ class Arena:
         self.segments = RestorableSegments(backend, vm, f"{name}: persistent buffers")
         self._dead: list[Segment] = []
         self._lock = threading.Lock()
-        for other in list(_pending):
-            other.drain()
+        self.closed = False
+        drain_pending()
 
     @classmethod
     def of(cls, backend: Backend, name: str) -> Arena | None:
@@ -57,6 +63,10 @@ class Arena:
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """A uint8 device tensor of `nbytes` in a segment of its own, kept across a sleep."""
+        if self.closed:
+            raise XGraphError(
+                f"{self.segments.what}: the executor is closed; create a new executor."
+            )
         self.drain()
         seg = self.segments.add(max(int(nbytes), 1))
         t = self.backend.as_tensor(seg.address, seg.size)
@@ -72,6 +82,7 @@ class Arena:
             _pending.add(self)  # not safe here: the next operation gives it back
             return
         self.drain()
+        drain_pending()  # a safe point: what was deferred goes too
 
     def drain(self) -> None:
         """Give back the segments of buffers that are gone."""
@@ -92,7 +103,10 @@ class Arena:
                 self._dead.remove(seg)
 
     def close(self) -> None:
-        """The executor is closed: give every buffer's memory back."""
+        """Give every buffer's memory back now: its executor closed, and closed its planner,
+        so nothing of xgraph writes or reads the buffers again (idempotent; after a driver
+        failure, calling it again finishes the job)."""
+        self.closed = True
         self.drain()
         for address in list(self.segments.segments):
             self.segments.remove(address)
@@ -112,6 +126,12 @@ class Arena:
     @property
     def asleep(self) -> bool:
         return self.segments.asleep
+
+
+def drain_pending() -> None:
+    """Give back the segments whose release was deferred (a finalizer at an unsafe point)."""
+    for arena in list(_pending):
+        arena.drain()
 
 
 def buffer_memory(backend: Backend) -> VirtualMemory | None:

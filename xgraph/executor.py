@@ -172,9 +172,12 @@ class GraphExecutor(PreCapture):
         return decode, prefill
 
     def persistent_bytes(self) -> int:
-        """Bytes of every persistent buffer (inputs, attention metadata, outputs)."""
-        n = sum(v.numel() * v.element_size() for _, v in self.planner.staged.items())
-        return n + sum(b.numel() * b.element_size() for b in self._out_bufs or [])
+        """Bytes of every persistent buffer the executor holds (inputs, attention metadata,
+        outputs); 0 once closed, which gives them back."""
+        if self.planner.closed:
+            return 0
+        n = sum(v.nbytes for _, v in self.planner.staged.items())
+        return n + sum(b.nbytes for b in self._out_bufs or [])
 
     # -- step ------------------------------------------------------------------------------
 
@@ -470,7 +473,8 @@ class GraphExecutor(PreCapture):
         return sleepmode.wake(self, tags=())
 
     def close(self) -> None:
-        """Wait for queued work, reset every graph, give back graph memory (if owned).
+        """Wait for queued work, reset every graph, give back the persistent buffers and
+        graph memory (if owned); any use afterwards raises XGraphError.
 
         Safe right after steps, with no synchronize of the caller's: replays still queued
         on the device finish before any memory they use is unmapped or freed. An executor
@@ -480,7 +484,10 @@ class GraphExecutor(PreCapture):
             return
         with self._exclusive("close"):
             self._finalizer.detach()
-            self._held.release()
+            self.planner.close()  # first: nothing plans into the buffers that go below
+            # output buffers: their memory goes with the caller's last view of them
+            self._out_bufs, self._out_views = None, {}
+            self._held.release(buffers=True)
 
     def __enter__(self) -> GraphExecutor:
         return self

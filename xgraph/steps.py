@@ -121,10 +121,26 @@ class StepPlanner:
         self.attention = attention
         self.key_buckets = {n: Buckets(d.buckets) for n, d in self.dims.items() if d.buckets}
         self.max_seqs = max(attention.max_seqs, buckets.max) if attention is not None else 0
-        self.staged = StagedBuffers(self._buffer_specs(), device, copier, allocate)
+        self.closed = False
+        self._staged = StagedBuffers(self._buffer_specs(), device, copier, allocate)
         self._qsl = np.zeros(self.max_seqs + 1, dtype=np.int32)  # query start locations
         self._warned_overflow = False
         self.decode = DecodePath(self) if DecodePath.serves(self) else None
+
+    @property
+    def staged(self) -> StagedBuffers:
+        """The persistent buffers (refused once closed: their memory may be gone)."""
+        if self.closed:
+            raise self._closed_error()
+        return self._staged
+
+    def close(self) -> None:
+        """Its executor closed and gives the buffers' memory back: planning, staging and
+        reading the buffers raise XGraphError from now on (idempotent)."""
+        self.closed = True
+
+    def _closed_error(self) -> XGraphError:
+        return XGraphError(f"{self.name} is closed; create a new executor.")
 
     def _buffer_specs(self) -> list[BufferSpec]:
         specs = [
@@ -162,6 +178,8 @@ class StepPlanner:
         `synthetic` marks the executor's own pre-capture steps (dummy block only); `pad_to`
         pads key dims to at least these sizes (ranks agreeing on one key; a key dim no input
         uses, such as a communication dim, joins the key at its padded size)."""
+        if self.closed:
+            raise self._closed_error()
         if self.decode is not None and kind is None and not pad_to:
             step = self.decode.plan(inputs, attn)
             if step is not None:
@@ -295,6 +313,8 @@ class StepPlanner:
         self, n: int, kind: Kind, key_dims: Mapping[str, int]
     ) -> tuple[dict[str, torch.Tensor], AttentionInputs | None]:
         """Inputs of `n` tokens that touch only the dummy slot and block."""
+        if self.closed:
+            raise self._closed_error()
         sizes = {NUM_TOKENS: n, **key_dims}
         for name, d in self.dims.items():
             default = n if d.pad_like == NUM_TOKENS else (d.buckets[0] if d.buckets else 1)

@@ -122,6 +122,67 @@ class SleepTests(VirtualMemoryFixture):
         ex.close()  # no wake, no synchronize
         assert (books(vm), books(buffers)) == start
 
+    def test_close_gives_the_buffers_back_and_a_closed_executor_refuses(
+        self, sleepable: Backend
+    ) -> None:
+        import gc
+
+        from xgraph.arena import buffer_memory
+        from xgraph.errors import XGraphError
+        from xgraph.options import Kind
+        from xgraph.sleepmode import memory_reading
+
+        backend = sleepable
+        buffers = buffer_memory(backend)
+        gc.collect()
+        start = books(buffers)
+        ex = mlp_executor(backend, self.sleep_sizes)
+        xs, before = self._replay_all(ex)
+        out = ex(x=xs[16])  # a view of the output buffer, kept past the close
+        ranges, held = ex._arena.segments.ranges(), ex._arena.segments.nbytes
+        awake = memory_reading(backend, ranges)
+        assert books(buffers) != start and held > 0 and ex.persistent_bytes() > 0
+        planner = ex.planner  # taken before the close: it refuses too
+        ex.close()  # no synchronize: close waits for the queued steps itself
+        assert books(buffers) == start  # every buffer's segment given back, not left to GC
+        closed = memory_reading(backend, ranges)
+        if awake is not None and closed is not None:
+            given_back(backend, awake, closed, held)
+        self.assert_matches(backend, out, before[16])  # outputs go with the caller's views
+        assert ex.persistent_bytes() == 0 and ex.stats()["persistent_bytes"] == 0
+        refused = [
+            lambda: ex(x=xs[16]),
+            lambda: ex.capture([16]),
+            lambda: ex.warm_up([16]),
+            lambda: ex.sleep(),
+            lambda: ex.wake(),
+            lambda: planner.plan({"x": xs[16]}, None),
+            lambda: planner.synthetic(16, Kind.FULL, {}),
+            lambda: planner.staged,
+        ]
+        for call in refused:  # the documented error, never one from memory that is gone
+            with pytest.raises(XGraphError, match="is closed"):
+                call()
+        ex.close()  # idempotent
+        assert books(buffers) == start
+
+    def test_an_executor_dropped_without_close_gives_its_buffers_back(
+        self, sleepable: Backend
+    ) -> None:
+        import gc
+
+        from xgraph.arena import buffer_memory
+
+        buffers = buffer_memory(sleepable)
+        gc.collect()
+        start = books(buffers)
+        ex = mlp_executor(sleepable, self.sleep_sizes)
+        self._replay_all(ex)
+        assert books(buffers) != start
+        del ex
+        gc.collect()
+        assert books(buffers) == start
+
     @pytest.mark.parametrize("call, at", WAKE_FAULTS)
     def test_a_failed_wake_rolls_back_and_the_next_wake_works(
         self, sleepable: Backend, vm: Any, call: str, at: str

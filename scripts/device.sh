@@ -3,8 +3,9 @@
 #   OUT=out/device bash scripts/device.sh [STAGES] [MODEL]
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
 # "all": every one, in that order; "host-copy", "skinny", "decode-cublas", "decode-forward",
-# "soak", "sleep" and "dist" run only when named; "dist": graphs across ranks, one process per GPU
-# (DIST_NPROC, default every GPU; docs/distributed.md); DECODE_SCOPE=forward compiles the decode stage's whole
+# "pipeline", "check", "hf-tests", "hf-compile", "hf-generate", "soak", "sleep" and "dist"
+# run only when named; "dist": graphs across ranks, one process per GPU (DIST_NPROC, default
+# every GPU; docs/distributed.md); DECODE_SCOPE=forward compiles the decode stage's whole
 # forward instead of its layers). MODEL: the reference shape (default qwen3-0.6b). A stage
 # past its limit is killed and the next one starts; the limits of "all" add up to 750 s,
 # more than one ten-minute device call, so name the stages a call needs (docs/benchmarks.md,
@@ -68,7 +69,17 @@ dist() {
   return $((a || b))
 }
 
-export -f conformance dist
+# check: a transformers Qwen3 of the reference shape with random weights, from a folder
+check() {
+  xgraph check --backend cuda --model "$model" --sizes 1,8,64 || return 1
+  python3 -c "import sys, torch
+from xgraph.integrations.transformers.bench_runs import build_named
+build_named(sys.argv[1], torch.bfloat16, torch.device('cpu')).save_pretrained(sys.argv[2])" \
+    "$model" /tmp/xgraph-check-model || return 1
+  xgraph check --backend cuda --model /tmp/xgraph-check-model --sizes 1,8,64 --dtype bfloat16
+}
+
+export -f conformance dist check
 export model OUT
 # host first, on an idle machine: no compile workers of an earlier stage still running
 has host && stage host 30 20 xgraph bench host --backend cuda --model "$model" \
@@ -97,6 +108,22 @@ has skinny && stage skinny 120 30 python3 adapters/cuda/tools/probe_skinny_linea
 has decode-forward && stage decode-forward 180 30 xgraph bench decode --backend cuda \
   --model "$model" --sizes 1,8,64 --compile 1,8,64 --compile-scope forward --iters 30 \
   --json "$OUT/decode-forward.json"
+# pipeline (only when named): decode steps issued back to back with no synchronize, host and
+# device metadata; wall, device and issue time per step (docs/executor.md, staging banks)
+has pipeline && stage pipeline 120 30 xgraph bench pipeline --backend cuda --model "$model" \
+  --sizes 1,8,64 --iters 300 --json "$OUT/pipeline.json"
+# check (only when named): the parameterization check of the reference model and of a
+# transformers Qwen3 (random weights, saved to a folder first) through GraphModel
+has check && stage check 120 30 bash -c check
+# hf-tests, hf-compile, hf-generate (only when named): the transformers integration's GPU
+# tests, then its benchmark in two parts (docs/transformers.md)
+has hf-tests && stage hf-tests 150 20 python3 -m pytest -q -rfEs -p no:randomly \
+  tests/test_transformers_cuda.py -W ignore::DeprecationWarning -W ignore::FutureWarning
+has hf-compile && stage hf-compile 340 40 python3 -m xgraph.integrations.transformers.bench \
+  --backend cuda --model "$model" --parts compile --json "$OUT/hf-compile.json"
+has hf-generate && stage hf-generate 240 40 python3 -m xgraph.integrations.transformers.bench \
+  --backend cuda --model "$model" --parts check,decode,ttft --batches 1,32 --prompt-len 128 \
+  --new-tokens 128 --iters 3 --json "$OUT/hf-generate.json"
 has prefill && stage prefill 110 30 xgraph bench prefill --backend cuda --model "$model" \
   --iters 5 --compile 128,512,2048 --json "$OUT/prefill.json"
 has memory && stage memory 130 45 xgraph bench memory --backend cuda --model "$model" \

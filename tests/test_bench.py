@@ -235,7 +235,8 @@ def test_decode_with_device_hooks() -> None:
         ):
             assert r[key] > 0, (key, r)
         assert r["host_overhead_s"] == pytest.approx(r["xgraph_host_s"] - r["raw_replay_host_s"])
-        assert set(r["roofline"]) == set(decode.VARIANTS)
+        # the per-size row runs only with compile_buckets="per-size" or "both"
+        assert set(r["roofline"]) == set(decode.VARIANTS) - {"xgraph over per-size compile"}
         assert r["best_xgraph"] in ("xgraph", "xgraph over compile")
         assert set(r["best_xgraph_vs"]) == set(decode.ANCHORS)
     check = data["table_check"]
@@ -244,6 +245,28 @@ def test_decode_with_device_hooks() -> None:
     for column in ("| raw graph |", "overhead us", "best / reduce-overhead", "% of bandwidth"):
         assert column in text, column
     assert "xgraph over compile" in text and "wide/narrow" in text
+
+
+def test_decode_compiles_once_for_every_batch_and_per_batch_side_by_side() -> None:
+    """compile_buckets="both": the one-compile row compiles two graphs for batches 1, 2
+    and 4 (one for a single token), the per-size row one graph per batch."""
+    data = decode.run(
+        TimedCPU(),
+        "tiny",
+        [1, 2, 4],
+        iters=2,
+        compile_batches=[1, 2, 4],
+        compiler="eager",
+        compile_scope="forward",
+        compile_buckets="both",
+    )
+    rows = {r["batch"]: r for r in data["rows"]}
+    assert [rows[b]["xgraph_compiled_compiles"] for b in (1, 2, 4)] == [1, 2, 2]
+    assert [rows[b]["xgraph_per_size_compiles"] for b in (1, 2, 4)] == [1, 2, 3]
+    for r in rows.values():
+        assert r["xgraph_compiled_s"] > 0 and r["xgraph_per_size_s"] > 0
+    text = decode.summarize(data)
+    assert "xgraph over per-size compile" in text and "one / per-size compile" in text
 
 
 def test_the_anchors_step_sends_every_input_into_the_static_buffers() -> None:

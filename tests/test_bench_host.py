@@ -32,7 +32,6 @@ def test_host_bench_reports_every_phase(tmp_path: Path) -> None:
     assert data["backend"] == "cpu" and data["forward"] == "trivial" and data["iters"] == 3
     assert [r["batch"] for r in data["rows"]] == [1, 4]
     for r in data["rows"]:
-        assert r["decode_path"] is True  # the bench measures the path engines hit
         for phase in host.PHASES:
             assert r[f"{phase}_us"] > 0 or phase == "replay", (phase, r)
         assert r["step_us"] > r["raw_replay_us"] > 0

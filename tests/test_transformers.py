@@ -383,35 +383,35 @@ def test_the_core_and_the_cli_do_not_import_transformers():
 
 
 def test_bench_runs_on_cpu_with_a_tiny_config(tmp_path):
-    from xgraph.integrations.transformers import bench
-
-    path = tmp_path / "bench.json"
-    assert (
-        bench.main(
-            [
-                "--backend",
-                "cpu",
-                "--model",
-                "tiny",
-                "--batches",
-                "1,2",
-                "--prompt-len",
-                "8",
-                "--new-tokens",
-                "4",
-                "--iters",
-                "1",
-                "--json",
-                str(path),
-            ]
-        )
-        == 0
-    )
+    """Every part of the benchmark, in two runs as on a GPU machine, then merged."""
     import json
 
-    data = json.loads(path.read_text())
+    from xgraph.integrations.transformers import bench
+
+    common = ["--backend", "cpu", "--model", "tiny", "--iters", "1"]
+    gen, comp, merged = tmp_path / "gen.json", tmp_path / "comp.json", tmp_path / "all.json"
+    generate = ["--parts", "check,decode,ttft", "--batches", "1,2", "--prompt-len", "8"]
+    generate += ["--new-tokens", "4", "--ttft", "1x24,3x8", "--json", str(gen)]
+    assert bench.main([*common, *generate]) == 0
+    compile_ = ["--parts", "compile", "--compiler", "aot_eager", "--capture-sizes", "1,2,4"]
+    compile_ += ["--compare", "1,2", "--step-iters", "2", "--json", str(comp)]
+    assert bench.main([*common, *compile_]) == 0
+    assert bench.main(["--merge", str(gen), str(comp), "--json", str(merged)]) == 0
+    data = json.loads(merged.read_text())
     assert data["check"]["passed"] and data["check"]["max_abs_diff"] <= 1e-4
+    assert data["check"]["graph_steps"]["piecewise"] > 0  # the long prompt in chunks
     for row in data["decode"]:
         assert row["xgraph"]["decode_tokens_per_second"] > 0
         assert row["transformers"]["decode_tokens_per_second"] > 0
         assert row["xgraph"]["graph_steps"]["eager"] == 0
+    assert [r["case"] for r in data["ttft"]] == ["1x24", "3x8"]
+    assert all(r["xgraph"]["ttft_s"] > 0 and r["transformers"]["ttft_s"] > 0 for r in data["ttft"])
+    c = data["compile"]
+    for model in ("hf", "reference"):
+        one, eager, per = (c[model][v] for v in ("one", "eager", "per_size"))
+        assert one["sizes"] == eager["sizes"] == 3
+        assert one["compile"]["compiles"] == 2 and one["compile"]["fullgraph"]
+        assert per["compile"]["compiles"] == 2 and set(per["first_step_s"]) == {"1", "2"}
+        assert set(one["step_s"]) == set(per["step_s"]) == set(eager["step_s"]) == {"1", "2"}
+    assert set(c["ratios"]["hf_vs_reference"]) == {"1", "2"}
+    assert set(data["seconds"]) == {"compile", "generate"}

@@ -4,7 +4,8 @@ An engine needs `import xgraph`; an adapter imports from here:
 
 - the contract (`xgraph.interfaces`): `Backend`, `CapturePool`, `AttentionRunner`,
   `HostCopier`, `Kernels`, `BenchmarkHooks`, `SegmentAllocator`, `Availability`,
-  `PhysicalChunk`, and the raw `Graph` / `VirtualMemory` ABCs that document the templates;
+  `PhysicalChunk`, `Launch` (what a readable recording launches), and the raw `Graph` /
+  `VirtualMemory` ABCs that document the templates;
 - the templates that implement the public halves once: `CheckedGraph`,
   `CheckedVirtualMemory`;
 - the torch-style device layer (`xgraph.device`): `TorchRuntime`, the port an adapter
@@ -32,6 +33,7 @@ from .interfaces import (
     Graph,
     HostCopier,
     Kernels,
+    Launch,
     PhysicalChunk,
     SegmentAllocator,
     VirtualMemory,
@@ -54,6 +56,7 @@ __all__ = [
     "IncompleteBackendError",
     "KVCache",
     "Kernels",
+    "Launch",
     "MemPoolCapturePool",
     "PhysicalChunk",
     "PoolId",

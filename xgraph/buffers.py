@@ -3,16 +3,16 @@
 Every persistent input (token ids, positions, slot mapping, sequence lengths, block tables,
 user-declared extras) is a view of one device tensor sized for the largest bucket; graphs
 read slices of those views, so their addresses never change. A step writes its host values
-into the twin views in pinned host memory and then one asynchronous copy moves the touched
-prefix to the device, through a `HostCopier`: the backend's own where it has a cheaper one
-(`Backend.host_copier`), else a torch copy and an event. The CPU backend keeps a twin as
-well (its copy is a memcpy), so a step refused after staging has still written nothing a
-graph reads. Values already on the device are written on the device after that copy.
+into the twin views in pinned host memory (one of two banks, taken in turn) and then one
+asynchronous copy moves the touched prefix to the device, through a `HostCopier`: the
+backend's own where it has a cheaper one (`Backend.host_copier`), else a torch copy and an
+event. The CPU backend keeps twins as well (its copy is a memcpy). Values already on the
+device are written on the device after that copy.
 
 Host writes go through numpy views of the twin: on the per-step path a numpy slice
 assignment costs well under a microsecond where a torch op on a small CPU tensor costs
-several. Device views of a given extent are made once and reused; `StagingPlan` holds one
-bucket's views and its copy, worked out once.
+several. The views of a given extent (`Target`) are made once and reused; what a step
+writes where is `xgraph.staging`'s.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def has_numpy_twin(dtype: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class _Target:
+class Target:
     """One buffer's extent: its host (numpy or torch) and device views, and where it ends."""
 
     np: np.ndarray | None
@@ -73,19 +73,28 @@ def _nbytes(s: BufferSpec) -> int:
     return _numel(s.shape) * torch.empty((), dtype=s.dtype).element_size()
 
 
-@dataclass(frozen=True)
-class StagingPlan:
-    """One bucket's staging, worked out once: numpy views of the host twin and device views
-    of every buffer's extent, and the one copy (a prefix of the packed twin) that sends them."""
+@dataclass
+class Bank:
+    """One host twin of the packed buffer, its numpy and torch views, and the copier that
+    sends it."""
 
-    host: dict[str, np.ndarray]
-    device: dict[str, torch.Tensor]
-    fills: dict[str, float | int]
-    nbytes: int  # the prefix of the packed twin the copy moves
+    packed: torch.Tensor
+    views: dict[str, torch.Tensor]
+    np_views: dict[str, np.ndarray]
+    copier: HostCopier
 
 
 class StagedBuffers:
-    """Named views of one device tensor, staged through pinned host memory (see module doc)."""
+    """Named views of one device tensor, staged through pinned host memory (see module doc).
+
+    Two banks of host twins take the steps in turn: a step writes one bank while the copy
+    of the step before may still be reading the other, and waits only for its own bank's
+    last copy (two steps back), so the host prepares a step while the device runs the
+    previous one. The device buffer is one: copies and replays follow each other on the
+    stream, so a copy never overtakes the replay that reads what it overwrites.
+    """
+
+    BANKS = 2
 
     def __init__(
         self,
@@ -111,27 +120,31 @@ class StagedBuffers:
             if allocate is None
             else allocate(n).zero_()
         )
-        self.host_packed = _host_twin(self.packed)
         self.device_views = {s.name: self._view(self.packed, s) for s in specs}
-        self.host_views = {s.name: self._view(self.host_packed, s) for s in specs}
-        self.np_views = {
-            s.name: self.host_views[s.name].numpy() for s in specs if s.dtype in _NUMPY
-        }
-        for s in specs:
-            self.host_views[s.name].fill_(s.fill)
-        self.packed.copy_(self.host_packed)
-        # on the host the copy is a memcpy: numpy does it without torch's dispatch
-        host = device.type == "cpu"
-        self._np_packed = (self.packed.numpy(), self.host_packed.numpy()) if host else None
-        self._copier = (
-            MemcpyCopier(self.packed, self.host_packed)
-            if host
-            else _copier(copier, self.packed, self.host_packed)
-        )
-        self._dirty = 0  # bytes of the host twin written since the last flush
-        self._device_writes: list[tuple[torch.Tensor, torch.Tensor, float | int]] = []
+        self.banks = [self._bank(copier) for _ in range(self.BANKS)]
+        self.packed.copy_(self.banks[0].packed)
+        self.bank = 0  # the bank the current step writes
         self._extents: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
-        self._targets: dict[tuple[str, tuple[int, ...]], _Target] = {}
+        self._targets: dict[tuple[int, str, tuple[int, ...]], Target] = {}
+
+    def _bank(self, copier: CopierFactory | None) -> Bank:
+        host = _host_twin(self.packed)
+        views = {s.name: self._view(host, s) for s in self.specs.values()}
+        for s in self.specs.values():
+            views[s.name].fill_(s.fill)
+        np_views = {n: v.numpy() for n, v in views.items() if v.dtype in _NUMPY}
+        # on the host the copy is a memcpy: numpy does it without torch's dispatch
+        made = (
+            MemcpyCopier(self.packed, host)
+            if self.device.type == "cpu"
+            else _copier(copier, self.packed, host)
+        )
+        return Bank(host, views, np_views, made)
+
+    @property
+    def host_packed(self) -> torch.Tensor:
+        """The host twin of the current step's bank."""
+        return self.banks[self.bank].packed
 
     def _view(self, packed: torch.Tensor, s: BufferSpec) -> torch.Tensor:
         off = self.offsets[s.name]
@@ -145,21 +158,26 @@ class StagedBuffers:
             self._extents[(name, extent)] = view
         return view
 
-    def begin(self) -> None:
-        """Before writing a step: the previous step's copy must have read the host twin."""
-        self._copier.wait()
+    def begin(self) -> int:
+        """Before writing a step: take the next bank, once its last copy has read it; the
+        bank's index (what `target` and `send` of this step use)."""
+        self.bank = bank = 1 - self.bank  # (BANKS == 2)
+        self.banks[bank].copier.wait()
+        return bank
 
-    def _target(self, name: str, extent: tuple[int, ...]) -> _Target:
-        """Where a write of `extent` goes: made once per (buffer, extent), then looked up."""
-        key = (name, extent)
+    def target(self, name: str, extent: tuple[int, ...], bank: int | None = None) -> Target:
+        """Where a write of `extent` goes in a bank (default: the current one): made once
+        per (bank, buffer, extent), then looked up."""
+        b = self.bank if bank is None else bank
+        key = (b, name, extent)
         target = self._targets.get(key)
         if target is None:
-            host = self.host_views[name]
-            np_view = self.np_views.get(name)
+            host = self.banks[b].views[name]
+            np_view = self.banks[b].np_views.get(name)
             index = tuple(slice(0, e) for e in extent)
             last = sum((e - 1) * st for e, st in zip(extent, host.stride()))
             end = self.offsets[name] + (last + 1) * host.element_size() if all(extent) else 0
-            target = _Target(
+            target = Target(
                 np_view[(*index, ...)] if np_view is not None else None,  # 0-d: a view too
                 host[index],
                 self.device_view(name, extent),
@@ -169,58 +187,10 @@ class StagedBuffers:
             self._targets[key] = target
         return target
 
-    def plan(self, extents: dict[str, tuple[int, ...]]) -> StagingPlan | None:
-        """The staging of one bucket (buffer -> extent), or None where a buffer's dtype has
-        no numpy twin (such executors stage through `write`)."""
-        targets = {name: self._target(name, e) for name, e in extents.items()}
-        if any(t.np is None for t in targets.values()):
-            return None
-        return StagingPlan(
-            host={n: t.np for n, t in targets.items()},  # type: ignore[misc]  # checked above
-            device={n: t.device for n, t in targets.items()},
-            fills={n: t.fill for n, t in targets.items()},
-            nbytes=max(t.end for t in targets.values()),
-        )
-
-    def write(self, name: str, value: Any, extent: Sequence[int]) -> torch.Tensor:
-        """Stage `value` (a tensor, numpy array or list) into the prefix of buffer[extent],
-        `fill` elsewhere in the extent; returns the device view buffer[extent] (valid once
-        `flush` has run)."""
-        t = self._target(name, extent if type(extent) is tuple else tuple(extent))
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            self._device_writes.append((t.device, value, t.fill))
-            return t.device
-        if t.np is not None:
-            _write_np(t.np, value, t.fill)
-        else:
-            _write(t.host, torch.as_tensor(value), t.fill)
-        if t.end > self._dirty:
-            self._dirty = t.end
-        return t.device
-
-    def flush(self) -> None:
-        """Send what was staged to the device (one asynchronous copy), then device writes."""
-        if self._dirty:
-            self.send(self._dirty)
-            self._dirty = 0
-        for view, value, fill in self._device_writes:
-            _write(view, value, fill)
-        self._device_writes.clear()
-
     def send(self, nbytes: int) -> None:
-        """Copy the first `nbytes` of the host twin to the device: one copy, asynchronous on
-        an accelerator (the next `begin` waits for it before the twin is written again)."""
-        self._copier.send(nbytes)
-
-    def discard(self, nbytes: int) -> None:
-        """Undo writes to the first `nbytes` of the host twin that will not be sent (a step
-        refused after staging): the twin again holds what the device holds, so a later
-        copy sends no byte of the refused step."""
-        if self._np_packed is not None:
-            dst, src = self._np_packed
-            src[:nbytes] = dst[:nbytes]
-        else:  # the error path: a blocking copy back is fine
-            self.host_packed[:nbytes].copy_(self.packed[:nbytes])
+        """Copy the first `nbytes` of the current bank to the device: one copy, asynchronous
+        on an accelerator (the bank's next `begin` waits for it)."""
+        self.banks[self.bank].copier.send(nbytes)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.device_views[name]
@@ -284,24 +254,19 @@ def _copier(factory: CopierFactory | None, device: torch.Tensor, host: torch.Ten
     return made
 
 
-def _write(view: torch.Tensor, value: torch.Tensor, fill: float | int) -> None:
-    """Copy `value` into the prefix of `view`; the rest of `view` gets `fill`."""
-    if tuple(value.shape) != tuple(view.shape):
-        view.fill_(fill)
-        view = view[tuple(slice(0, n) for n in value.shape)]
-    view.copy_(value)
-
-
-def _write_np(view: np.ndarray, value: Any, fill: float | int) -> None:
-    """The numpy twin of `_write`."""
-    if isinstance(value, torch.Tensor):
-        value = value.numpy()
-    elif not isinstance(value, np.ndarray):
-        value = np.asarray(value, dtype=view.dtype)
-    if value.shape != view.shape:
-        view.fill(fill)
-        view = view[tuple(slice(0, n) for n in value.shape)]
-    view[...] = value
+def write_prefix(view: Any, value: Any, fill: float | int) -> None:
+    """Copy `value` into the prefix of `view` (numpy arrays, or torch tensors); the rest of
+    `view` gets `fill`. Only the first dim shorter (a step's tokens): two slice writes."""
+    vs, ws = value.shape, view.shape
+    if vs == ws:
+        view[...] = value
+    elif vs[1:] == ws[1:]:
+        n = vs[0]
+        view[:n] = value
+        view[n:] = fill
+    else:
+        view[...] = fill
+        view[tuple(slice(0, n) for n in vs)] = value
 
 
 def _host_twin(packed: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""`xgraph` command line: info, demo, conformance, bench, generate.
+"""`xgraph` command line: info, demo, conformance, check, bench, generate.
 
 A mistake prints one line and exits with status 2: a bad option as `xgraph <command>: error:
 ...`, an error of the library as `xgraph: error: ...`. Ctrl-C prints `xgraph: interrupted`
@@ -101,6 +101,43 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     return int(code)
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from .check_cli import run_check
+
+    return run_check(args)
+
+
+def add_check_parser(sub: Any, backend_help: str) -> None:
+    """`xgraph check`: the parameterization check of a model (xgraph.check_cli)."""
+    from .check_cli import DTYPES, REFERENCE
+    from .cli_types import positive_int, sizes
+
+    p = sub.add_parser(
+        "check",
+        help="capture a model's graphs under changed sequence lengths, block tables and batch "
+        "composition and name every launch that follows them (exit status 1 if any does)",
+    )
+    p.add_argument("--backend", default=None, help=backend_help)
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help=f"a reference model shape ({', '.join(REFERENCE)}; random weights) or a local "
+        "transformers model folder (needs the transformers extra)",
+    )
+    p.add_argument(
+        "--kind",
+        default="both",
+        choices=["both", "full", "piecewise"],
+        help="graph kinds to check (both: decode full graphs and piecewise prefill)",
+    )
+    p.add_argument(
+        "--sizes", default=None, type=sizes, help="bucket sizes to check, such as 4,64 (default 4)"
+    )
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="weights and cache dtype")
+    p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size")
+    p.set_defaults(func=cmd_check)
+
+
 def _pytest_plugin_autoloaded() -> bool:
     from importlib import metadata
 
@@ -182,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pytest_args", nargs=argparse.REMAINDER, help="arguments for pytest, after --"
     )
     conf.set_defaults(func=cmd_conformance)
+    add_check_parser(sub, backend_help)
 
     from .bench.cli import add_parsers
     from .integrations.transformers.cli import add_parser as add_generate_parser

@@ -4,7 +4,9 @@ A backend class is complete when it has a name, its graph class is a CheckedGrap
 its pool class, its virtual-memory class (if any) is a CheckedVirtualMemory, a torch-style
 backend (`xgraph.adapter.TorchBackend`) names its runtime class, and none of these classes
 (backend, graph, pool, virtual memory, runtime) leaves an abstract method of the contract
-unimplemented. The error names every missing duty at once. The registry also checks that
+unimplemented, nor writes one half of an optional pair (a graph's `_keep_launches` and
+`_launches`, a runtime's `readable_graph` and `graph_launches`: the parameterization check
+needs both). The error names every missing duty at once. The registry also checks that
 the class's name is the one its BackendSpec registers (`check_spec_name`).
 """
 
@@ -16,7 +18,7 @@ from typing import Any
 from .errors import IncompleteBackendError
 from .graphs import CheckedGraph
 from .hooks import BackendSpec
-from .interfaces import Backend, CapturePool
+from .interfaces import Backend, CapturePool, Graph
 from .vmm import CheckedVirtualMemory
 
 
@@ -58,12 +60,34 @@ def _parts(cls: type[Backend], missing: list[str]) -> list[type]:
     return parts
 
 
+# optional duties that only work together: where a class writes one, it writes the other
+PAIRED_DUTIES = (("_keep_launches", "_launches"), ("readable_graph", "graph_launches"))
+
+
+def _half_pairs(klass: type) -> list[str]:
+    """The missing half of each optional pair of which `klass` writes only one half."""
+    from .device.runtime import TorchRuntime  # the port that declares the runtime's pair
+
+    # the pairs' defaults ("not supported"), as the contract declares them
+    defaults = {n: f for c in (Graph, TorchRuntime) for n, f in vars(c).items()}
+    out = []
+    for pair in PAIRED_DUTIES:
+        if not all(hasattr(klass, name) for name in pair):
+            continue
+        written = [inspect.getattr_static(klass, name) is not defaults[name] for name in pair]
+        if written[0] != written[1]:
+            lacking, has = (pair[1], pair[0]) if written[0] else pair
+            out.append(f"{klass.__name__}.{lacking} (it writes {has})")
+    return out
+
+
 def check_backend_class(cls: type[Backend]) -> None:
     """Raise IncompleteBackendError naming every duty the adapter's classes leave undone."""
     missing: list[str] = []
     for klass in _parts(cls, missing):
         if inspect.isabstract(klass):
             missing += [f"{klass.__name__}.{m}" for m in sorted(klass.__abstractmethods__)]
+        missing += _half_pairs(klass)
     if missing:
         raise IncompleteBackendError(
             f"Backend class {cls.__module__}.{cls.__qualname__} is incomplete: it does not "

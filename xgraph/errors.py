@@ -59,6 +59,10 @@ class AsleepError(XGraphError, RuntimeError):
     """A step, capture or allocation over memory that sleep() gave back; wake() first."""
 
 
+class ParameterizationLeakError(XGraphError):
+    """A recorded launch follows per-step metadata (GraphExecutor.check_parameterization)."""
+
+
 class ReplayError(XGraphError, RuntimeError):
     """An op of a replayed graph failed (an index outside its table, on the CPU backend)."""
 

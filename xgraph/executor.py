@@ -18,9 +18,9 @@ import logging
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -48,8 +48,12 @@ from .piecewise import FullGraph, PiecewiseGraph, guarded_storages
 from .plugins import get_backend
 from .pool import SharedPhysicalPool
 from .precapture import PreCapture
+from .release import Release
 from .runners import reference_runners
 from .steps import Step, StepPlanner
+
+if TYPE_CHECKING:
+    from .launchdiff import ParameterizationReport
 
 logger = logging.getLogger("xgraph")
 
@@ -65,7 +69,7 @@ class ExecutorStats:
     failed_keys: dict[tuple, str] = field(default_factory=dict)
 
 
-class GraphExecutor(PreCapture):
+class GraphExecutor(PreCapture, Release):
     """Runs a forward through cached graphs, one per bucket key (see the module docstring).
 
     Args:
@@ -124,15 +128,16 @@ class GraphExecutor(PreCapture):
         self.decode_runner, self.prefill_runner = self._runners(attention)
         self.planner = StepPlanner(
             name,
-            inputs,
-            dims,
-            self.buckets,
-            attention,
-            self.device,
-            self.mode,
-            Fallback.parse(on_overflow, "on_overflow"),
-            self.backend.host_copier,
-            None if self._arena is None else self._arena.empty,
+            inputs=inputs,
+            dims=dims,
+            buckets=self.buckets,
+            attention=attention,
+            device=self.device,
+            mode=self.mode,
+            on_overflow=Fallback.parse(on_overflow, "on_overflow"),
+            copier=self.backend.host_copier,
+            decode_runner=self.decode_runner,
+            allocate=None if self._arena is None else self._arena.empty,
         )
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self._eager_keys: dict[tuple, str] = {}
@@ -430,6 +435,22 @@ class GraphExecutor(PreCapture):
             finally:
                 self._steps.release()
 
+    def check_parameterization(
+        self,
+        sizes: Iterable[int] | None = None,
+        kind: Kind | str | None = None,
+        *,
+        steps: Sequence[Mapping[str, Any]] | None = None,
+        vary: Sequence[str] = ("seq_lens", "block_tables", "batch"),
+        **key_dims: int,
+    ) -> ParameterizationReport:
+        """Capture keys under changed per-step metadata, compare the recordings launch by
+        launch and report every launch that follows it; nothing is kept (see
+        xgraph.parameterization and docs/executor.md)."""
+        from .parameterization import check_parameterization
+
+        return check_parameterization(self, sizes, kind, steps, vary, key_dims)
+
     # -- reporting and teardown ------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -452,42 +473,16 @@ class GraphExecutor(PreCapture):
             "parallel": self.lockstep.stats(),  # None for one rank
         }
 
+    def synchronize(self) -> None:
+        """Wait for queued steps; raise the InputError a device-side metadata check found."""
+        with self._exclusive("synchronize"):
+            self.backend.synchronize()
+            self.planner.raise_pending(wait=True)
+
     def graph(self, key: tuple) -> Recording | None:
         """The cached recording of a key (describe() lists its pieces), or None."""
         e = self._graphs.get(key)
         return e.graph if e else None
-
-    @property
-    def closed(self) -> bool:
-        """Whether close() ran (or the executor was released when collected)."""
-        return self._held.closed
-
-    def sleep(self) -> sleepmode.SleepReport:
-        """Give back the physical memory of graph memory and persistent buffers, keeping every
-        address: steps raise AsleepError until wake(), which replays every key with no
-        recapture. Executors sharing the graph memory sleep too (docs/sleep.md)."""
-        return sleepmode.sleep(self, tags=())
-
-    def wake(self) -> sleepmode.WakeReport:
-        """Map fresh memory at the addresses sleep() kept; idempotent (docs/sleep.md)."""
-        return sleepmode.wake(self, tags=())
-
-    def close(self) -> None:
-        """Wait for queued work, reset every graph, give back the persistent buffers and
-        graph memory (if owned); any use afterwards raises XGraphError.
-
-        Safe right after steps, with no synchronize of the caller's: replays still queued
-        on the device finish before any memory they use is unmapped or freed. An executor
-        dropped without close() does the same when it is collected (xgraph.lifetime).
-        """
-        if self._held.closed:
-            return
-        with self._exclusive("close"):
-            self._finalizer.detach()
-            self.planner.close()  # first: nothing plans into the buffers that go below
-            # output buffers: their memory goes with the caller's last view of them
-            self._out_bufs, self._out_views = None, {}
-            self._held.release(buffers=True)
 
     def __enter__(self) -> GraphExecutor:
         return self

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import PoolClosedError, XGraphError
-from .interfaces import Backend, CapturePool, Graph, OpCheck
+from .errors import IncompleteBackendError, PoolClosedError, XGraphError
+from .interfaces import Backend, CapturePool, Graph, Launch, OpCheck
 from .regions import refuse_capture_inside
 from .safety import block_host_conversions, check_op
 
@@ -83,6 +83,7 @@ class CheckedGraph(Graph):
         self._route: contextlib.ExitStack | None = None  # the pool's segment routing
         self._guard: contextlib.ExitStack | None = None  # the capture-safety guard
         self._updates: list[Callable[[], None]] = []
+        self._keeping = False  # the next (or this) capture keeps its launches readable
         self.owned_pool: CapturePool | None = None  # made by graph(); closed by reset()
 
     @property
@@ -150,6 +151,32 @@ class CheckedGraph(Graph):
             route.close()
         self._state = _CAPTURED
 
+    def keep_launches(self) -> bool:
+        """Before capture_begin: keep the next capture readable by `launches()` (for the
+        parameterization check; CUDA then instantiates the graph at its first replay).
+        False where this backend cannot read what its graphs record."""
+        if self._state != _IDLE:
+            raise XGraphError(
+                f"keep_launches: this graph is {self._state}; call it before capture_begin."
+            )
+        self._keeping = bool(self._keep_launches())
+        return self._keeping
+
+    def launches(self) -> list[Launch]:
+        """What the capture records, in order: one Launch per kernel, op or task."""
+        if not self.captured or not self._keeping:
+            raise XGraphError(
+                "launches: nothing readable was captured; call keep_launches() (True) before "
+                "capture_begin, then capture_end."
+            )
+        out = self._launches()
+        if not isinstance(out, list) or not all(isinstance(x, Launch) for x in out):
+            raise IncompleteBackendError(
+                f"{type(self).__name__}._launches returned {type(out).__name__}; it must return "
+                "a list of xgraph.adapter.Launch (see docs/writing-an-adapter.md)."
+            )
+        return out
+
     def add_update(self, update: Callable[[], None]) -> None:
         """During capture: run `update` before every replay of this graph, in the order added
         (a runner re-applies per-step parameters, e.g. an NPU graph task update)."""
@@ -215,6 +242,7 @@ class CheckedGraph(Graph):
         self._state = _IDLE
         self._pools = []
         self._updates = []
+        self._keeping = False
         pool, self.owned_pool = self.owned_pool, None
         if pool is not None:
             pool.close()

@@ -53,6 +53,26 @@ class SegmentAllocator(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel, op or task of a recording, as the parameterization check compares two.
+
+    `kind` says what it is ("kernel", "memset", "op", "task", ...) and `name` which one (the
+    kernel's function, the aten op, the task type). `config` holds what the launch fixes at
+    capture, as (field, value) pairs with printable, comparable values: grid, block, shared
+    memory, argument bytes with pointers left out; an op's tensor layouts and non-tensor
+    arguments. `layer` names the model code that issued it, where the backend knows it.
+    `updated`: the backend re-parameterises it before every replay (a graph task update),
+    so its config may differ between captures.
+    """
+
+    kind: str
+    name: str
+    config: tuple[tuple[str, Any], ...] = ()
+    layer: str = ""
+    updated: bool = False
+
+
 class VirtualMemory(ABC):
     """Address ranges and physical chunks of one device; one chunk may be mapped at many addresses.
 
@@ -174,7 +194,8 @@ class Graph(ABC):
 
     Public methods (implemented by xgraph.graphs.CheckedGraph, which adapters subclass):
     `capture_begin(pool, op_check=None, check_ops=True)`, `capture_end()`, `replay()`,
-    `reset()`, `abort()`, `capturing`, `captured`. Work issued between capture_begin and
+    `reset()`, `abort()`, `capturing`, `captured`, and for the parameterization check
+    `keep_launches()` / `launches()`. Work issued between capture_begin and
     capture_end is recorded; tensors it allocates come from the pool and stay valid for the
     graph's life (until reset). Several captures may follow each other on one pool
     (piecewise graphs). Graphs never replay concurrently. The core checks state and pool
@@ -238,16 +259,30 @@ class Graph(ABC):
         """Optional: see every op of a capture after it ran (a host recorder); returns `out`."""
         return out
 
+    def _keep_launches(self) -> bool:
+        """Optional, before capture_begin: keep the next capture readable by `_launches`;
+        False (the default): this backend cannot read what its graphs record."""
+        return False
+
+    def _launches(self) -> list[Launch]:
+        """Optional, after capture_end of a capture `_keep_launches` kept: what the recording
+        launches, in order (implement both or neither: xgraph.contract checks)."""
+        raise NotImplementedError
+
 
 class AttentionRunner(ABC):
     """Attention over a paged KV cache, split into host planning and a device launch.
 
     A `graph_safe` runner keeps one launch shape per bucket and reads every per-step value
     from device buffers, so it may be recorded inside a full graph; any other runner runs
-    eagerly between the pieces of a piecewise graph.
+    eagerly between the pieces of a piecewise graph. `max_query_len` is the longest query
+    length, the same for every sequence of a step, that a graph-safe runner's `run` serves
+    with causal masking inside the step (1: decode only; more: speculative verification
+    runs as full graphs too, keyed by that length).
     """
 
     graph_safe: ClassVar[bool] = False
+    max_query_len: ClassVar[int] = 1
 
     @abstractmethod
     def plan(self, metadata: AttentionMetadata) -> None:

@@ -1,10 +1,9 @@
-"""One step's attention inputs: as the engine gives them (host) and as runners read them (device).
+"""One step's attention inputs: as the engine gives them and as runners read them.
 
 `AttentionInputs` is what an engine passes per step; `AttentionMetadata` is what runners
-plan on. Every conversion between them goes through this module: ragged block-table rows
-become one int32 table here, and the padding rule of a graph step (padded sequences are
-one token long and point at the dummy block, padded tokens write the dummy slot) is written
-here once, for the executor, the reference checks and the benchmarks alike.
+plan on. Between the two the executor normalizes and checks the inputs
+(`xgraph.step_attention`) and pads them by the rule of `xgraph.padding`, which
+`AttentionInputs.padded` applies too, for references.
 """
 
 from __future__ import annotations
@@ -15,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .padding import pad_into, padded_arrays, query_starts
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k, v), each [num_blocks, block_size, kv_heads, dim]
 
@@ -40,19 +41,14 @@ def ragged_rows(
     return out
 
 
-def padded_lengths(
-    query_lens: Sequence[int], seq_lens: Sequence[int], num_seqs: int
-) -> tuple[list[int], list[int], list[int]]:
-    """(query lens, seq lens, query start locations) padded to `num_seqs` sequences of one token."""
-    pad = num_seqs - len(query_lens)
-    ql = [int(q) for q in query_lens] + [1] * pad
-    sl = [int(s) for s in seq_lens] + [1] * pad
-    return ql, sl, [0, *itertools.accumulate(ql)]
-
-
 @dataclass
 class AttentionInputs:
-    """A step's attention inputs, on the host: one entry per sequence (slot_mapping per token)."""
+    """A step's attention inputs: one entry per sequence (slot_mapping: one per token).
+
+    Lists, numpy arrays or tensors (lengths of any integer dtype, block tables int32,
+    slots int64), on the host or on the executor's device; block tables may be ragged
+    lists of rows. An executor also takes a mapping with exactly these four fields.
+    """
 
     query_lens: Sequence[int]
     seq_lens: Sequence[int]
@@ -76,17 +72,33 @@ class AttentionInputs:
         return torch.as_tensor(self.slot_mapping, dtype=torch.int64)
 
     def padded(
-        self, num_seqs: int, num_tokens: int, dummy_slot: int, dummy_block: int, width: int
+        self,
+        num_seqs: int,
+        num_tokens: int,
+        dummy_slot: int,
+        dummy_block: int,
+        width: int,
+        pad_query_len: int = 1,
     ) -> AttentionInputs:
-        """The inputs as a graph step of `num_seqs` sequences and `num_tokens` tokens sees them."""
-        ql, sl, _ = padded_lengths(self.query_lens, self.seq_lens, num_seqs)
-        table = torch.full((num_seqs, width), dummy_block, dtype=torch.int32)
-        real = self.table(dummy_block, width)
-        table[: real.shape[0]] = real.to("cpu")
-        slots = torch.full((num_tokens,), dummy_slot, dtype=torch.int64)
-        sm = self.slots().to("cpu")
-        slots[: sm.shape[0]] = sm
-        return AttentionInputs(ql, sl, table, slots)
+        """The inputs as a graph step of `num_seqs` sequences and `num_tokens` tokens sees them
+        (host tensors), padded by the rule of `xgraph.padding` (padded sequences one token
+        long; `pad_query_len` tokens in a full graph of several tokens per sequence)."""
+        ql = np.asarray(self.query_lens, dtype=np.int64).reshape(-1)
+        out = padded_arrays(num_tokens, num_seqs, width)
+        pad_into(
+            out,
+            self.slots().cpu().numpy().reshape(-1),
+            np.asarray(torch.as_tensor(self.seq_lens).cpu(), dtype=np.int64).reshape(-1),
+            query_starts(ql, num_seqs, pad_query_len),
+            self.table(dummy_block, width).cpu().numpy(),
+            dummy_slot,
+            dummy_block,
+            pad_query_len,
+        )
+        lens = ql.tolist() + [pad_query_len] * (num_seqs - len(ql))
+        return AttentionInputs(
+            lens, out.seq_lens.tolist(), torch.from_numpy(out.table), torch.from_numpy(out.slots)
+        )
 
     def metadata(
         self, device: torch.device | str = "cpu", fill_block: int = 0
@@ -101,13 +113,15 @@ class AttentionInputs:
 class AttentionMetadata:
     """One step's attention inputs as runners read them.
 
-    Device tensors (views of the executor's persistent buffers, padded to the bucket in a
+    Device tensors (views of the executor's persistent buffers, padded to the key in a
     full graph): `slot_mapping` [tokens] int64, the cache slot each token's k/v goes to;
     `seq_lens` [seqs] int32, kv length of each sequence including this step's tokens;
     `query_start_loc` [seqs + 1] int32, cumulative query lengths; `block_tables`
-    [seqs, max_blocks] int32. Host values serve runners that plan on the host: lists, or
-    (`seq_lens_host` of a full-graph decode step) an int32 array that the next step
-    overwrites, so read it in `plan`, not later.
+    [seqs, max_blocks] int32. Host values serve runners that plan on the host:
+    `num_tokens` (the tokens to store: a full graph's padded count, else the real one),
+    `num_seqs`, `query_lens_host` (a list) and `seq_lens_host` (in an executor's step, an
+    int32 array over its staged lengths that later steps overwrite: read it in `plan`,
+    keep no reference; a list in metadata built by `build`).
     """
 
     slot_mapping: torch.Tensor
@@ -129,7 +143,8 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
         """Metadata in fresh device tensors from host values (ragged rows padded with 0)."""
-        ql, sl, qsl = padded_lengths(query_lens, seq_lens, len(query_lens))
+        ql, sl = [int(q) for q in query_lens], [int(s) for s in seq_lens]
+        qsl = [0, *itertools.accumulate(ql)]
         bt = ragged_rows(block_tables, 0).to(device)
         return cls(
             slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.int64).to(device),

@@ -75,6 +75,12 @@ class PagedAttention:
     decode) and `max_blocks_per_seq` block-table columns of `block_size` slots. Padded
     tokens write their k/v to `dummy_slot`; padded sequences point at `dummy_block` with
     seq_len 1. Runners left None come from the backend, else the reference ones.
+    `max_query_len` > 1 also runs steps whose sequences all add the same number q <=
+    max_query_len of tokens (speculative verification: 1 + the draft tokens) as full
+    graphs, keyed by q; the decode runner must serve it (`AttentionRunner.max_query_len`).
+    `validate`: "checked" (default) checks every step's metadata, on the host, or where it
+    is given as device tensors for a full graph, on the device (`xgraph.device_check`);
+    "trusted" uses device metadata as given, for engines that guarantee their tables.
     """
 
     max_seqs: int
@@ -86,6 +92,8 @@ class PagedAttention:
     decode_runner: AttentionRunner | None = None
     prefill_runner: AttentionRunner | None = None
     num_blocks: int = 0  # blocks per cache tensor, the dummy included; 0: from kv_tensors
+    max_query_len: int = 1
+    validate: str = "checked"
 
     def __post_init__(self) -> None:
         if not self.num_blocks:
@@ -95,6 +103,15 @@ class PagedAttention:
                     "PagedAttention.for_cache(cache, ...) or pass num_blocks=."
                 )
             self.num_blocks = int(self.kv_tensors[0].shape[0])
+        if type(self.max_query_len) is not int or self.max_query_len < 1:
+            raise XGraphError(
+                f"PagedAttention: max_query_len={self.max_query_len!r}; give an int >= 1 (1: "
+                "only decode steps of one token per sequence run as full graphs)."
+            )
+        if self.validate not in ("checked", "trusted"):
+            raise XGraphError(
+                f"PagedAttention: validate={self.validate!r}; choose 'checked' or 'trusted'."
+            )
         if not 0 <= self.dummy_block < self.num_blocks:
             raise XGraphError(
                 f"PagedAttention: dummy_block {self.dummy_block} is outside the cache's "

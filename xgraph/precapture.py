@@ -38,6 +38,7 @@ class PreCapture:
         sizes: Iterable[int] | None = None,
         kind: Kind | str = Kind.FULL,
         progress: bool = True,
+        query_len: int = 1,
         **key_dims: int,
     ) -> None:
         """Capture graphs before serving: one per num_tokens size, in the order given.
@@ -46,11 +47,14 @@ class PreCapture:
         runs on a synthetic step that touches only the dummy slot and block; `key_dims` fix
         the sizes of other shape-determining dims. Sizes are ints from 1 to the largest
         bucket (InputError otherwise); one between buckets is padded to the next.
+        `query_len` > 1 captures the full graphs of steps of that many tokens per sequence
+        (speculative verification); sizes then count sequences.
         """
         k = Kind.parse(kind, "kind")
         if k is Kind.EAGER:
             raise XGraphError("kind='eager': choose 'full' or 'piecewise'.")
-        self._synthetic(sizes, k, k, f"{self.name}: capturing {k.value} graphs", progress, key_dims)
+        what = f"{self.name}: capturing {k.value} graphs"
+        self._synthetic(sizes, k, k, what, progress, key_dims, query_len)
 
     def warm_up(
         self, sizes: Iterable[int] | None = None, kind: Kind | str = Kind.FULL, **key_dims: int
@@ -70,10 +74,20 @@ class PreCapture:
         what: str,
         progress: bool,
         key_dims: dict[str, int],
+        query_len: int = 1,
     ) -> None:
         todo = self._sizes(sizes, what)
+        if query_len > 1:  # sizes count sequences of query_len tokens
+            top = self.buckets.max
+            if sizes is None:
+                todo = [n for n in todo if n * query_len <= top]
+            elif max(todo, default=0) * query_len > top:
+                raise InputError(
+                    f"{what}: {max(todo)} sequences of {query_len} tokens are above the "
+                    f"largest bucket ({top}); give at most {top // query_len} sequences."
+                )
         for n in show_progress(todo, what, progress):
-            tensors, attn = self.planner.synthetic(n, layout, key_dims)
+            tensors, attn = self.planner.synthetic(n, layout, key_dims, query_len)
             with self._exclusive("capture"):
                 step = self.planner.plan(tensors, attn, kind=run, synthetic=True)
                 self._steps.acquire(self.name)  # as a step: one at a time over shared memory

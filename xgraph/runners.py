@@ -76,15 +76,18 @@ class PlannedRunner(AttentionRunner):
 
 
 class PagedDecodeRunner(PlannedRunner):
-    """Graph-safe decode attention: one query token per sequence, all data from device.
+    """Graph-safe decode attention: q query tokens per sequence (1 in decode, 1 + k to verify
+    k draft tokens), all data from device.
 
-    Launch shape is fixed by (sequences, block-table width): every sequence gathers its
-    whole block-table row and masks positions >= seq_len on the device (scores and values
-    both, so garbage there cannot reach a real row), so neither the sequence lengths nor the
-    block tables ever reach the host.
+    Launch shape is fixed by (sequences, query length, block-table width): every sequence
+    gathers its whole block-table row; its query j (at position seq_len - q + j) sees keys at
+    positions up to its own, masked on the device (scores and values both, so garbage past
+    seq_len cannot reach a real row), so neither the sequence lengths nor the block tables
+    ever reach the host. The query length is the step's tokens over its sequences.
     """
 
     graph_safe = True
+    max_query_len = 8
 
     def run(
         self,
@@ -98,7 +101,9 @@ class PagedDecodeRunner(PlannedRunner):
         md = self.planned()
         store_kv(k, v, kv_cache, md.slot_mapping)
         k_cache, v_cache = kv_cache
-        b, hq, d = q.shape
+        t, hq, d = q.shape
+        b = md.num_seqs
+        ql = t // b
         bs, hkv = k_cache.shape[1], k_cache.shape[2]
         # ids past a row's need are not validated (engines pad rows with anything): clamped,
         # so the gather stays inside the cache; what they point at is masked below
@@ -107,17 +112,19 @@ class PagedDecodeRunner(PlannedRunner):
         keys = k_cache[bt].reshape(b, w * bs, hkv, d)
         vals = v_cache[bt].reshape(b, w * bs, hkv, d)
         # matmuls in the cache dtype (accumulating in float32), softmax in float32
-        qg = q.reshape(b, hkv, hq // hkv, d).to(keys.dtype)
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, keys).float() * scale
+        qg = q.reshape(b, ql, hkv, hq // hkv, d).to(keys.dtype)
+        scores = torch.einsum("bqhgd,blhd->bhgql", qg, keys).float() * scale
         pos = torch.arange(w * bs, device=q.device)
-        masked = pos[None, :] >= md.seq_lens[:b, None]
-        scores = scores.masked_fill(masked[:, None, None, :], float("-inf"))
+        seq_lens = md.seq_lens[:b, None]
+        own = seq_lens - ql + torch.arange(ql, device=q.device)[None, :]  # [b, ql]
+        later = pos[None, None, :] > own[:, :, None]  # [b, ql, keys]: causal, and past seq_len
+        scores = scores.masked_fill(later[:, None, None], float("-inf"))
         probs = scores.softmax(-1).to(vals.dtype)
         # slots past seq_len (the dummy block, stale or never-written cache) may hold NaN or
         # inf: a zero probability times NaN is NaN, so they are zeroed, not just weighted 0
-        vals = vals.masked_fill(masked[:, :, None, None], 0)
-        o = torch.einsum("bhgl,blhd->bhgd", probs, vals)
-        out.copy_(o.reshape(b, hq, d))
+        vals = vals.masked_fill((pos[None, :] >= seq_lens)[:, :, None, None], 0)
+        o = torch.einsum("bhgql,blhd->bqhgd", probs, vals)
+        out.copy_(o.reshape(t, hq, d))
 
 
 class PagedPrefillRunner(PlannedRunner):

@@ -3,11 +3,16 @@
     step = planner.plan(inputs, attn)   # Kind.FULL / PIECEWISE with a key and staged views,
                                         # or Kind.EAGER with the reason
 
+One path for every step: the token inputs are checked (`xgraph.validation`), the attention
+inputs normalized and checked (`xgraph.step_attention`), the kind and key chosen here, and
+the step written into the persistent buffers (`xgraph.staging`, padded by
+`xgraph.padding`). Nothing is written before the step is known good.
+
 Classification: decode steps (one token per sequence, or no attention) run as full graphs,
 other steps piecewise, as the mode allows. Bucketing pads every shape-determining dim to
-its bucket (dims declared `pad_like` follow num_tokens); a step above the largest bucket
-runs eagerly or raises, by policy. Staging writes the real prefix and the declared fills
-into the persistent buffers (one host-to-device copy) and returns views padded to the key.
+its bucket (dims declared `pad_like` follow num_tokens), or to at least the sizes a caller
+forces (`pad_to`: ranks that agreed on a key); a step above the largest bucket runs eagerly
+or raises, by policy.
 """
 
 from __future__ import annotations
@@ -18,24 +23,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from .buckets import Buckets, Dim, Input
-from .buffers import BufferSpec, CopierFactory, StagedBuffers, StagingPlan, has_numpy_twin
+from .buffers import BufferSpec, CopierFactory, StagedBuffers
+from .device_check import DeviceCheck
 from .errors import BucketOverflowError, InputError, XGraphError, XGraphWarning
+from .interfaces import AttentionRunner
 from .metadata import AttentionInputs, AttentionMetadata
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
-from .validation import (
-    NUM_TOKENS,
-    DecodeAttention,
-    DecodeCheck,
-    StepAttention,
-    TokenCheck,
-    validate_attention,
-    validate_inputs,
-)
+from .staging import StepStaging
+from .step_attention import AttentionCheck, StepAttention
+from .validation import NUM_TOKENS, TokenCheck
 
 logger = logging.getLogger("xgraph")
 
@@ -97,12 +97,20 @@ def check_inputs(name: str, inputs: Sequence[Input], dims: Mapping[str, Dim]) ->
                 )
 
 
+class _Overflow(Exception):
+    """A key dim above its largest bucket (raised while padding, handled by the policy)."""
+
+    def __init__(self, dim: str, largest: int) -> None:
+        self.dim, self.largest = dim, largest
+
+
 class StepPlanner:
     """Turns a step call into a planned Step over the executor's persistent buffers."""
 
     def __init__(
         self,
         name: str,
+        *,
         inputs: Sequence[Input],
         dims: Sequence[Dim],
         buckets: Buckets,
@@ -111,8 +119,13 @@ class StepPlanner:
         mode: Mode,
         on_overflow: Fallback,
         copier: CopierFactory | None = None,
+        decode_runner: AttentionRunner | None = None,
         allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
+        """`decode_runner`: the full graphs' runner, which must serve the attention's
+        `max_query_len` (steps of one query length per sequence run as full graphs up to
+        it; 1: decode steps only). `allocate(nbytes)`: where the packed device buffer lives
+        (xgraph.buffers.StagedBuffers)."""
         self.name, self.device, self.mode, self.on_overflow = name, device, mode, on_overflow
         self.buckets = buckets
         self.dims = declare_dims(name, buckets, dims)
@@ -120,16 +133,36 @@ class StepPlanner:
         check_inputs(name, self.inputs, self.dims)
         self.attention = attention
         self.key_buckets = {n: Buckets(d.buckets) for n, d in self.dims.items() if d.buckets}
+        self.pad_like = [n for n, d in self.dims.items() if d.pad_like is not None]
+        self.tokens_only_key = list(self.key_buckets) == [NUM_TOKENS] and not self.pad_like
+        # (forced kind, num_tokens, q) -> (kind, key, padded sizes), where nothing else
+        # decides them (no pad_to, num_tokens the only key dim)
+        self._simple: dict[tuple[Kind | None, int, int], tuple[Kind, tuple, dict[str, int]]] = {}
+        self.full_query_len = attention.max_query_len if attention else 1
+        if decode_runner is not None and self.full_query_len > decode_runner.max_query_len:
+            raise XGraphError(
+                f"PagedAttention(max_query_len={self.full_query_len}): the decode runner "
+                f"{type(decode_runner).__name__} serves full graphs of up to "
+                f"{decode_runner.max_query_len} tokens per sequence. Lower max_query_len or "
+                "pass a runner that serves it."
+            )
+        self.maxima = {n: d.max for n, d in self.dims.items()}
         self.max_seqs = max(attention.max_seqs, buckets.max) if attention is not None else 0
         self.closed = False
         self._staged = StagedBuffers(self._buffer_specs(), device, copier, allocate)
-        self._qsl = np.zeros(self.max_seqs + 1, dtype=np.int32)  # query start locations
+        self.device_check = DeviceCheck(name, attention, device) if attention else None
+        self.staging = StepStaging(
+            self._staged, self.inputs, attention, self.maxima, self.device_check
+        )
+        self.tokens = TokenCheck(name, self.inputs, self.dims, device, self.staging.numpy_ok)
+        self.attn_check = (
+            AttentionCheck(name, attention, self.max_seqs, device) if attention else None
+        )
         self._warned_overflow = False
-        self.decode = DecodePath(self) if DecodePath.serves(self) else None
 
     @property
     def staged(self) -> StagedBuffers:
-        """The persistent buffers (refused once closed: their memory may be gone)."""
+        """The persistent buffers (refused once closed: their memory is given back)."""
         if self.closed:
             raise self._closed_error()
         return self._staged
@@ -171,34 +204,49 @@ class StepPlanner:
         inputs: Mapping[str, Any],
         attn: AttentionInputs | None,
         kind: Kind | None = None,
-        synthetic: bool = False,
         pad_to: Mapping[str, int] | None = None,
+        synthetic: bool = False,
     ) -> Step:
-        """Validate, classify, bucket and stage one step; `kind` forces the graph kind;
-        `synthetic` marks the executor's own pre-capture steps (dummy block only); `pad_to`
-        pads key dims to at least these sizes (ranks agreeing on one key; a key dim no input
-        uses, such as a communication dim, joins the key at its padded size)."""
+        """Validate, classify, bucket and stage one step. `kind` forces the graph kind;
+        `pad_to` pads key dims to at least these sizes (ranks agreeing on one key; a key dim
+        no input uses, such as a communication dim, joins the key at its padded size);
+        `synthetic` marks the executor's own pre-capture steps (dummy block only)."""
         if self.closed:
             raise self._closed_error()
-        if self.decode is not None and kind is None and not pad_to:
-            step = self.decode.plan(inputs, attn)
-            if step is not None:
-                return step
-        tensors, sizes = validate_inputs(self.name, self.inputs, self.dims, inputs, self.device)
-        attn = self._attention(attn, sizes[NUM_TOKENS], synthetic)
-        step = Step(Kind.EAGER, tensors, sizes, attn=attn)
-        self._classify(step, kind, pad_to or {})
+        dc = self.device_check
+        if dc is not None and dc.pending:
+            dc.raise_pending()  # what an earlier step's device-side check found
+        tokens = self.tokens.check(inputs)
+        h = self._attention(attn, tokens.num_tokens, synthetic)
+        step = Step(Kind.EAGER, tokens.tensors, tokens.sizes, attn=h)
+        self._classify(step, kind, pad_to, synthetic)
+        if h is not None and h.on_device and step.kind is not Kind.FULL:
+            # host-planned runners and eager steps read the lengths on the host: copied
+            # there (a sync) and checked like host metadata
+            assert self.attn_check is not None
+            h = step.attn = self.attn_check.check(h.on_host(), step.num_tokens, synthetic, True)
         if step.kind is Kind.EAGER:
-            if step.attn is not None:
-                step.metadata = step.attn.inputs().metadata(self.device)
+            if h is not None:
+                step.metadata = h.metadata(self.device)
             return step
-        self._stage(step)
+        seqs = 0
+        if h is not None:  # a full graph sees the padded sequence count
+            full = step.kind is Kind.FULL
+            seqs = step.padded[NUM_TOKENS] // h.query_len if full else h.num_seqs
+        step.views, step.metadata = self.staging.stage(
+            step.key, step.padded, step.tensors, tokens.arrays, h, seqs
+        )
         return step
+
+    def raise_pending(self, wait: bool = False) -> None:
+        """Raise what the device-side check of an earlier step found (`wait`: for it)."""
+        if self.device_check is not None:
+            self.device_check.raise_pending(wait)
 
     def _attention(
         self, attn: AttentionInputs | None, num_tokens: int, synthetic: bool
     ) -> StepAttention | None:
-        if self.attention is None:
+        if self.attn_check is None:
             if attn is not None:
                 raise InputError(
                     f"{self.name}: attn= was given but the executor has no attention=."
@@ -209,117 +257,159 @@ class StepPlanner:
                 f"{self.name}: this executor drives attention; pass "
                 "attn=xgraph.AttentionInputs(...)."
             )
-        return validate_attention(
-            self.name, self.attention, attn, num_tokens, self.max_seqs, self.device, synthetic
-        )
+        return self.attn_check.check(attn, num_tokens, synthetic)
 
-    def _classify(self, step: Step, forced: Kind | None, pad_to: Mapping[str, int]) -> None:
+    def _classify(
+        self, step: Step, forced: Kind | None, pad_to: Mapping[str, int] | None, synthetic: bool
+    ) -> None:
         """Choose the kind and the key; above the buckets: the overflow policy."""
+        h = step.attn
+        q = 1 if h is None else h.query_len
+        if pad_to is None:  # where nothing but the kind, num_tokens and q decide: kept
+            got = self._simple.get((forced, step.num_tokens, q))
+            if got is not None:
+                step.kind, step.key, step.padded = got
+                return
+        uniform = 1 <= q <= self.full_query_len  # a full graph can run it
         if forced is Kind.EAGER:
-            step.reason = "warm-up"
+            step.reason = "warm-up" if synthetic else "forced"
             return
         if forced is not None:
+            if forced is Kind.FULL and not uniform:
+                raise InputError(
+                    f"{self.name}: kind='full' was forced for a step whose query lengths "
+                    f"{'differ' if not q else f'are {q}'}; the decode runner's full graphs run "
+                    f"steps of one query length up to {self.full_query_len}. Force 'piecewise'."
+                )
             kind = forced
         elif self.mode is Mode.EAGER:
             step.reason = "mode"
             return
-        elif step.attn is None or step.attn.is_decode:
+        elif uniform:
             kind = Kind.PIECEWISE if self.mode is Mode.PIECEWISE else Kind.FULL
         elif self.mode is Mode.FULL:
             step.reason = "not decode (mode='full')"
             return
         else:
             kind = Kind.PIECEWISE
+        if kind is Kind.FULL and q > 1 and self._sequences(step, q, pad_to) is None:
+            if forced is Kind.FULL or self.mode is Mode.FULL:
+                self._overflow(step, NUM_TOKENS, self.buckets.max, pad_to, q)
+                return
+            kind = Kind.PIECEWISE  # a piecewise graph serves it, at other padded sizes
+        try:
+            step.key, step.padded = self._key(step, kind, q if kind is Kind.FULL else 1, pad_to)
+        except _Overflow as o:
+            self._overflow(step, o.dim, o.largest, pad_to)
+            return
+        step.kind = kind
+        if self.tokens_only_key and pad_to is None:
+            self._simple[(forced, step.num_tokens, q)] = (kind, step.key, step.padded)
+
+    def _sequences(self, step: Step, q: int, pad_to: Mapping[str, int] | None) -> int | None:
+        """The padded sequence count of a full graph of query length q > 1 (a bucket, q
+        tokens each, within the largest bucket), or None where it does not fit."""
+        assert step.attn is not None
+        want = -(-pad_to.get(NUM_TOKENS, 0) // q) if pad_to else 0
+        sb = self.buckets.pad(max(step.attn.num_seqs, want))
+        return sb if sb is not None and sb * q <= self.buckets.max else None
+
+    def _key(
+        self, step: Step, kind: Kind, q: int, pad_to: Mapping[str, int] | None
+    ) -> tuple[tuple, dict[str, int]]:
+        """(key, padded sizes) of a step of this kind and (full graphs) query length."""
+        padded = self._pad(step, q, pad_to)
+        # piecewise pieces never see sequence-shaped data, so the batch composition is not
+        # part of their key; a full graph bakes it in through the padded sequence count, and
+        # a step of several tokens per sequence (q > 1) through q as well
+        key = (kind.value, *[padded[n] for n in self.key_buckets if n in padded])
+        if q > 1:
+            key += (q,)
+        return key, padded
+
+    def _pad(self, step: Step, q: int, pad_to: Mapping[str, int] | None) -> dict[str, int]:
+        """The padded size of every key dim the step uses or `pad_to` names (_Overflow:
+        above the buckets)."""
+        if pad_to:
+            unknown = set(pad_to) - set(self.key_buckets)
+            if unknown:
+                raise InputError(
+                    f"{self.name}: pad_to names {sorted(unknown)}, which are not key dims; "
+                    f"give sizes for {sorted(self.key_buckets)}."
+                )
         padded: dict[str, int] = {}
+        if q > 1:
+            padded[NUM_TOKENS] = q * (self._sequences(step, q, pad_to) or 0)
         for name, b in self.key_buckets.items():
-            if name in step.sizes or name in pad_to:
-                want = max(step.sizes.get(name, 0), pad_to.get(name, 0))
-                p = b.pad(want)
-                if p is None:
-                    self._overflow(step, name, want, b.max)
-                    return
-                padded[name] = p
-        for name, d in self.dims.items():
-            if d.pad_like is not None and name in step.sizes:
-                padded[name] = padded[d.pad_like]
+            if name in padded or (name not in step.sizes and not (pad_to and name in pad_to)):
+                continue
+            n = step.sizes.get(name, 0)
+            p = b.pad(max(n, pad_to.get(name, 0)) if pad_to else n)
+            if p is None:
+                raise _Overflow(name, b.max)
+            padded[name] = p
+        for name in self.pad_like:
+            if name in step.sizes:
+                padded[name] = padded[NUM_TOKENS]
                 if step.sizes[name] > padded[name]:
                     raise InputError(
                         f"{self.name}: dim {name!r} ({step.sizes[name]}) exceeds the "
-                        f"{d.pad_like} bucket {padded[name]} it is padded like."
+                        f"num_tokens bucket {padded[name]} it is padded like."
                     )
-        step.kind, step.padded = kind, padded
-        # piecewise pieces never see sequence-shaped data, so the batch composition is not
-        # part of their key; a full graph bakes it in through the padded sequence count
-        step.key = (kind.value, *(padded[n] for n in self.key_buckets if n in padded))
+        return padded
 
-    def _overflow(self, step: Step, dim: str, n: int, largest: int) -> None:
+    def _overflow(
+        self, step: Step, dim: str, largest: int, pad_to: Mapping[str, int] | None, q: int = 1
+    ) -> None:
+        n = step.sizes.get(dim, 0)
+        forced = pad_to.get(dim) if pad_to else None
+        what = f"{dim}={n}" + (f" padded to at least {forced}" if forced and forced > n else "")
+        if q > 1:  # a full graph of q tokens per sequence pads the sequences to a bucket
+            what += f" ({n // q} sequences of {q} tokens, their count padded to a bucket)"
         if self.on_overflow is Fallback.RAISE:
             raise BucketOverflowError(
-                f"{self.name}: {dim}={n} is above the largest bucket {largest}. Raise the "
+                f"{self.name}: {what} is above the largest bucket {largest}. Raise the "
                 "largest bucket, split the batch, or use on_overflow='eager'."
             )
         if not self._warned_overflow:  # a warning reaches users who set up no logging
             self._warned_overflow = True
             msg = (
-                f"{self.name}: {dim}={n} is above the largest bucket {largest}; such steps run "
+                f"{self.name}: {what} is above the largest bucket {largest}; such steps run "
                 "eagerly (on_overflow='eager'). Shown once."
             )
             warnings.warn(msg, XGraphWarning, stacklevel=5)
             logger.warning(msg)
         step.reason = "above largest bucket"
 
-    # -- stage -----------------------------------------------------------------------------
-
-    def _stage(self, step: Step) -> None:
-        """Write the step into the persistent buffers; views padded to the key."""
-        st = self.staged
-        st.begin()
-        for spec in self.inputs:
-            extent = [
-                int(s) if isinstance(s, int) else step.padded.get(s, self.dims[s].max)
-                for s in spec.shape
-            ]
-            step.views[spec.name] = st.write(spec.name, step.tensors[spec.name], extent)
-        if step.attn is not None:
-            step.metadata = self._stage_attention(step)
-        st.flush()
-
-    def _stage_attention(self, step: Step) -> AttentionMetadata:
-        a, h, st = self.attention, step.attn, self.staged
-        assert a is not None and h is not None
-        tb = step.padded[NUM_TOKENS]
-        full = step.kind is Kind.FULL
-        n = len(h.query_lens)
-        b = tb if full else n  # a full graph sees the padded sequence count
-        seq_lens = st.write("seq_lens", h.seq_lens, (b,))  # padded sequences: seq_len 1
-        qsl = self._qsl
-        qsl[1 : n + 1] = np.cumsum(h.query_lens)
-        qsl[n + 1 : b + 1] = qsl[n] + np.arange(1, b - n + 1)  # padded: one token each
-        sl = h.seq_lens.tolist() + [1] * (b - n)
-        return AttentionMetadata(
-            slot_mapping=st.write("slot_mapping", h.slots, (tb,)),
-            seq_lens=seq_lens,
-            query_start_loc=st.write("query_start_loc", qsl[: b + 1], (b + 1,)),
-            block_tables=st.write("block_tables", h.table, (b, a.max_blocks_per_seq)),
-            num_tokens=tb if full else step.num_tokens,
-            num_seqs=b,
-            query_lens_host=h.query_lens.tolist() + [1] * (b - n),
-            seq_lens_host=sl,
-        )
-
     # -- synthetic steps (pre-capture) -----------------------------------------------------
 
     def synthetic(
-        self, n: int, kind: Kind, key_dims: Mapping[str, int]
+        self, n: int, kind: Kind, key_dims: Mapping[str, int], query_len: int = 1
     ) -> tuple[dict[str, torch.Tensor], AttentionInputs | None]:
-        """Inputs of `n` tokens that touch only the dummy slot and block."""
+        """Inputs that touch only the dummy slot and block: `n` tokens, or for a full graph
+        of `query_len` > 1, n sequences of that many tokens."""
         if self.closed:
             raise self._closed_error()
+        if query_len > 1:
+            if kind is not Kind.FULL or not 1 < query_len <= self.full_query_len:
+                raise XGraphError(
+                    f"{self.name}: query_len={query_len} names full graphs of that many tokens "
+                    f"per sequence; the decode runner serves 1 to {self.full_query_len} "
+                    "(kind='full')."
+                )
+            attn = self._synthetic_query(n, query_len)
+            return self._synthetic_inputs(n * query_len, key_dims), attn
+        tensors = self._synthetic_inputs(n, key_dims)
+        if self.attention is None:
+            return tensors, None
+        return tensors, self._synthetic_attention(n, decode=kind is Kind.FULL)
+
+    def _synthetic_inputs(self, n: int, key_dims: Mapping[str, int]) -> dict[str, torch.Tensor]:
         sizes = {NUM_TOKENS: n, **key_dims}
         for name, d in self.dims.items():
             default = n if d.pad_like == NUM_TOKENS else (d.buckets[0] if d.buckets else 1)
             sizes.setdefault(name, default)
-        tensors = {
+        return {
             spec.name: torch.full(
                 [s if isinstance(s, int) else sizes[s] for s in spec.shape],
                 spec.fill,
@@ -327,9 +417,6 @@ class StepPlanner:
             )
             for spec in self.inputs
         }
-        if self.attention is None:
-            return tensors, None
-        return tensors, self._synthetic_attention(n, decode=kind is Kind.FULL)
 
     def _synthetic_attention(self, n: int, decode: bool) -> AttentionInputs:
         """Decode: n single-token sequences. Piecewise: as few sequences as the block-table
@@ -343,158 +430,9 @@ class StepPlanner:
         tables = [[a.dummy_block] * -(-q // a.block_size) for q in lens]
         return AttentionInputs(lens, lens, tables, [a.dummy_slot] * n)
 
-
-# -- the decode fast path ------------------------------------------------------------------
-
-
-# (num_tokens, numpy views of the token inputs, the tensors by name, attention arrays)
-Checked = tuple[int, list[np.ndarray], dict[str, torch.Tensor], DecodeAttention | None]
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    """One decode bucket's staging, worked out at its first step."""
-
-    size: int
-    key: tuple
-    padded: dict[str, int]
-    plan: StagingPlan
-    inputs: list[tuple[np.ndarray, float | int]]  # (host view, fill) per input, in order
-    views: dict[str, torch.Tensor]  # device views of the inputs
-    qsl: np.ndarray  # a decode step's query start locations: 0, 1, ..., size
-    query_lens: list[int]  # [1] * size, the host query lengths (never mutated)
-
-
-class DecodePath:
-    """Decode steps as full graphs with host inputs: lengths checked, the step written into
-    the host twin through views made once per bucket, block ids and slots checked on what
-    was written (vectorized, no loop over sequences), then sent in one copy.
-
-    `plan` answers None for anything else, and for anything wrong: the general path then
-    plans the step, or refuses it with the full validation's message (a refused step has
-    written the host twin only, never the buffers graphs read). It accepts only what the
-    general path accepts and stages the same bytes (tests/test_decode_path.py).
-    """
-
-    @staticmethod
-    def serves(p: StepPlanner) -> bool:
-        """Full-graph decode, and inputs that are [num_tokens, fixed...] of numpy dtypes."""
-        return (
-            p.mode in (Mode.AUTO, Mode.FULL)
-            and list(p.dims) == [NUM_TOKENS]
-            and all(i.shape[:1] == (NUM_TOKENS,) and has_numpy_twin(i.dtype) for i in p.inputs)
-            and all(isinstance(d, int) for i in p.inputs for d in i.shape[1:])
-        )
-
-    def __init__(self, planner: StepPlanner) -> None:
-        self.planner = planner
-        self.staged = planner.staged
-        self.tokens = TokenCheck(planner.inputs)
-        a = planner.attention
-        self.attention = (
-            DecodeCheck(a, planner.max_seqs, planner.staged.np_views["block_tables"])
-            if a is not None
-            else None
-        )
-        self.buckets: dict[int, _Bucket | None] = {}
-        self.pad = planner.buckets.pad
-
-    def plan(self, inputs: Mapping[str, Any], attn: AttentionInputs | None) -> Step | None:
-        checked = self.validate(inputs, attn)
-        if checked is None:
-            return None
-        bucket = self.bucket(checked[0])
-        return None if bucket is None else self.stage(checked, bucket)
-
-    def validate(self, inputs: Mapping[str, Any], attn: AttentionInputs | None) -> Checked | None:
-        """The checks that need nothing staged: inputs, lengths, rows long enough."""
-        tokens = self.tokens.check(inputs)
-        if tokens is None:
-            return None
-        n, arrays = tokens
-        tensors = inputs if type(inputs) is dict else dict(inputs)  # checked: names, tensors
-        if self.attention is None:
-            return (n, arrays, tensors, None) if attn is None else None
-        if type(attn) is not AttentionInputs:
-            return None
-        d = self.attention.check(attn, n)
-        return None if d is None else (n, arrays, tensors, d)
-
-    def bucket(self, n: int) -> _Bucket | None:
-        """The staging of n tokens' bucket; None above the largest (the overflow policy)."""
-        tb = self.pad(n)
-        if tb is None:
-            return None
-        b = self.buckets.get(tb, False)
-        if b is False:
-            b = self.buckets[tb] = self._new_bucket(tb)
-        return b  # type: ignore[return-value]
-
-    def _new_bucket(self, tb: int) -> _Bucket | None:
-        p = self.planner
-        extents = {i.name: (tb, *(int(s) for s in i.shape[1:])) for i in p.inputs}
-        if p.attention is not None:
-            w = p.attention.max_blocks_per_seq
-            extents.update(
-                slot_mapping=(tb,),
-                seq_lens=(tb,),
-                query_start_loc=(tb + 1,),
-                block_tables=(tb, w),
-            )
-        plan = p.staged.plan(extents)
-        if plan is None:
-            return None
-        return _Bucket(
-            size=tb,
-            key=(Kind.FULL.value, tb),
-            padded={NUM_TOKENS: tb},
-            plan=plan,
-            inputs=[(plan.host[i.name], plan.fills[i.name]) for i in p.inputs],
-            views={i.name: plan.device[i.name] for i in p.inputs},
-            qsl=np.arange(tb + 1, dtype=np.int32),
-            query_lens=[1] * tb,
-        )
-
-    def stage(self, checked: Checked, b: _Bucket) -> Step | None:
-        """Write the step into the host twin, check its layout there, send it in one copy."""
-        n, arrays, tensors, d = checked
-        tb = b.size
-        self.staged.begin()  # the previous step's copy has read the twin
-        for (view, fill), a in zip(b.inputs, arrays):
-            view[:n] = a
-            if n < tb:
-                view[n:] = fill
-        h = md = None
-        if d is not None:
-            h = self._stage_attention(d, n, b)
-            if h is None:
-                self.staged.discard(b.plan.nbytes)
-                return None
-            dev = b.plan.device
-            md = AttentionMetadata(  # positional: num_tokens, num_seqs, host lengths
-                dev["slot_mapping"],
-                dev["seq_lens"],
-                dev["query_start_loc"],
-                dev["block_tables"],
-                tb,
-                tb,
-                b.query_lens,
-                b.plan.host["seq_lens"],  # the twin, padded: no list built per step
-            )
-        self.staged.send(b.plan.nbytes)
-        return Step(Kind.FULL, tensors, {NUM_TOKENS: n}, h, b.key, b.padded, b.views, md)
-
-    def _stage_attention(self, d: DecodeAttention, n: int, b: _Bucket) -> StepAttention | None:
-        check, host, tb = self.attention, b.plan.host, b.size
-        assert check is not None
-        slots, sl = host["slot_mapping"], host["seq_lens"]
-        slots[:n] = d.slots
-        sl[:n] = d.seq_lens
-        if n < tb:  # padded sequences: one token at the dummy slot, seq_len 1, dummy blocks
-            slots[n:] = b.plan.fills["slot_mapping"]
-            sl[n:] = 1
-        host["query_start_loc"][:] = b.qsl
-        table = check.stage(d, n, tb)
-        if not check.check_staged(d, table):
-            return None
-        return StepAttention(check.ones[:n], d.seq_lens, table, d.slots, True)
+    def _synthetic_query(self, n: int, q: int) -> AttentionInputs:
+        """n sequences of q tokens over the dummy block (seq_len q)."""
+        a = self.attention
+        assert a is not None
+        row = [a.dummy_block] * -(-q // a.block_size)
+        return AttentionInputs([q] * n, [q] * n, [row] * n, [a.dummy_slot] * (n * q))

@@ -10,12 +10,13 @@
 - `ReduceOverhead`: torch.compile(mode="reduce-overhead") of the same forward, one compiled
   function for every batch size (static shapes: a recompile per size, each recorded into
   torch's own CUDA graphs).
-- `compiled_twin`: a second module tree over the same weights and KV cache whose decoder
-  layers are torch.compile'd (`Qwen3Model.compile_layers`), for executors made with
-  `compiled=True`: Inductor's kernels in xgraph's graphs. `bench decode` compiles it per
-  batch size (static shapes, as reduce-overhead does: a few decode buckets, each with kernels
-  specialised to it), `bench prefill` once with num_tokens dynamic (many sizes). The
-  original model keeps its eager kernels for the other rows; nothing large is copied.
+- `compiled_twin`: a second module tree over the same weights and KV cache whose forward
+  (or each decoder layer) is torch.compile'd, for executors made with `compiled=True`:
+  Inductor's kernels in xgraph's graphs. `bench decode` compiles it once for every batch
+  size (the token count dynamic, `Qwen3Model.compile_forward`) and, with
+  `--compile-buckets per-size` or `both`, once per batch size (static shapes, as
+  reduce-overhead does); `bench prefill` once with num_tokens dynamic. The original model
+  keeps its eager kernels for the other rows; nothing large is copied.
 """
 
 from __future__ import annotations
@@ -106,22 +107,29 @@ def native_anchor(
 
 
 def compiled_twin(
-    model: Qwen3Model, compiler: str = "inductor", dynamic: bool = True, scope: str = "layers"
+    model: Qwen3Model,
+    compiler: str = "inductor",
+    dynamic: bool = True,
+    scope: str = "layers",
+    max_tokens: int = 512,
 ) -> Qwen3Model:
-    """A copy of the module tree sharing the parameters, buffers and KV cache, its layers
-    compiled in place (compile_layers compiles modules, so it needs modules of its own);
-    `dynamic=False`: one compile per token count, each specialised to its shape.
-    `scope="forward"`: the whole forward compiled as one graph instead (embedding, rotary,
-    every layer, the final norm; the attention op inside it), as reduce-overhead compiles it."""
+    """A copy of the module tree sharing the parameters, buffers and KV cache, compiled
+    (compile_layers compiles modules, so it needs modules of its own).
+
+    `scope="forward"`: the whole forward as one graph (embedding, rotary, every layer, the
+    final norm; the attention op inside it), as reduce-overhead compiles it, through
+    `Qwen3Model.compile_forward`: `dynamic=True` is one compile for every token count up
+    to `max_tokens` (and one for a single token), `dynamic=False` one compile per count.
+    `scope="layers"`: each decoder layer (`compile_layers`; `dynamic=True`: one graph for
+    every count of 2 tokens or more)."""
     shared: dict[int, Any] = {
         id(t): t for t in (*model.parameters(), *model.buffers(), *model.kv_cache.tensors())
     }
     shared[id(model.kv_cache)] = model.kv_cache
     twin = copy.deepcopy(model, shared)
     if scope == "forward":
-        twin.mark_cache_static()
-        twin.forward = torch.compile(  # type: ignore[method-assign]
-            twin.forward, dynamic=dynamic, **compile_options(compiler)
+        twin.forward = twin.compile_forward(  # type: ignore[method-assign]
+            max_tokens, dynamic=dynamic, **compile_options(compiler)
         )
         return twin
     if scope != "layers":

@@ -10,18 +10,19 @@ from typing import Any
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..cli_types import positive_int, sizes
 from ..interfaces import Backend
-from . import decode, distributed, host, memory, memory_plot, prefill, sleep, soak
+from . import decode, distributed, host, memory, memory_plot, pipeline, prefill, sleep, soak
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
+EXTRA = ("soak", "host", "distributed", "pipeline", "sleep")  # run on their own
 # the benchmarks each option is read by: given to another one, it is refused, not ignored
 USED_BY = {
-    "sizes": ("memory", "prefill", "decode", "host", "distributed", "sleep"),
+    "sizes": ("memory", "prefill", "decode", "host", "distributed", "pipeline", "sleep"),
     "max_size": ("memory", "prefill"),
     "compile": ("prefill", "decode"),
     "table_check": ("decode",),
     "piecewise_max": ("memory", "sleep"),
-    "iters": ("prefill", "decode", "host", "distributed", "sleep"),
+    "iters": ("prefill", "decode", "host", "distributed", "pipeline", "sleep"),
     "kv_cache_gib": ("sleep",),
     "steps": ("soak",),
     "memory": ("soak",),
@@ -67,6 +68,13 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
         "graph they share; forward: the whole forward as one graph, as reduce-overhead does)",
     )
     p.add_argument(
+        "--compile-buckets",
+        default="one",
+        choices=list(decode.COMPILE_BUCKETS),
+        help="decode: xgraph's compiled row compiles once for every batch size (one: the "
+        "token count dynamic), once per batch size (per-size: static shapes), or both rows",
+    )
+    p.add_argument(
         "--models",
         default="reference,hf-llama",
         type=_names(memory.targets.FAMILIES),
@@ -99,11 +107,12 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: memory | prefill | decode | all | soak | host | distributed | sleep",
+        help="benchmarks: memory | prefill | decode | all | soak | host | distributed | "
+        "pipeline | sleep",
     )
     p.add_argument(
         "which",
-        choices=[*BENCHMARKS, "all", "soak", "host", "distributed", "sleep"],
+        choices=[*BENCHMARKS, "all", *EXTRA],
         help="which benchmark to run (all: memory, prefill and decode)",
     )
     p.add_argument(
@@ -240,6 +249,7 @@ def _decode(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
         table_check_batch=args.table_check,
         checkpoint=Checkpoint(_json_path(args, "decode")),
         compile_scope=args.compile_scope,
+        compile_buckets=args.compile_buckets,
     )
     return data, decode.summarize(data)
 
@@ -263,6 +273,11 @@ def _distributed(backend: Backend, args: argparse.Namespace, sizes: list[int] | 
     return data, distributed.summarize(data)
 
 
+def _pipeline(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    data = pipeline.run(backend, args.model, sizes, iters=args.iters)
+    return data, pipeline.summarize(data)
+
+
 def _sleep(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
     pw = None if args.piecewise_max is None else sglang_piecewise_sizes(args.piecewise_max)
     data = sleep.run(
@@ -284,6 +299,7 @@ RUNNERS: dict[str, Runner] = {
     "soak": _soak,
     "host": _host,
     "distributed": _distributed,
+    "pipeline": _pipeline,
     "sleep": _sleep,
 }
 

@@ -43,8 +43,10 @@ VARIANTS = {  # printed name -> the row's key
     "reduce-overhead": "reduce_overhead_s",
     "reduce-overhead + inputs": "reduce_overhead_inputs_s",
     "xgraph over compile": "xgraph_compiled_s",
+    "xgraph over per-size compile": "xgraph_per_size_s",
 }
-XGRAPH = ("xgraph", "xgraph over compile")
+XGRAPH = ("xgraph", "xgraph over compile", "xgraph over per-size compile")
+COMPILE_BUCKETS = ("one", "per-size", "both")  # --compile-buckets
 # replays of static inputs, and the same as engine steps (`+ inputs`: the step sent first)
 ANCHORS = ("reduce-overhead", "raw graph", "reduce-overhead + inputs", "raw graph + inputs")
 
@@ -96,7 +98,9 @@ def _measure(
 
 class _Compiled:
     """The compiled variants, each built at its first use and reused by later batches:
-    one reduce-overhead function, one compiled twin of the model behind one executor."""
+    one reduce-overhead function; the compiled twin of the model behind one executor,
+    compiled once for every batch size (`buckets="one"`), once per batch size
+    ("per-size"), or both, each behind its own executor."""
 
     def __init__(
         self,
@@ -105,43 +109,66 @@ class _Compiled:
         batches: list[int],
         compiler: str,
         scope: str = "layers",
+        buckets: str = "one",
     ) -> None:
+        if buckets not in COMPILE_BUCKETS:
+            raise ValueError(f"compile buckets {buckets!r}: choose one of {COMPILE_BUCKETS}")
         self.backend, self.w, self.batches, self.compiler = backend, w, batches, compiler
-        self.scope = scope
+        self.scope, self.buckets = scope, buckets
         self.ro: ReduceOverhead | None = None
         self.twin: Workload | None = None
-        self.ex: GraphExecutor | None = None
+        self.executors: dict[str, GraphExecutor] = {}
 
     def reduce_overhead(self, step: Step, timer: Timer, iters: int) -> dict[str, Any]:
         if self.ro is None:
             self.ro = ReduceOverhead(self.backend, self.w.model, self.compiler)
         return self.ro.measure(self.w, step, timer, iters)
 
-    def xgraph(self, step: Step, timer: Timer, iters: int) -> dict[str, Any]:
-        if self.ex is None:
-            # static shapes: a compile per decode batch, like reduce-overhead's (the dynamic
-            # graph's kernels measured 5-7% slower at batch 8 and 64 on an H200)
-            model = compiled_twin(self.w.model, self.compiler, dynamic=False, scope=self.scope)
-            self.twin = Workload(model, self.w.max_blocks, self.w.max_seqs)
-            self.ex = self.twin.executor(
+    def _executor(self, key: str) -> GraphExecutor:
+        """The executor over the twin compiled for `key` ("one": the token count dynamic, a
+        compile for every batch size; "per-size": static shapes, a compile per size)."""
+        if key not in self.executors:
+            model = compiled_twin(
+                self.w.model,
+                self.compiler,
+                dynamic=key == "one",
+                scope=self.scope,
+                max_tokens=max(self.batches),
+            )
+            twin = Workload(model, self.w.max_blocks, self.w.max_seqs)
+            if key == "one" or self.twin is None:
+                self.twin = twin  # the width check runs over the one-compile twin
+            ex = twin.executor(
                 model.forward,
                 backend=self.backend,
                 buckets=self.batches,
                 compiled=True,
                 on_capture_error="raise",
             )
-        ex = self.ex
+            self.executors[key] = ex
+        return self.executors[key]
+
+    def xgraph(self, step: Step, timer: Timer, iters: int, key: str) -> dict[str, Any]:
+        ex = self._executor(key)
+        name = "xgraph_compiled" if key == "one" else "xgraph_per_size"
         before = ex.stats()["capture_seconds"]
         first = first_step(self.backend, lambda: ex(**step.kwargs()))
-        return {
-            "xgraph_compiled_s": timer(lambda: ex(**step.kwargs()), iters),
-            "xgraph_compiled_first_step_s": first,  # compile (first sizes only) + capture
-            "xgraph_compiled_capture_s": ex.stats()["capture_seconds"] - before,
+        out = {
+            f"{name}_s": timer(lambda: ex(**step.kwargs()), iters),
+            f"{name}_first_step_s": first,  # compile (first sizes only) + capture
+            f"{name}_capture_s": ex.stats()["capture_seconds"] - before,
         }
+        forward = ex.forward
+        if hasattr(forward, "compiles"):  # TokenCompiled: graphs compiled so far
+            out[f"{name}_compiles"] = forward.compiles
+        return out
+
+    def keys(self) -> list[str]:
+        return ["one", "per-size"] if self.buckets == "both" else [self.buckets]
 
     def close(self) -> None:
-        if self.ex is not None:
-            self.ex.close()
+        for ex in self.executors.values():
+            ex.close()
 
 
 def _finish(row: dict[str, Any], weights: int, bw: float | None) -> None:
@@ -186,7 +213,12 @@ def _compiled_rows(
     for b in compiled.batches:
         step, row = steps[b], rows[b]
         attempt(row, "reduce_overhead", lambda s=step: compiled.reduce_overhead(s, timer, iters))
-        attempt(row, "xgraph_compiled", lambda s=step: compiled.xgraph(s, timer, iters))
+        for key in compiled.keys():
+            attempt(
+                row,
+                "xgraph_compiled" if key == "one" else "xgraph_per_size",
+                lambda s=step, k=key: compiled.xgraph(s, timer, iters, k),
+            )
         _progress(row)
         save()
     compiled.close()
@@ -224,11 +256,14 @@ def run(
     compiler: str = "inductor",
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
     compile_scope: str = "layers",
+    compile_buckets: str = "one",
 ) -> dict[str, Any]:
     """Every row, then the width check, then the compiled rows; `checkpoint` gets the data
     so far after each stage (a run stopped by a time limit keeps what it measured).
     `compile_scope`: what the executor's compiled forward compiles ("layers": each decoder
-    layer, one graph they share; "forward": the whole forward as one graph)."""
+    layer, one graph they share; "forward": the whole forward as one graph).
+    `compile_buckets`: "one" compile for every batch size (the token count dynamic),
+    "per-size" (static shapes, a compile per batch size), or "both" (two rows)."""
     accel = backend.device.type != "cpu"
     batches = batches or ([1, 8, 64, 256] if accel else [1, 8, 32])
     if compile_batches is None:
@@ -239,6 +274,7 @@ def run(
         **header(backend, model, w),
         "iters": iters,
         "compile_scope": compile_scope,
+        "compile_buckets": compile_buckets,
         "weight_bytes": roofline.weight_bytes(w.model),
     }
     attempt(data, "bandwidth", lambda: roofline.bandwidth(backend, timer))
@@ -255,6 +291,28 @@ def run(
     steps = _steps(w, batches, seed, accel)
     rows = {b: {"batch": b, "kv_bytes": roofline.kv_bytes(w.cache, steps[b])} for b in batches}
     data["rows"] = list(rows.values())
+    _eager_rows(backend, w, steps, rows, timer, iters, save)
+    if table_check_batch:  # the eager forward's part now, the compiled one's with its rows
+        data["table_check"] = check = table_check.start(table_check_batch, seed)
+        table_check.run(backend, check, "xgraph", w.model, timer, iters)
+        save()
+    chosen = [b for b in batches if b in compile_batches]
+    compiled = _Compiled(backend, w, chosen, compiler, compile_scope, compile_buckets)
+    _compiled_rows(compiled, data, steps, timer, iters, save)
+    return snapshot()
+
+
+def _eager_rows(
+    backend: Backend,
+    w: Workload,
+    steps: dict[int, Step],
+    rows: dict[int, dict[str, Any]],
+    timer: Timer,
+    iters: int,
+    save: Callable[[], None],
+) -> None:
+    """Each batch eagerly and through an executor over the eager forward."""
+    batches = list(rows)
     ex = w.executor(w.model.forward, backend=backend, buckets=batches, on_capture_error="raise")
     eager = w.executor(w.model.forward, backend=backend, buckets=batches, mode="eager")
     for b in batches:
@@ -263,15 +321,6 @@ def run(
         save()
     ex.close()
     eager.close()
-    if table_check_batch:  # the eager forward's part now, the compiled one's with its rows
-        data["table_check"] = check = table_check.start(table_check_batch, seed)
-        table_check.run(backend, check, "xgraph", w.model, timer, iters)
-        save()
-    chosen = [b for b in batches if b in compile_batches]
-    _compiled_rows(
-        _Compiled(backend, w, chosen, compiler, compile_scope), data, steps, timer, iters, save
-    )
-    return snapshot()
 
 
 def _ms(row: dict[str, Any], key: str, name: str) -> Any:
@@ -289,6 +338,7 @@ ERROR_NAMES = {
     "reduce_overhead_s": "reduce_overhead",
     "reduce_overhead_inputs_s": "reduce_overhead",
     "xgraph_compiled_s": "xgraph_compiled",
+    "xgraph_per_size_s": "xgraph_per_size",
 }
 
 
@@ -333,9 +383,23 @@ def _batch_table(data: dict[str, Any]) -> str:
             line["overhead us"] = r["host_overhead_s"] * 1e6
         if "xgraph_compiled_first_step_s" in r:
             line["compile+capture s"] = r["xgraph_compiled_first_step_s"]
+        if "xgraph_compiled_compiles" in r:
+            line["compiles so far"] = r["xgraph_compiled_compiles"]
+        if "xgraph_per_size_first_step_s" in r:
+            line["per-size compile+capture s"] = r["xgraph_per_size_first_step_s"]
+        if "xgraph_compiled_s" in r and "xgraph_per_size_s" in r:
+            line["one / per-size compile"] = r["xgraph_compiled_s"] / r["xgraph_per_size_s"]
         out.append(line)
     cols = list(dict.fromkeys(k for line in out for k in line))
     return table(out, cols)
+
+
+def _buckets_note(buckets: str) -> str:
+    return {
+        "one": "once for every batch size",
+        "per-size": "once per batch size",
+        "both": "once for every batch size (per-size compiles in their own row)",
+    }.get(buckets, buckets)
 
 
 def summarize(data: dict[str, Any]) -> str:
@@ -346,7 +410,8 @@ def summarize(data: dict[str, Any]) -> str:
         f"times: median {data['timing']}; memory bandwidth {measured} (copy of "
         f"{data.get('bandwidth_copy_bytes', 0) / MiB:.0f} MiB); weights read per step "
         f"{data['weight_bytes'] / MiB:.1f} MiB (layers + final norm); xgraph over compile "
-        f"compiles: {data.get('compile_scope', 'layers')}"
+        f"compiles: {data.get('compile_scope', 'layers')}, "
+        f"{_buckets_note(data.get('compile_buckets', 'per-size'))}"
     )
     parts = [head, _step_table(data), _batch_table(data)]
     errors = [

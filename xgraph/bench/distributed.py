@@ -90,11 +90,15 @@ def workloads(
     return Workload(tp, -(-context // 16), max_seqs), Workload(one, -(-context // 16), max_seqs)
 
 
-def _compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
-    exact = out.dtype == torch.float32 and out.device.type == "cpu"
-    diff = float((out.float() - ref.float()).abs().max())
-    tol = 0.0 if exact else 2e-2 * max(1.0, float(ref.float().abs().max()))
-    return {"max_abs_diff": diff, "equal": diff <= tol}
+def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
+    """Outputs against eager: bit for bit in float32 on the CPU; elsewhere the error's norm
+    relative to the reference's, at most 1e-2 (two bf16 kernel paths differ by their
+    rounding, element by element by more than a max-abs bound can allow)."""
+    diff = (out.float() - ref.float()).abs()
+    if out.dtype == torch.float32 and out.device.type == "cpu":
+        return {"max_abs_diff": float(diff.max()), "equal": bool(diff.max() == 0)}
+    rel = float(diff.norm() / ref.float().norm().clamp_min(1e-30))
+    return {"max_abs_diff": float(diff.max()), "rel_norm_diff": rel, "equal": rel <= 1e-2}
 
 
 def agreement_us(ex: Any, step: Any, iters: int) -> float:
@@ -150,7 +154,7 @@ def _decode_row(
     row: dict[str, Any] = {"batch": b}
     out = ex(**kw, clone=True)
     ref = w.eager(w.padded(step, Buckets(ex.buckets.sizes), full=True))[:b]
-    row.update(_compare(out, ref))
+    row.update(compare(out, ref))
     row["step_ms"] = timer(lambda: ex(**kw), iters) * 1e3
     row["agree_us"] = agreement_us(ex, step, iters)
     ex1(**kw)
@@ -206,7 +210,7 @@ def _prefill_row(ex: Any, w: Workload, timer: Timer, step: Any, iters: int) -> d
     out = ex(**kw, clone=True)
     padded = w.padded(step, Buckets(ex.buckets.sizes), full=False)
     ref = w.eager(padded, PagedPrefillRunner(), num_tokens=n)[:n]
-    row = {"tokens": n, **_compare(out, ref)}
+    row = {"tokens": n, **compare(out, ref)}
     row["step_ms"] = timer(lambda: ex(**kw), max(3, iters // 5)) * 1e3
     return row
 

@@ -31,6 +31,7 @@ from ..models import Workload
 from ..models.moe import COMM_DIM, MoEConfig, MoEModel
 from ..models.workload import Step
 from ..options import Kind
+from .distributed import compare
 
 
 def memory_orders(backend: Backend, w: Workload, par: Any, sizes: list[int]) -> dict[str, Any]:
@@ -125,8 +126,7 @@ def moe(backend: Backend, group: Any, plan: list[tuple], dtype: torch.dtype) -> 
         ref = _reference(ex, ref_w, step, tokens, agreed)
         row: dict[str, Any] = {"counts": counts, "comm": agreed, "keys": len(ex.stats()["keys"])}
         if step is not None:
-            diff = float((out.float() - ref.float()).abs().max())
-            row.update(max_abs_diff=diff, equal=diff <= _tolerance(ref))
+            row.update(compare(out, ref))
         rows.append(row)
     ex.close()
     return rows
@@ -140,9 +140,3 @@ def _reference(ex: Any, ref_w: Workload, step: Step | None, tokens: int, comm: i
     padded = ref_w.padded(step, Buckets([tokens]), full=True)
     with xdist.comm_sizes(**{COMM_DIM: comm}):
         return ref_w.eager(padded)[: step.num_tokens]
-
-
-def _tolerance(ref: torch.Tensor) -> float:
-    if ref.dtype == torch.float32 and ref.device.type == "cpu":
-        return 0.0
-    return 2e-2 * max(1.0, float(ref.float().abs().max()))

@@ -5,9 +5,9 @@ each call made with an idle device (synchronized before it, outside the timed wi
 phases timed in turn within each iteration so that noise falls on all of them alike:
 
 - `plan`: `StepPlanner.plan`, the whole planning of the step (the copy to the device issued);
-- `validate`, `classify`, `stage`: its three phases on the decode path, called on their own
-  (validate: inputs and lengths; classify: the bucket; stage: the host twin written, block
-  ids and slots checked on it, the one copy issued);
+- `validate`, `classify`, `stage`: its three phases, called on their own (validate: the
+  token inputs, then the attention inputs normalized and checked against the cache;
+  classify: the kind, bucket and key; stage: the host twin written, the one copy issued);
 - `lookup`: the graph cache lookup; `output`: the output views;
 - `replay`: the executor's replay call (runner planning, the graph's state checks) minus
   `raw_replay`, the backend's own replay of the same graph (its driver call alone);
@@ -62,16 +62,17 @@ def _calls(ex: GraphExecutor, step: Step) -> dict[str, Callable[[], Any]]:
     raw = entry.graph.graph._replay  # type: ignore[attr-defined]  # a FullGraph's backend graph
     # the raw replay first: like the replay inside `step`, it follows the previous step
     calls: dict[str, Callable[[], Any]] = {"raw_replay": raw, "plan": lambda: p.plan(inputs, attn)}
-    d = p.decode
-    checked = d.validate(inputs, attn) if d is not None else None
-    if d is not None and checked is not None:
-        bucket = d.bucket(n)
-        assert bucket is not None
-        calls.update(
-            validate=lambda: d.validate(inputs, attn),
-            classify=lambda: d.bucket(n),
-            stage=lambda: d.stage(checked, bucket),
-        )
+    tokens, check = p.tokens, p.attn_check
+    assert check is not None
+    checked, h = tokens.check(inputs), check.check(attn, n)
+    seqs = planned.padded["num_tokens"] if planned.kind.value == "full" else h.num_seqs
+    calls.update(
+        validate=lambda: (tokens.check(inputs), check.check(attn, n)),
+        classify=lambda: p._classify(planned, None, None, False),
+        stage=lambda: p.staging.stage(
+            key, planned.padded, checked.tensors, checked.arrays, h, seqs
+        ),
+    )
     calls.update(
         lookup=lambda: ex._graphs.get(key),
         replay=lambda: ex._replay(entry, planned, hit=True),
@@ -111,7 +112,7 @@ def _row(backend: Backend, ex: GraphExecutor, step: Step, iters: int) -> dict[st
     ex(**step.kwargs())  # capture this batch's graph
     t = _medians(backend, _calls(ex, step), iters)
     us = {k: v * 1e6 for k, v in t.items()}
-    row: dict[str, Any] = {"batch": step.num_tokens, "decode_path": "validate" in us}
+    row: dict[str, Any] = {"batch": step.num_tokens}
     row.update({f"{k}_us": us[k] for k in PHASES if k in us and k != "replay"})
     row["replay_us"] = us["replay"] - us["raw_replay"]
     row["raw_replay_us"] = us["raw_replay"]

@@ -13,6 +13,8 @@ whatever a failed capture left, in every runtime's way at once:
 - the pool: this thread's allocation routing and the capture's uses are given back, and a
   pool whose capture the runtime refused at begin or end is marked poisoned;
 - the torch graph is replaced by a fresh one: torch refuses a second capture on one object.
+A capture kept readable (`keep_launches`, for the parameterization check) runs on the
+runtime's `readable_graph`, and its launches come from `graph_launches`.
 The state machine, pool checks, routing and capture-safety guard are CheckedGraph's. This
 class does not stage inputs or choose pools: GraphExecutor and GraphMemory do.
 """
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CaptureError, XGraphError
 from ..graphs import CheckedGraph
-from ..interfaces import CapturePool
+from ..interfaces import CapturePool, Launch
 from .captures import book
 from .pool import MemPoolCapturePool, undo_pool_capture
 
@@ -121,6 +123,16 @@ class StreamGraph(CheckedGraph):
         self._captured = True
         self._leave("_streams")
         self._uncount()
+
+    def _keep_launches(self) -> bool:
+        g = self.runtime.readable_graph()
+        if g is None:
+            return False
+        self._g = g  # idle: nothing captured on the graph it replaces
+        return True
+
+    def _launches(self) -> list[Launch]:
+        return self.runtime.graph_launches(self._g)
 
     def _replay(self) -> None:
         try:

@@ -12,6 +12,8 @@ What the port expects of the objects it returns:
 - a graph: `capture_begin(pool=id, capture_error_mode=...)`, `capture_end()`, `replay()`,
   `reset()` (torch.cuda.CUDAGraph's methods);
 - a MemPool: `.id` (a pair of ints); `use_count()` and `snapshot()` where torch has them.
+Optional pairs keep working defaults: `end_capture` (False: no driver call), and
+`readable_graph` / `graph_launches` (None: recordings cannot be read).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+
+from ..interfaces import Launch
 
 PoolId = tuple[int, int]
 
@@ -83,6 +87,17 @@ class TorchRuntime(ABC):
     @abstractmethod
     def memory_snapshot(self) -> list[dict[str, Any]]:
         """The caching allocator's segments (torch.cuda.memory_snapshot's format)."""
+
+    def readable_graph(self) -> Any | None:
+        """Optional: a fresh torch graph whose recording `graph_launches` can read after
+        capture_end (CUDA: `CUDAGraph(keep_graph=True)`); None (the default): this runtime
+        cannot read what its graphs record, and the parameterization check says so."""
+        return None
+
+    def graph_launches(self, graph: Any) -> list[Launch]:
+        """Optional, with readable_graph: the launches a captured readable graph records, in
+        order (kernels with grid, block, shared memory and non-pointer argument bytes)."""
+        raise NotImplementedError
 
     def end_capture(self, stream: Any) -> bool:
         """End the capture on `stream` through the driver, dropping what it recorded, when the

@@ -4,8 +4,9 @@ RMSNorm, per-head QK-norm, grouped-query attention, neox RoPE and a SwiGLU MLP, 
 merged qkv and gate/up projections and the residual add fused into the norms (layers in
 `qwen3_layers`). Hugging Face checkpoints load by their own parameter names (the split
 projections are merged on load). Attention goes through `xgraph.attention`, so one model runs
-eager, as a full graph and piecewise, and compiled (`compile_layers`, or torch.compile of the
-whole forward: the call site is a custom op, not a graph break). Everything in the forward is
+eager, as a full graph and piecewise, and compiled (`compile_forward`: the whole forward as
+one graph with the token count dynamic, one compile for every bucket; or `compile_layers`:
+each layer; the call site is a custom op, not a graph break). Everything in the forward is
 graph-safe: no host reads, no host scalars derived from tensors, positions and cache slots
 come in as device tensors.
 """
@@ -13,11 +14,13 @@ come in as device tensors.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..buckets import Input
+from ..compiled import TokenCompiled
 from ..errors import InputError
 from ..paging import PagedKVCache
 from .qwen3_config import Qwen3Config
@@ -223,6 +226,19 @@ class Qwen3Model(nn.Module):
             layer.compile(**options)  # type: ignore[arg-type]
         self.model.norm.compile(**options)  # type: ignore[arg-type]
         return self
+
+    def compile_forward(
+        self, max_tokens: int, *, logits: bool = False, dynamic: bool = True, **options: Any
+    ) -> TokenCompiled:
+        """The whole forward (`logits=True`: forward_logits) compiled as one graph, the
+        attention custom op inside it, the token count dynamic within [2, max_tokens]: one
+        compile serves every bucket up to max_tokens, one more the single token (see
+        xgraph.compiled.TokenCompiled; `dynamic=False`: one compile per token count).
+        `options`: TokenCompiled's (backend="inductor", fullgraph=True, ...). Pass the result
+        to an executor made with `compiled=True` as its forward."""
+        self.mark_cache_static()
+        fn = self.forward_logits if logits else self.forward
+        return TokenCompiled(fn, max_tokens, dynamic=dynamic, name="qwen3", **options)
 
     def mark_cache_static(self) -> None:
         """Keep the cache tensors' sizes static under torch.compile(dynamic=True) (build()

@@ -18,6 +18,7 @@ from .discovery import PluginTests
 from .executor import ExecutorTests
 from .graph import GraphTests
 from .kernels import KernelTests
+from .parameterization import ParameterizationTests
 from .piecewise import PiecewiseTests
 from .pool import PoolTests
 from .reliability import ReliabilityTests
@@ -35,5 +36,6 @@ class ConformanceSuite(
     KernelTests,
     ReliabilityTests,
     SleepTests,
+    ParameterizationTests,
 ):
     """Every conformance test; subclass it once per backend."""

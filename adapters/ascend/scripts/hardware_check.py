@@ -2,6 +2,7 @@
 
     python adapters/ascend/scripts/hardware_check.py                 # the NPU (backend ascend)
     python adapters/ascend/scripts/hardware_check.py --backend ascend-sim   # the simulator
+    python adapters/ascend/scripts/hardware_check.py --backend ascend-sim --sim-era context
     python adapters/ascend/scripts/hardware_check.py --json out.json
 
 Each check prints PASS, FAIL or SKIP with its numbers or reason; the exit status is the
@@ -21,8 +22,8 @@ The checks, in the order of docs/ascend.md ("only hardware can prove"):
                       aclrtMallocPhysical / aclrtMapMem while the stream captures; graph
                       memory is max(shape), not sum, in ascending order (SKIP in the
                       MemPoolContext era, torch_npu <= 2.12, which has no routed pools)
-  recapture_pool      reset every graph of a pool, capture on it again (is a keeper graph
-                      needed, as on CUDA?)
+  recapture_pool      reset every graph of a pool, capture on it again (the pool's keeper
+                      graph keeps torch_npu from asserting use_count > 0)
   fused_decode        decode through npu_fused_infer_attention_score with graph task update
                       against the reference decode runner (numerics of the fused op), in
                       bfloat16 (--fused-dtype) with block sizes 16 and 128
@@ -350,6 +351,16 @@ def npu_settings() -> dict[str, str]:
     return {"allow_internal_format": "False"}
 
 
+def make_backend(args: argparse.Namespace) -> Any:
+    """The backend to check: the registry's, or a simulator of the era `--sim-era` names."""
+    if args.sim_era is None:
+        return xgraph.get_backend(args.backend)
+    from xgraph_ascend.backend import AscendSimBackend
+    from xgraph_ascend.sim import SimRuntime
+
+    return AscendSimBackend(SimRuntime(era=args.sim_era))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="ascend", help="ascend (an NPU) or ascend-sim")
@@ -361,10 +372,19 @@ def main(argv: list[str] | None = None) -> int:
         help="dtype of the fused_decode check (the fused op takes no float32)",
     )
     p.add_argument("--max-graphs", type=int, default=2048)
+    p.add_argument(
+        "--sim-era",
+        default=None,
+        choices=("owner", "context"),
+        help="with --backend ascend-sim: the torch_npu memory-pool era to simulate (owner: "
+        ">= 2.13, context: <= 2.12; default: XGRAPH_ASCEND_SIM_ERA, else owner)",
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
+    if args.sim_era is not None and args.backend != "ascend-sim":
+        p.error("--sim-era applies to --backend ascend-sim only")
     args.dtype = DTYPES[args.dtype]
-    backend = xgraph.get_backend(args.backend)
+    backend = make_backend(args)
     args.settings = npu_settings()
     print(f"xgraph-ascend hardware check on {backend!r}", flush=True)
     results = run(backend, args)

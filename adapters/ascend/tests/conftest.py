@@ -23,9 +23,24 @@ def make_sim() -> Callable[..., AscendSimBackend]:
     return make
 
 
+def assert_no_violations(backend: AscendSimBackend) -> None:
+    """No rule of the simulated ACL layer or of the simulated torch_npu was broken."""
+    rt = backend.runtime
+    assert rt.lib.violations == [] and rt.violations == [], (rt.lib.violations, rt.violations)
+
+
 @pytest.fixture
 def sim(make_sim) -> AscendSimBackend:  # type: ignore[no-untyped-def]
     """A fresh owner-era simulated NPU; the test fails if it leaves a rule violation."""
     backend = make_sim()
     yield backend
-    assert backend.runtime.lib.violations == []
+    assert_no_violations(backend)
+
+
+@pytest.fixture(params=["owner", "context"])
+def era_sim(make_sim, request) -> AscendSimBackend:  # type: ignore[no-untyped-def]
+    """A fresh simulated NPU of each torch_npu memory-pool era (torch_npu >= 2.13, <= 2.12);
+    the test fails if it leaves a rule violation."""
+    backend = make_sim(era=request.param)
+    yield backend
+    assert_no_violations(backend)

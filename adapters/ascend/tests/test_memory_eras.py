@@ -85,6 +85,48 @@ def test_shared_physical_is_the_largest_alone_in_any_order(make_sim, order) -> N
     assert rt.books() == dict.fromkeys(books, 0)
 
 
+def test_each_capture_reserves_the_devices_memory(make_sim) -> None:  # type: ignore[no-untyped-def]
+    """capture_space_bytes is the runtime's total memory (mem_get_info), not a fixed 64 GiB:
+    a shared-physical capture can never use more, and the VA budget is the driver's."""
+    capacity = 6 << 30
+    backend = make_sim(capacity=capacity)
+    rt = backend.runtime
+    assert backend.capture_space_bytes() == capacity == rt.mem_get_info()[1]
+    mem = GraphMemory(backend, "shared-physical")
+    ex = _executor(backend, mem, [64, 256], _mlp())
+    assert rt.mem_get_info()[1] == capacity and rt.mem_get_info()[0] < capacity
+    assert mem.physical.space_bytes == capacity  # type: ignore[union-attr]
+    assert rt.lib.reservation_sizes() == [capacity, capacity]  # one per capture
+    ex.close()
+    mem.close()
+    assert rt.lib.reservation_sizes() == []
+
+
+def test_on_torch_npu_the_space_is_the_npus_memory(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """TorchNpuRuntime reads torch.npu.mem_get_info(device): the NPU's HBM (a stand-in of
+    torch.npu here, the call's shape: (free, total) bytes)."""
+    import types
+
+    from xgraph_ascend.backend import AscendBackend
+    from xgraph_ascend.runtime import TorchNpuRuntime
+
+    asked = []
+    hbm = 64 << 30
+
+    def mem_get_info(device):  # type: ignore[no-untyped-def]
+        asked.append(device)
+        return 3 << 30, hbm
+
+    monkeypatch.setattr(
+        torch, "npu", types.SimpleNamespace(mem_get_info=mem_get_info), raising=False
+    )
+    rt = TorchNpuRuntime.__new__(TorchNpuRuntime)  # no torch_npu here: only what the call reads
+    rt.device = torch.device("cpu")
+    backend = AscendBackend(rt)
+    assert backend.capture_space_bytes() == hbm and backend.memory_in_use() == hbm - (3 << 30)
+    assert asked == [rt.device, rt.device]
+
+
 def test_private_memory_grows_as_the_sum(make_sim) -> None:  # type: ignore[no-untyped-def]
     mlp = _mlp()
     alone = _alone_bytes(make_sim, mlp)

@@ -237,18 +237,20 @@ def test_any_call_fails_on_demand(rt: SimRuntime, make_sim) -> None:  # type: ig
     assert vm.runtime.books()["reservations"] == 0
 
 
-def test_adapter_retries_reserve_with_flags_one(make_sim) -> None:  # type: ignore[no-untyped-def]
-    """The adapter's flags=1 retry. The acl layer takes 0 and 1 alike and answers 100000 with
-    flags=0 only for a NULL pointer or size 0, which flags=1 cannot fix: on CANN the retry is
-    dead code, reached here only through a simulator that refuses flags=0."""
+def test_a_refused_reservation_is_not_retried(make_sim) -> None:  # type: ignore[no-untyped-def]
+    """The adapter reserves with flags 0, once. With flags 0 the acl layer answers 100000
+    only for a NULL out-pointer or size 0, which no other flags value fixes (it takes 0 and 1
+    alike): a refusal is the caller's error, raised as it is."""
     backend = make_sim()
     rt = backend.runtime
-    rt.lib.reserve_flags = {1}  # no CANN build does this: see the docstring
     vm = backend.virtual_memory()
-    assert vm.granularity == MB2
-    a = vm.reserve(MB2)
-    assert rt.faults.calls["aclrtReserveMemAddress"] == 2
-    vm.release(a)
+    rt.faults.inject("aclrtReserveMemAddress", 100000)
+    with pytest.raises(VirtualMemoryError) as info:
+        vm.reserve(MB2)
+    assert info.value.error == "ACL_ERROR_INVALID_PARAM (100000)"
+    assert rt.faults.calls["aclrtReserveMemAddress"] == 1 and vm.live()["reservations"] == 0
+    vm.release(vm.reserve(MB2))
+    assert rt.books()["reservations"] == 0
 
 
 def test_npugraph_state_rules(rt: SimRuntime) -> None:

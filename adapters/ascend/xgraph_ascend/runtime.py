@@ -16,7 +16,9 @@ import contextlib
 import ctypes
 import enum
 import importlib
+import logging
 import threading
+import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from importlib import metadata
@@ -25,9 +27,12 @@ from typing import Any
 import torch
 
 from xgraph.adapter import PoolId, TorchRuntime
+from xgraph.device import book
 
 from . import dlpack
 from .acl import AclFunctions
+
+logger = logging.getLogger("xgraph")
 
 
 class PoolEra(str, enum.Enum):
@@ -57,6 +62,21 @@ class NpuRuntime(TorchRuntime):
     @abstractmethod
     def stream_handle(self, stream: Any) -> int:
         """The aclrtStream of a stream (for direct ACL calls)."""
+
+    def context_mempool(self, mempool: Any) -> Any:
+        """`mempool`, a MemPoolContext-era MemPool, set to empty torch_npu's cache once it goes.
+
+        That era's MemPool holds no use of its pool and its destructor does nothing, so the
+        segments of a closed pool whose graphs were all reset would stay cached until some
+        empty_cache. The device layer drops a closed pool's MemPool only when no capture
+        runs; the cache is emptied then (skipped if a capture has begun since: it
+        synchronizes the device; the next empty_cache gives them back)."""
+        try:
+            done = weakref.finalize(mempool, _empty_cache_when_quiet, weakref.ref(self))
+        except TypeError:  # a MemPool without weak references: the next empty_cache
+            return mempool
+        done.atexit = False  # not at interpreter exit: the runtime may be gone
+        return mempool
 
     def end_capture(self, stream: Any) -> bool:
         """End a capture torch_npu could not end through aclmdlRICaptureEnd (and destroy the
@@ -132,6 +152,16 @@ class NpuRuntime(TorchRuntime):
     def time_on_device(self, fn: Callable[[], Any]) -> float | None:
         """Seconds the device spent on `fn`'s work, where the runtime can time it."""
         return None
+
+
+def _empty_cache_when_quiet(runtime: weakref.ref[NpuRuntime]) -> None:
+    rt = runtime()
+    if rt is None:
+        return
+    try:
+        book(rt).when_quiet(rt.empty_cache)
+    except Exception:  # a capture xgraph does not know of: the next empty_cache, then
+        logger.debug("empty_cache after a MemPool was dropped failed", exc_info=True)
 
 
 # what the adapter calls; missing ones mean a torch_npu older than the 7.0.0 branches
@@ -232,7 +262,8 @@ class TorchNpuRuntime(NpuRuntime):
 
     def new_mempool(self, allocator: Any | None) -> Any:
         pool_cls = self._tn.npu.memory.MemPool
-        return pool_cls(allocator) if allocator is not None else pool_cls()
+        mempool = pool_cls(allocator) if allocator is not None else pool_cls()
+        return self.context_mempool(mempool) if self.era is PoolEra.CONTEXT else mempool
 
     def custom_allocator(self, alloc_fn: int, free_fn: int) -> Any:
         return self._tn._C._npu_customAllocator(alloc_fn, free_fn)

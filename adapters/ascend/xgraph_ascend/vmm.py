@@ -1,8 +1,9 @@
 """aclrt virtual memory of one NPU: the seven driver calls through the ACL function table.
 
-- reserve: aclrtReserveMemAddress(&va, size, 0, NULL, flags=0) (alignment must be 0 and
-  expectPtr NULL; flags=1 is retried once if 0 is refused: the docs disagree on it); the
-  start must come back 2 MiB aligned, else the range is given back and the call fails;
+- reserve: aclrtReserveMemAddress(&va, size, 0, NULL, flags=0) (alignment is reserved and
+  must be 0, expectPtr NULL lets the driver choose; the acl layer takes flags 0 or 1 alike
+  and refuses neither, so a refusal is never retried with the other); the start must come
+  back 2 MiB aligned, else the range is given back and the call fails;
 - create:  aclrtMallocPhysical(&h, size, {NONE, PINNED, HBM_HUGE, {device, DEVICE}}, 0);
 - map:     aclrtMapMem(va, size, 0, h, 0), always a whole handle (no aclrtMemSetAccess:
   torch_npu, xLLM and vllm-ascend map without it);
@@ -23,8 +24,6 @@ from xgraph.vmm import CheckedVirtualMemory
 
 from . import acl
 from .errors import vmm_error
-
-INVALID_PARAM = 100000
 
 
 class AscendVirtualMemory(CheckedVirtualMemory):
@@ -57,8 +56,6 @@ class AscendVirtualMemory(CheckedVirtualMemory):
         self.runtime.ensure_device()
         va = ctypes.c_void_p()
         rc = self.acl.aclrtReserveMemAddress(ctypes.byref(va), size, 0, None, 0)
-        if rc == INVALID_PARAM:  # some CANN versions want the early API's flags=1
-            rc = self.acl.aclrtReserveMemAddress(ctypes.byref(va), size, 0, None, 1)
         self._check("aclrtReserveMemAddress", rc, "Reserve less address space.")
         address = int(va.value or 0)
         if address % self.granularity:

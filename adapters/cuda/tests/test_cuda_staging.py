@@ -65,3 +65,122 @@ def test_a_fresh_thread_can_send(pair):
     assert not errors, errors
     torch.cuda.synchronize()
     assert torch.equal(device[:256].cpu(), torch.full((256,), 9, dtype=torch.uint8))
+
+
+# -- the step path on the GPU: device metadata with no sync, two staging banks -------------
+
+
+def _executors(backend, **attention):  # type: ignore[no-untyped-def]
+    """Two executors over equal workloads on the GPU (device metadata / host metadata)."""
+    from xgraph.models import Workload
+
+    ws = [Workload.tiny(device=backend.device, num_blocks=96, max_blocks=6, max_seqs=16)]
+    ws.append(Workload.tiny(device=backend.device, num_blocks=96, max_blocks=6, max_seqs=16))
+    for w in ws:
+        w.randomize_cache(3)
+    buckets = [1, 2, 4, 8, 16]
+    exs = [
+        w.executor(backend=backend, buckets=buckets, attention=w.attention(**attention)) for w in ws
+    ]
+    return ws, exs
+
+
+def _device_attn(step, w, device):  # type: ignore[no-untyped-def]
+    from xgraph import AttentionInputs
+
+    a = step.attn
+    return AttentionInputs(
+        list(a.query_lens),
+        torch.tensor(list(a.seq_lens), dtype=torch.int32, device=device),
+        a.table(w.cache.dummy_block, w.max_blocks).to(device),
+        torch.as_tensor(a.slot_mapping).to(device),
+    )
+
+
+def test_device_metadata_runs_with_no_host_sync(backend):  # type: ignore[no-untyped-def]
+    import random
+
+    (dw, _), (dex, hex_) = _executors(backend, max_query_len=3)
+    rng = random.Random(0)
+    plan = [(1, 3), (1, 8), (2, 3), (3, 2), (1, 5), (1, 3), (2, 3)]
+    steps = [dw.step(rng, [q] * n, [rng.randint(q, 24) for _ in range(n)]) for q, n in plan]
+    calls = [_device_attn(s, dw, backend.device) for s in steps]
+    for s, attn in zip(steps, calls):  # captures (they synchronize) and the host references
+        kw = {"input_ids": s.input_ids, "positions": s.positions}
+        assert torch.equal(dex(attn=attn, clone=True, **kw), hex_(attn=s.attn, clone=True, **kw))
+    torch.cuda.synchronize()
+    outs = []
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in a step raises
+    try:
+        for s, attn in zip(steps, calls):
+            outs.append(dex(input_ids=s.input_ids, positions=s.positions, attn=attn, clone=True))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for s, out in zip(steps, outs):
+        assert torch.equal(out, hex_(**s.kwargs(), clone=True))
+    dex.synchronize()
+    for ex in (dex, hex_):
+        ex.close()
+
+
+@pytest.mark.parametrize(
+    "how", ["block id past the cache", "negative slot", "longer than its table"]
+)
+def test_bad_device_metadata_is_named_by_synchronize_and_corrupts_nothing(backend, how):  # type: ignore[no-untyped-def]
+    import random
+
+    import xgraph
+
+    (w, _), (ex, other) = _executors(backend)
+    other.close()
+    step = w.decode_step(random.Random(1), 4)
+    attn = _device_attn(step, w, backend.device)
+    bs, i = w.block_size, 2
+    sl_i = int(step.attn.seq_lens[i])
+    if how == "block id past the cache":
+        attn.block_tables[i, (sl_i - 1) // bs] = w.cache.num_blocks + 5
+        needle = f"block_tables[{i}] = {w.cache.num_blocks + 5}"
+    elif how == "negative slot":
+        attn.slot_mapping[i] = -7
+        needle = f"slot_mapping[{i}] = -7"
+    else:
+        attn.seq_lens[i] = w.max_blocks * bs + 3
+        needle = f"seq_lens[{i}] = {w.max_blocks * bs + 3}"
+    before = [t[: w.cache.num_blocks].clone() for t in w.cache.tensors()]
+    ex(input_ids=step.input_ids, positions=step.positions, attn=attn)  # queued, not refused
+    with pytest.raises(xgraph.InputError) as info:
+        ex.synchronize()
+    assert needle in str(info.value)
+    valid = {int(s) for t, s in enumerate(step.attn.slot_mapping) if t != i}
+    for b, t in zip(before, w.cache.tensors()):
+        flat_b = b.reshape(-1, *b.shape[2:])
+        flat_t = t[: w.cache.num_blocks].reshape(flat_b.shape)
+        changed = set((flat_b != flat_t).flatten(1).any(1).nonzero().flatten().tolist())
+        assert changed <= valid
+    ex.close()
+
+
+def test_a_step_returns_before_the_device_reaches_it(backend):  # type: ignore[no-untyped-def]
+    """Two staging banks: with the device busy, two steps are issued without waiting for it
+    (each waits only for its own bank's copy, two steps back); their results are right."""
+    import random
+    import time
+
+    (w, _), (ex, ref) = _executors(backend)
+    rng = random.Random(2)
+    steps = [w.decode_step(rng, 3) for _ in range(3)]
+    ex(**steps[0].kwargs())  # capture
+    ref(**steps[0].kwargs())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(2_000_000_000)  # about a second of device work queued first
+    queued = time.perf_counter()
+    outs = [ex(**s.kwargs()).clone() for s in steps[1:]]
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    assert issued - queued < 0.2 * (done - t0), (issued - queued, done - t0)
+    for s, out in zip(steps[1:], outs):
+        assert torch.equal(out, ref(**s.kwargs()))
+    for e in (ex, ref):
+        e.close()

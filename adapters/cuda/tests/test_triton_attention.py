@@ -55,6 +55,7 @@ class Case:
         width: int | None = None,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        pad_query_len: int = 1,
     ) -> None:
         rng = random.Random(seed)
         g = torch.Generator().manual_seed(seed)
@@ -68,10 +69,12 @@ class Case:
         self.free = free  # blocks nobody uses: NaN
         width = width or max(len(r) for r in self.tables)
         n = sum(query_lens)
-        rows = n + pad_tokens + pad_seqs
+        rows = n + pad_tokens + pad_seqs * pad_query_len
         step = AttentionInputs(query_lens, seq_lens, self.tables, slots)
-        if pad_seqs:  # a decode graph's view: padded sequences of one token at the dummy block
-            step = step.padded(len(query_lens) + pad_seqs, rows, num_blocks * bs, num_blocks, width)
+        if pad_seqs:  # a decode graph's view: padded sequences at the dummy block
+            step = step.padded(
+                len(query_lens) + pad_seqs, rows, num_blocks * bs, num_blocks, width, pad_query_len
+            )
         self.md = step.metadata(DEVICE, fill_block=num_blocks)
         if not pad_seqs and width > self.md.block_tables.shape[1]:
             self.md.block_tables = _widen(self.md.block_tables, width, num_blocks)
@@ -170,6 +173,33 @@ def test_decode_reads_nothing_past_seq_len(splits: int) -> None:
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0], _run(PagedDecodeRunner(), case)[0], **F32_TOL)
+
+
+@pytest.mark.parametrize("q", [2, 3, 5])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("pad_seqs", [0, 2])
+def test_multi_token_decode_is_causal_inside_the_step(q: int, splits: int, pad_seqs: int) -> None:
+    """Speculative verification: q tokens per sequence, token j seeing positions up to its
+    own. The kernel matches the reference decode runner and the prefill runner (which plans
+    each sequence's causal mask on the host), with a graph's padded sequences (their rows
+    read dummy-block positions nothing wrote, NaN here, and are discarded: only the real
+    rows are compared)."""
+    lens = [q + 6, q, q + 12, q + 3]
+    case = Case([q] * 4, lens, pad_seqs=pad_seqs, pad_tokens=0, pad_query_len=q)
+    want, want_cache = _run(PagedDecodeRunner(), case)
+    got, got_cache = _run(TritonPagedDecodeRunner(splits), case)
+    n = case.num_tokens
+    assert torch.isfinite(got[:n]).all()
+    torch.testing.assert_close(got[:n], want[:n], **F32_TOL)
+    _same_cache(got_cache, want_cache)
+    torch.testing.assert_close(got[:n], _run(PagedPrefillRunner(), case)[0][:n], **F32_TOL)
+
+
+def test_a_token_count_that_is_no_multiple_of_the_sequences_is_refused() -> None:
+    case = Case([2] * 3, [4, 5, 6], pad_tokens=0)
+    md = AttentionMetadata(**{**vars(case.md), "num_seqs": 4})
+    with pytest.raises(AttentionKernelError, match="6 query tokens for 4 sequences"):
+        _run(TritonPagedDecodeRunner(1), case, md)
 
 
 def test_auto_splits_follow_shapes_only() -> None:
@@ -331,3 +361,33 @@ def test_decode_records_into_a_cuda_graph_and_follows_new_metadata(splits: int |
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, _run(PagedDecodeRunner(), later)[0], **F32_TOL)
+
+
+@needs_cuda
+def test_verification_steps_run_as_full_graphs_through_the_triton_runner(backend) -> None:  # type: ignore[no-untyped-def]
+    """q = 2..5 tokens per sequence through the executor on the GPU: full graphs keyed by q,
+    several q in one executor, each step equal to the prefill runner's eager result."""
+    from xgraph.models import Workload
+
+    ex_w, ref_w = (
+        Workload.tiny(device=backend.device, num_blocks=160, max_blocks=8, max_seqs=32)
+        for _ in range(2)
+    )
+    for w in (ex_w, ref_w):
+        w.randomize_cache(5)
+    ex = ex_w.executor(
+        backend=backend, buckets=[1, 2, 4, 8, 16, 32], attention=ex_w.attention(max_query_len=5)
+    )
+    assert isinstance(ex.decode_runner, TritonPagedDecodeRunner)
+    rng = random.Random(5)
+    for q, n in [(2, 3), (3, 5), (4, 2), (5, 3), (2, 3), (5, 2)]:
+        step = ex_w.step(rng, [q] * n, [rng.randint(q, 30) for _ in range(n)])
+        out = ex(**step.kwargs())
+        ref = ref_w.eager(step, runner=PagedPrefillRunner())
+        torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)  # logits, several layers
+        for a, b in zip(ex_w.cache.tensors(), ref_w.cache.tensors()):
+            b.copy_(a)  # the next step starts from the same cache
+    s = ex.stats()
+    assert s["eager"] == {} and all(k[0] == "full" for k in s["keys"])
+    assert s["hits"][("full", 8, 2)] == 1 and len(s["keys"]) == 5
+    ex.close()

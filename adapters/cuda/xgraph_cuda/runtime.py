@@ -1,7 +1,9 @@
 """The CUDA runtime of xgraph's device layer: torch.cuda, one call per line.
 
 Plus what torch does not offer: ending, through the driver (cuStreamEndCapture), a capture
-torch could not end, and raw device memory as a tensor (the CUDA array interface). The
+torch could not end, raw device memory as a tensor (the CUDA array interface), and a
+captured graph's kernel nodes read through the driver (`nodes.py`, for the
+parameterization check). The
 graphs, capture pools and threading rules over it are the core's (`xgraph.adapter`).
 """
 
@@ -12,7 +14,7 @@ from typing import Any
 
 import torch
 
-from xgraph.adapter import PoolId, TorchRuntime
+from xgraph.adapter import Launch, PoolId, TorchRuntime
 
 
 class _DeviceMemory:
@@ -53,6 +55,17 @@ class CUDARuntime(TorchRuntime):
 
     def new_graph(self) -> torch.cuda.CUDAGraph:
         return torch.cuda.CUDAGraph()
+
+    def readable_graph(self) -> torch.cuda.CUDAGraph | None:
+        try:  # keep_graph: the raw cudaGraph_t outlives capture_end (torch >= 2.6)
+            return torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:
+            return None
+
+    def graph_launches(self, graph: Any) -> list[Launch]:
+        from .nodes import read_launches  # cuda-python, only when a check reads a graph
+
+        return read_launches(graph.raw_cuda_graph())
 
     def new_mempool(self, allocator: Any | None) -> Any:
         with torch.cuda.device(self.device):  # a MemPool belongs to the device current then

@@ -102,12 +102,14 @@ def auto_splits(programs: int, max_context: int, sms: int, block_n: int) -> int:
 
 
 class TritonPagedDecodeRunner(PlannedRunner):
-    """Graph-safe decode attention: one query token per sequence, grid fixed by shapes.
+    """Graph-safe decode attention: q query tokens per sequence (1 + k to verify k draft
+    tokens, causal inside the step), grid fixed by shapes.
 
     `num_splits` fixes the split-KV factor (None: chosen from the shapes and the device).
     """
 
     graph_safe = True
+    max_query_len = 8
 
     def __init__(self, num_splits: int | None = None) -> None:
         super().__init__()
@@ -133,14 +135,19 @@ class TritonPagedDecodeRunner(PlannedRunner):
         # like the reference decode runner: every row (padding too, to the dummy slot)
         store_kv(k, v, kv_cache, md.slot_mapping, _stored_rows(name, md, k, k.shape[0]))
         k_cache = kv_cache[0]
-        b = q.shape[0]
+        t, b = q.shape[0], md.num_seqs
+        if not b or t % b:
+            raise AttentionKernelError(
+                f"{name}: {t} query tokens for {b} sequences; a decode step has the same "
+                "number of tokens for every sequence. Plan the runner on this step's metadata."
+            )
         block_n = 32 if k_cache.dtype == torch.float32 else 64
         splits = self.num_splits
         if splits is None:
             context = md.block_tables.shape[1] * k_cache.shape[1]
-            splits = auto_splits(b * k_cache.shape[2], context, sm_count(q.device), block_n)
+            splits = auto_splits(t * k_cache.shape[2], context, sm_count(q.device), block_n)
         tables, seq_lens = md.block_tables[:b], md.seq_lens[:b]
-        paged_decode(q, kv_cache, seq_lens, tables, out, scale, splits, block_n)
+        paged_decode(q, kv_cache, seq_lens, tables, out, scale, splits, block_n, query_len=t // b)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ...graphs import CheckedGraph
-from ...interfaces import CapturePool
+from ...interfaces import CapturePool, Launch
 from .pool import HostCachingPool
 from .tape import OpTape
 
@@ -29,6 +29,13 @@ class CPUGraph(CheckedGraph):
 
     def _record_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         return self.tape.record(func, args, kwargs, out)
+
+    def _keep_launches(self) -> bool:
+        self.tape.keep_launches()
+        return True
+
+    def _launches(self) -> list[Launch]:
+        return self.tape.launches()
 
     def _end(self) -> None:
         self.tape.seal()

@@ -30,6 +30,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...errors import ReplayError
+from ...interfaces import Launch
+from ...launches import op_launch
 from .pool import HostCachingPool
 
 _EMPTY_OPS = {
@@ -125,10 +127,19 @@ class OpTape:
         self._pool: HostCachingPool | None = None
         self._tape: list[_TapeOp] = []
         self._program: list[tuple[Callable, tuple, dict, list, bool, Wait | None]] = []
+        self._launches: list[Launch] | None = None  # kept for the parameterization check
 
     def begin(self, pool: HostCachingPool) -> None:
         """Start a recording whose fresh tensors live in `pool`."""
         self._pool = pool
+
+    def keep_launches(self) -> None:
+        """Describe every op recorded from now on (`launches`), until `clear`."""
+        self._launches = []
+
+    def launches(self) -> list[Launch]:
+        """The recorded ops, in order: op, tensor layouts, non-tensor arguments, layer."""
+        return list(self._launches or ())
 
     def replay(self) -> None:
         """Re-execute every op; an op that raises (an index outside its table) ends the
@@ -152,6 +163,7 @@ class OpTape:
         self._tape = []
         self._program = []
         self._pool = None
+        self._launches = None
 
     def _to_pool(self, t: torch.Tensor) -> torch.Tensor:
         """Copy a fresh op output into a pool block; the block is freed when the tensor dies."""
@@ -215,6 +227,8 @@ class OpTape:
         pure_view = not outs and not mutates
         if name not in _EMPTY_OPS and not pure_view:
             self._tape.append(_TapeOp(func, flat, spec, outs, multi, wait))
+            if self._launches is not None:
+                self._launches.append(op_launch(func, args, kwargs))
         return tuple(rets) if multi else rets[0]
 
     def _record_in_place(
@@ -223,6 +237,8 @@ class OpTape:
         """A c10d collective: it writes its tensor arguments; the caller waits on its Work."""
         flat, spec = tree_flatten((args, kwargs))
         self._tape.append(_TapeOp(func, [self._leaf(x) for x in flat], spec, [], multi, wait))
+        if self._launches is not None:
+            self._launches.append(op_launch(func, args, kwargs))
         return out
 
     def seal(self) -> None:

@@ -5,8 +5,9 @@
 
 transformers lets a program register its own attention function; this package registers
 "xgraph", which routes every attention layer to `xgraph.attention` over a paged KV cache
-allocated for the model, builds the GraphExecutor from the model's config, and runs a small
-generation loop on top (chunked prefill, greedy or sampled decode of many sequences).
+allocated for the model, builds the GraphExecutor from the model's config, and runs a
+generation loop on top (continuous batching, chunked prefill, greedy or sampled decode
+on the device, streamed tokens).
 See docs/transformers.md. transformers is an optional extra (`pip install
 xgraph[transformers]`): importing this package does not import it.
 """
@@ -14,8 +15,9 @@ xgraph[transformers]`): importing this package does not import it.
 from .allocator import BlockAllocator
 from .attention import IMPLEMENTATION, attention_forward
 from .cache import PagedCache
+from .engine import Engine, TokenEvent
 from .errors import CapacityError, MissingExtraError, ModelFolderError, UnsupportedModelError
-from .generate import GenerationResult, generate
+from .generate import GenerationResult, generate, stream
 from .limits import Limits
 from .loading import load_model, load_tokenizer
 from .model import GraphModel
@@ -29,6 +31,7 @@ __all__ = [
     "AttentionCall",
     "BlockAllocator",
     "CapacityError",
+    "Engine",
     "GenerationResult",
     "GraphModel",
     "Limits",
@@ -37,6 +40,7 @@ __all__ = [
     "ModelSpec",
     "PagedCache",
     "SamplingParams",
+    "TokenEvent",
     "UnsupportedModelError",
     "attention_forward",
     "generate",
@@ -44,4 +48,5 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "register",
+    "stream",
 ]

@@ -3,6 +3,7 @@
 - `check_logits`: a multi-sequence chunked-prefill + decode run through xgraph, every
   step's logits against transformers' own full-sequence forward (sdpa), same weights.
 - `xgraph_decode`: decode tokens per second of GraphModel.generate (full-graph decode).
+- `transformers_generate_kwargs`: how transformers' generate() runs in every comparison.
 - `transformers_decode`: decode tokens per second of transformers' generate() with its
   static cache (and torch.compile, which generate applies to a static cache on a GPU).
 
@@ -22,8 +23,6 @@ from typing import Any
 
 import torch
 
-from ...buckets import default_sizes
-from ...interfaces import Backend
 from .deps import require
 from .model import GraphModel
 
@@ -111,41 +110,34 @@ def _logits(model: Any, tokens: list[int], device: torch.device) -> torch.Tensor
 
 
 def check_logits(
-    model: Any, reference: Any, backend: Backend, prompt_len: int, new_tokens: int = 8
+    gm: GraphModel, reference: Any, prompt_len: int, new_tokens: int = 8
 ) -> dict[str, Any]:
-    """Every logit of every step of an xgraph run against transformers' forward (sdpa).
+    """Every logit of every step of an xgraph run against transformers' forward (sdpa): a
+    long prompt in chunks (the step budget is half of it), two shorter ones, then decode.
 
     In 16-bit, rounding differs between any two implementations, so the run is also held
     against a float32 copy of the same weights: xgraph's distance to it
     (`xgraph_vs_float32`) is compared with transformers' own (`transformers_vs_float32`)."""
     lengths = [prompt_len, prompt_len // 2 + 1, min(17, prompt_len)]
-    prompts = random_prompts(model.config.vocab_size, lengths, seed=1)
+    prompts = random_prompts(reference.config.vocab_size, lengths, seed=1)
     chunk = max(16, prompt_len // 2)  # the long prompt is prefilled in chunks
-    with GraphModel(
-        model,
-        backend=backend,
-        block_size=16,
-        max_seqs=len(prompts),
-        max_model_len=prompt_len + new_tokens,
-        max_num_tokens=chunk,
-        name="bench-check",
-    ) as gm:
-        result = gm.generate(prompts, new_tokens, record_logits=True)
+    result = gm.generate(prompts, new_tokens, record_logits=True, max_num_tokens=chunk)
     assert result.logits is not None
     exact = copy.deepcopy(reference).float() if reference.dtype != torch.float32 else None
     m: Counter = Counter()
     for prompt, tokens, got in zip(prompts, result.tokens, result.logits):
-        want = _logits(reference, prompt + tokens[:-1], backend.device)
+        want = _logits(reference, prompt + tokens[:-1], gm.device)
         m["max_abs_diff"] = max(m["max_abs_diff"], float((got - want).abs().max()))
         m["max_abs_logit"] = max(m["max_abs_logit"], float(want.abs().max()))
         m["agree"] += int((got.argmax(-1) == want.argmax(-1)).sum())
         m["rows"] += want.shape[0]
         if exact is not None:
-            truth = _logits(exact, prompt + tokens[:-1], backend.device)
+            truth = _logits(exact, prompt + tokens[:-1], gm.device)
             m["xgraph_vs_float32"] = max(m["xgraph_vs_float32"], float((got - truth).abs().max()))
             m["transformers_vs_float32"] = max(
                 m["transformers_vs_float32"], float((want - truth).abs().max())
             )
+    del exact
     out = {k: float(v) for k, v in m.items() if k not in ("agree", "rows")}
     out.update(
         rel_diff=m["max_abs_diff"] / (m["max_abs_logit"] or 1.0),
@@ -158,33 +150,27 @@ def check_logits(
 
 
 def xgraph_decode(
-    model: Any, backend: Backend, batch: int, prompt_len: int, new_tokens: int, iters: int
+    gm: GraphModel, batch: int, prompt_len: int, new_tokens: int, iters: int
 ) -> dict[str, Any]:
-    """Decode tokens/s of GraphModel.generate: the prompts prefill in one piecewise step, then
-    every step is a full-graph decode of the whole batch."""
-    prompts = random_prompts(model.config.vocab_size, [prompt_len] * batch, seed=2)
-    buckets = sorted({*default_sizes(batch), batch * prompt_len})
+    """Decode tokens/s of GraphModel.generate: wall time from the step that gave the last
+    sequence its first token to the end of the last step, each step ending when the host
+    has the chosen tokens, over the tokens in between (`GenerationResult.decode_rate`)."""
+    prompts = random_prompts(gm.spec.vocab_size, [prompt_len] * batch, seed=2)
+    gm.generate(prompts, new_tokens)  # warm-up: captures every graph the run needs
     best: dict[str, Any] = {}
-    with GraphModel(
-        model,
-        backend=backend,
-        block_size=16,
-        max_seqs=batch,
-        buckets=buckets,
-        max_model_len=prompt_len + new_tokens,
-        max_num_tokens=batch * prompt_len,
-        name=f"bench-b{batch}",
-    ) as gm:
-        gm.generate(prompts, new_tokens)  # warm-up: captures every graph the run needs
-        for _ in range(iters):
-            r = gm.generate(prompts, new_tokens)
-            if r.decode_tokens_per_second > best.get("decode_tokens_per_second", 0.0):
-                best = {
-                    "decode_tokens_per_second": r.decode_tokens_per_second,
-                    "decode_steps": r.decode_steps,
-                    "graph_steps": r.graph_steps,
-                }
-        best["captures"] = gm.stats()["captures"]
+    for _ in range(iters):
+        r = gm.generate(prompts, new_tokens)
+        rate = r.decode_rate()
+        if rate > best.get("decode_tokens_per_second", 0.0):
+            lat = r.latency()
+            best = {
+                "decode_tokens_per_second": rate,
+                "decode_steps": r.decode_steps,
+                "graph_steps": r.graph_steps,
+                "per_token_p50_s": lat["per_token_p50_s"],
+                "per_token_p99_s": lat["per_token_p99_s"],
+            }
+    best["captures"] = gm.stats()["captures"]
     return best
 
 
@@ -205,15 +191,9 @@ def _step_clock() -> Any:
     return StepClock()
 
 
-def transformers_decode(
-    reference: Any, batch: int, prompt_len: int, new_tokens: int, iters: int, compile: bool
-) -> dict[str, Any]:
-    """Decode tokens/s of transformers' generate() with a static cache (compiled on a GPU)."""
-    transformers = require()
-    device = next(reference.parameters()).device
-    prompts = random_prompts(reference.config.vocab_size, [prompt_len] * batch, seed=2)
-    ids = torch.tensor(prompts, device=device)
-    kwargs = dict(
+def transformers_generate_kwargs(ids: torch.Tensor, new_tokens: int, compile: bool) -> dict:
+    """generate()'s arguments in every comparison: greedy, static cache, compiled or not."""
+    return dict(
         attention_mask=torch.ones_like(ids),
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
@@ -222,6 +202,17 @@ def transformers_decode(
         pad_token_id=0,
         disable_compile=not compile,
     )
+
+
+def transformers_decode(
+    reference: Any, batch: int, prompt_len: int, new_tokens: int, iters: int, compile: bool
+) -> dict[str, Any]:
+    """Decode tokens/s of transformers' generate() with a static cache (compiled on a GPU)."""
+    transformers = require()
+    device = next(reference.parameters()).device
+    prompts = random_prompts(reference.config.vocab_size, [prompt_len] * batch, seed=2)
+    ids = torch.tensor(prompts, device=device)
+    kwargs = transformers_generate_kwargs(ids, new_tokens, compile)
     best = 0.0
     for i in range(iters + 2):  # two warm-ups: compilation, then graph recording
         clock = _step_clock()

@@ -2,9 +2,12 @@
 
     xgraph generate --model FOLDER --prompt "1 2 3" --prompt "4 5" --max-new-tokens 32
 
-Prints each sequence's generated token ids (or text, when the folder has a tokenizer) and
-the tokens per second. This module imports neither transformers nor torch at import time:
-the `xgraph` command line builds its parser from it whether or not the extra is installed.
+Prints each sequence's generated token ids (or text, when the folder has a tokenizer; with
+--stream as they are chosen), the tokens per second, and the time to first token and
+per-token latency, p50 and p99. `--compile` runs the decoder torch.compile'd inside the
+graphs (one compile for every bucket). This module imports neither transformers nor torch
+at import time: the `xgraph` command line builds its parser from it whether or not the
+extra is installed.
 """
 
 from __future__ import annotations
@@ -71,9 +74,38 @@ def add_parser(sub: Any) -> None:
         default=0,
         help="sample among the k most likely tokens only (0: all)",
     )
+    p.add_argument(
+        "--top-p",
+        type=non_negative_float,
+        default=1.0,
+        help="sample among the most likely tokens whose probabilities reach p (1: all)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     _add_engine_options(p)
+    _add_output_options(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _add_output_options(p: Any) -> None:
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="run the decoder torch.compile'd inside the graphs, one compile for every "
+        "bucket (BACKEND: inductor, the default, or aot_eager / eager)",
+    )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="print each token as it is chosen (`[i] token`), not each sequence at the end",
+    )
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="show a progress bar of the generated tokens (on by itself past 4096 tokens)",
+    )
 
 
 def _add_engine_options(p: Any) -> None:
@@ -169,7 +201,20 @@ def _open_model(args: argparse.Namespace, backend: Any, prompts: list[list[int]]
             max_model_len=max(len(p) for p in prompts) + args.max_new_tokens,
             max_seqs=len(prompts),
             max_num_tokens=args.max_num_tokens,
+            compile=args.compile or False,
         )
+
+
+def _printer(args: argparse.Namespace, tokenizer: Any) -> Any:
+    """--stream: a callback that prints each token as it is chosen; else None."""
+    if not args.stream:
+        return None
+
+    def show(event: Any) -> None:
+        token = tokenizer.decode([event.token]) if tokenizer else event.token
+        print(f"[{event.index}] {token}" + (" (end)" if event.finished else ""), flush=True)
+
+    return show
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -184,21 +229,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with _loading(args.model):
         tokenizer = load_tokenizer(args.model)
     prompts = _prompts(args.prompt, tokenizer, args.model)
+    sampling = SamplingParams(args.temperature, args.top_k, args.seed, args.top_p)
     with _open_model(args, backend, prompts) as gm:
         result = gm.generate(
             prompts,
             args.max_new_tokens,
             eos_token_id=_eos(gm.model, args.ignore_eos),
-            sampling=SamplingParams(args.temperature, args.top_k, args.seed),
+            sampling=sampling,
+            on_token=_printer(args, tokenizer),
+            progress=args.progress or len(prompts) * args.max_new_tokens > 4096,
         )
-    for i, tokens in enumerate(result.tokens):
-        shown = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer else tokens
-        print(f"[{i}] {shown}")
+    if not args.stream:
+        for i, tokens in enumerate(result.tokens):
+            shown = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer else tokens
+            print(f"[{i}] {shown}")
     g = result.graph_steps
     print(
         f"{result.generated_tokens} tokens for {len(prompts)} prompt(s) in {result.seconds:.3f} s "
         f"on {backend.name}: {result.tokens_per_second:.1f} tokens/s "
         f"(decode steps: {result.decode_tokens_per_second:.1f} tokens/s); steps: "
         f"{g['full']} full-graph, {g['piecewise']} piecewise, {g['eager']} eager"
+    )
+    lat = result.latency()
+    print(
+        f"time to first token p50 {lat['ttft_p50_s'] * 1e3:.2f} ms, p99 "
+        f"{lat['ttft_p99_s'] * 1e3:.2f} ms; per-token latency p50 "
+        f"{lat['per_token_p50_s'] * 1e3:.2f} ms, p99 {lat['per_token_p99_s'] * 1e3:.2f} ms"
     )
     return 0

@@ -7,9 +7,12 @@ The model's code is not changed: its attention implementation is switched to "xg
 (given back when the last GraphModel over the model closes), one probe forward before the
 first step records its attention calls (probe.py: whatever the runners would compute
 differently is refused there), a paged KV cache is allocated with one layer per call, and
-its forward is wrapped as `forward(input_ids, positions) -> logits` (forward.py). The
-executor then runs decode steps as full graphs and prefill / chunked-prefill / mixed steps
-piecewise, like any engine's model.
+its decoder is wrapped as `forward(input_ids, positions) -> hidden states` (forward.py), the
+LM head running after the step on the rows that sample (head.py). The executor then runs
+decode steps as full graphs and prefill / chunked-prefill / mixed steps piecewise, like any
+engine's model. `compile=True` runs the decoder torch.compile'd inside those graphs, one
+compile for every bucket (xgraph.compiled.TokenCompiled); where the backend has a linear
+kernel the projections go through it (linears.py).
 
 A GraphModel dropped without `close()` is closed when it is collected: its executor first
 (queued work, graphs, graph memory), then the model's attention; its cache goes with it.
@@ -20,11 +23,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ...buckets import Buckets, Input, default_sizes
+from ...compiled import TokenCompiled
 from ...errors import XGraphError
 from ...executor import GraphExecutor
 from ...interfaces import Backend
@@ -35,14 +40,17 @@ from ...paging import PagedAttention
 from ...plugins import get_backend
 from ...pool import SharedPhysicalPool
 from . import registration
-from .attention import Binding
+from .attention import Binding, bound
 from .cache import PagedCache
+from .engine import Engine, TokenEvent
 from .forward import ModelForward
-from .generate import GenerationResult, generate
+from .generate import GenerationResult, generate, stream
+from .head import Head, split_head
 from .limits import Limits
+from .linears import XLinear, restore_linears, swap_linears
 from .loading import load_model, load_tokenizer
-from .probe import probe
-from .spec import inspect_model
+from .probe import Probe, probe
+from .spec import ModelSpec, inspect_model
 
 logger = logging.getLogger("xgraph")
 
@@ -56,9 +64,61 @@ def _release(executor: GraphExecutor, model: Any, name: str) -> None:
     except Exception:
         logger.exception("%s: closing its executor failed", name)
     try:
-        registration.release(model)
+        _release_model(model)
     except Exception:
         logger.exception("%s: giving the model back its attention failed", name)
+
+
+def _split_head(
+    forward: ModelForward, spec: ModelSpec, model: Any, max_model_len: int, device: torch.device
+) -> Head | None:
+    """The LM head, if it splits off the decoder (head.py), checked on the probe's tokens."""
+    n = min(4, max_model_len)
+    ids = torch.arange(1, n + 1, device=device) % spec.vocab_size
+    positions = torch.arange(n, device=device)
+
+    def full(i: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return forward.run(Probe(spec, model, max_model_len, n), i, p)
+
+    def hidden(decoder: Any, i: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        with bound(Probe(spec, model, max_model_len, n)):
+            return forward.hidden(decoder, i, p)
+
+    return split_head(full, hidden, model, ids, positions)
+
+
+def _compile_backend(compile: Any) -> Any:
+    """None (not compiled), or the torch.compile backend (True: Inductor; a name, or a
+    backend callable)."""
+    if compile is True:
+        return "inductor"
+    if compile is False or compile is None:
+        return None
+    if callable(compile):
+        return compile
+    if not isinstance(compile, str) or not compile:
+        raise XGraphError(
+            f"GraphModel: compile={compile!r}; give True (Inductor), False, or a "
+            "torch.compile backend name such as 'inductor', 'aot_eager' or 'eager'."
+        )
+    return compile
+
+
+def _limits(spec: ModelSpec, limits: Limits | None, fields: dict[str, int]) -> Limits:
+    unknown = set(fields) - {f.name for f in dataclasses.fields(Limits)}
+    if unknown:
+        raise XGraphError(
+            f"GraphModel got unknown arguments {sorted(unknown)}; the limits "
+            f"are {[f.name for f in dataclasses.fields(Limits)]}."
+        )
+    return dataclasses.replace(limits or Limits(), **fields).resolve(spec)
+
+
+def _release_model(model: Any) -> None:
+    """A refused model gets back its attention and its nn.Linear modules."""
+    registration.release(model)
+    if registration.holders(model) == 0:
+        restore_linears([m for m in model.modules() if type(m) is XLinear])
 
 
 class GraphModel:
@@ -70,6 +130,13 @@ class GraphModel:
             model is moved to its device.
         buckets: num_tokens buckets (default: xgraph.buckets.default_sizes(max_num_tokens)).
         mode, memory, on_capture_error, name: passed to the GraphExecutor.
+        compile: run the decoder torch.compile'd inside the graphs: True (Inductor, no CUDA
+            graphs of its own), or a torch.compile backend name ("aot_eager", "eager": CPU
+            tests). One compile serves every bucket (the token count dynamic), one more the
+            single-token bucket; `compile_dynamic=False` compiles once per bucket instead.
+        linear: the projections through xgraph.linear (the backend's kernel where it
+            serves; linears.py): None (default) where the backend has a kernel, True, False.
+            Where there is a kernel, q/k/v and gate/up projections share one merged call.
         limits / block_size, max_model_len, max_seqs, num_blocks, max_num_tokens: see Limits.
     """
 
@@ -83,17 +150,15 @@ class GraphModel:
         memory: str | GraphMemory | SharedPhysicalPool | None = None,
         on_capture_error: Fallback | str = Fallback.EAGER,
         name: str = "transformers",
+        compile: Any = False,
+        compile_dynamic: bool = True,
+        linear: bool | None = None,
         limits: Limits | None = None,
         **limit_fields: int,
     ) -> None:
         self.spec = inspect_model(model)
-        unknown = set(limit_fields) - {f.name for f in dataclasses.fields(Limits)}
-        if unknown:
-            raise XGraphError(
-                f"GraphModel got unknown arguments {sorted(unknown)}; the limits "
-                f"are {[f.name for f in dataclasses.fields(Limits)]}."
-            )
-        self.limits = dataclasses.replace(limits or Limits(), **limit_fields).resolve(self.spec)
+        self.limits = _limits(self.spec, limits, limit_fields)
+        compiler = _compile_backend(compile)
         self.backend = get_backend(backend)
         self.device = self.backend.device
         self.model = model.to(self.device).eval()
@@ -102,8 +167,15 @@ class GraphModel:
         assert lim.num_blocks is not None and lim.max_model_len is not None
         registration.acquire(model)
         try:
+            # the backend's kernels serve the core's ops from now on (the probe runs them)
+            kernel = self.backend.activate().linear is not None
+            if linear or (linear is None and kernel):
+                swap_linears(self.model, merge=kernel)
             self._forward = ModelForward(self.model, self.spec)
             self.calls = probe(self._forward.run, self.spec, model, lim.max_model_len, self.device)
+            self._forward.head = _split_head(
+                self._forward, self.spec, model, lim.max_model_len, self.device
+            )
             self.cache = PagedCache(
                 self.spec, lim.num_blocks, lim.block_size, self.device, calls=self.calls
             )
@@ -120,11 +192,29 @@ class GraphModel:
                 mode=mode,
                 on_capture_error=on_capture_error,
                 name=name,
+                compiled=compiler is not None,
             )
         except BaseException:  # refused: the model keeps its own attention
-            registration.release(model)
+            _release_model(model)
             raise
+        self.compiled = self._compile(compiler, compile_dynamic, name)
         self._finalizer = weakref.finalize(self, _release, self.executor, model, name)
+
+    def _compile(self, compiler: Any, dynamic: bool, name: str) -> TokenCompiled | None:
+        """The decoder under torch.compile, one compile for every bucket (or per bucket)."""
+        if compiler is None:
+            return None
+        for t in self.cache.tensors():  # fixed sizes: never unified with the token count
+            torch._dynamo.mark_static(t)
+        compiled = TokenCompiled(
+            self._forward.body,
+            self.executor.buckets.max,
+            backend=compiler,
+            dynamic=dynamic,
+            name=name,
+        )
+        self._forward.compiled = compiled
+        return compiled
 
     @classmethod
     def from_pretrained(
@@ -169,9 +259,37 @@ class GraphModel:
         positions: torch.Tensor,
         attn: AttentionInputs,
         clone: bool = False,
+        rows: Any = None,
     ) -> torch.Tensor:
-        """One step through the executor (views of its output buffer unless clone=True)."""
-        return self.executor(input_ids=input_ids, positions=positions, attn=attn, clone=clone)
+        """One step through the executor; the logits of `rows` (default: every token).
+        They are fresh tensors where the head runs after the step; views of the executor's
+        output buffer otherwise (for every row, unless clone=True)."""
+        out = self.step(input_ids, positions, attn)
+        if clone and self.head is None and rows is None:
+            out = out.clone()
+        return self.logits(out, rows)
+
+    def step(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs
+    ) -> torch.Tensor:
+        """One step through the executor: the decoder's hidden states for every token
+        (views of the output buffer, valid until the next step), or the logits where the
+        head stays in the graphs (`head` is None)."""
+        return self.executor(input_ids=input_ids, positions=positions, attn=attn)
+
+    def logits(self, out: torch.Tensor, rows: Any = None) -> torch.Tensor:
+        """Logits of `rows` (an index tensor, list or slice; None: all) of a step's output."""
+        if isinstance(rows, torch.Tensor):
+            out = out.index_select(0, rows.to(out.device))
+        elif rows is not None:
+            out = out[rows]
+        return out if self.head is None else self.head(out)
+
+    @property
+    def head(self) -> Head | None:
+        """The LM head run after each step on the rows that sample, or None when it stays
+        inside the graphs (the model's logits are not its head over its decoder)."""
+        return self._forward.head
 
     def capture(self, progress: bool = False) -> None:
         """Capture before serving: decode graphs up to max_seqs, piecewise graphs for every
@@ -193,8 +311,22 @@ class GraphModel:
         """Generate for many prompts at once; see generate.generate for the arguments."""
         return generate(self, prompts, max_new_tokens, **kwargs)
 
+    def stream(
+        self, prompts: list[list[int]], max_new_tokens: int | list[int] = 16, **kwargs: Any
+    ) -> Iterator[TokenEvent]:
+        """generate's tokens as they are chosen (generate.stream)."""
+        return stream(self, prompts, max_new_tokens, **kwargs)
+
+    def engine(self, **kwargs: Any) -> Engine:
+        """A generation loop over this model that takes requests while it runs (engine.py)."""
+        return Engine(self, **kwargs)
+
     def stats(self) -> dict[str, Any]:
-        return self.executor.stats()
+        """The executor's stats, and how the decoder is compiled ("compile": None when not)."""
+        out = self.executor.stats()
+        out["compile"] = self.compiled.stats() if self.compiled is not None else None
+        out["head"] = "outside the graphs" if self.head is not None else "inside the graphs"
+        return out
 
     def close(self) -> None:
         """Close the executor; the last GraphModel over the model gives it back its own

@@ -21,6 +21,7 @@ import torch
 from ...metadata import AttentionInputs
 from .allocator import BlockAllocator
 from .cache import PagedCache
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -37,6 +38,11 @@ class SeqState:
     logits: list[torch.Tensor] = field(default_factory=list)  # recorded rows, when asked
     # counted[i]: tokens before token i that are not `skip` (for models that skip padding)
     counted: list[int] = field(default_factory=lambda: [0])
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: frozenset[int] = frozenset()  # token ids that end it (end of sequence, ...)
+    arrival: float = 0.0  # when it was added (host clock)
+    token_times: list[float] = field(default_factory=list)  # when each token reached the host
+    finish_reason: str = ""  # "stop" (a stop token) or "length" (max_new_tokens)
 
     @property
     def pending(self) -> int:

@@ -91,6 +91,10 @@ class _Segments:
 class SimCachingAllocator:
     """Private pools, use counts, per-thread routing and the host records of one device."""
 
+    #: whether a pool's last release gives its segments back at once (as a MemPool's
+    #: destructor, which empties its pool, does); False: they wait for an empty_cache
+    frees_on_release = True
+
     def __init__(self, runtime: SimRuntime) -> None:
         self.runtime = runtime
         self._lock = threading.RLock()
@@ -111,7 +115,8 @@ class SimCachingAllocator:
             elif pool.uses == 0:
                 raise RuntimeError(
                     f"TORCH_INTERNAL_ASSERT failed: use_count > 0 (pool {pool_id} was released "
-                    "by every graph but still holds live blocks; a capture cannot share it)"
+                    "by every graph but is still cached: live blocks, or no empty_cache since; "
+                    "a capture cannot share it)"
                 )
             pool.uses += 1
             return pool
@@ -122,13 +127,15 @@ class SimCachingAllocator:
             return pool.uses if pool is not None else 0
 
     def release_pool(self, pool_id: PoolId) -> None:
-        """Drop one use; at zero the pool's segments go back once none of its blocks lives."""
+        """Drop one use; at zero the pool's segments go back once none of its blocks lives
+        (where `frees_on_release`, else at the next empty_cache)."""
         with self._lock:
             pool = self._pools.get(pool_id)
             if pool is None or pool.uses <= 0:
                 raise RuntimeError(f"releasePool: no use of pool {pool_id} left to release")
             pool.uses -= 1
-        self.empty_cache(pool_id)
+        if self.frees_on_release:
+            self.empty_cache(pool_id)
 
     def empty_cache(self, pool_id: PoolId | None = None) -> None:
         """Give back the segments of released pools (one, or all) none of whose blocks lives."""

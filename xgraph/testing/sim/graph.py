@@ -12,6 +12,8 @@
 - replay: re-runs the recorded ops; they count as queued on the current stream until it
   synchronizes.
 - reset: gives back the pool use and the host use of a completed capture, and only of one.
+- a readable graph (`keep`, made by SimRuntime.readable_graph) describes what it records:
+  `launches()` after capture_end (the parameterization check).
 The recorder is a TorchDispatchMode of the capturing thread: it records the ops issued on
 the capture stream into an OpTape whose fresh tensors land in the pool; ops issued on other
 streams run unrecorded.
@@ -29,6 +31,7 @@ from torch.utils._python_dispatch import (
 )
 
 from xgraph.backends.cpu import OpTape
+from xgraph.interfaces import Launch
 
 from .caching import PoolId, PrivatePool, graph_pool_id
 
@@ -48,6 +51,7 @@ class SimRecorder(TorchDispatchMode):
         self.thread = threading.get_ident()
         self.tape = OpTape()
         self.tape.begin(pool.cache)
+        self.keep_launches = self.tape.keep_launches
         self.attached = False  # its dispatch mode is on the capturing thread's stack
         self.invalid: int = 0  # the code that invalidated the capture, if any
 
@@ -86,6 +90,9 @@ class SimRecorder(TorchDispatchMode):
     def replay(self) -> None:
         self.tape.replay()
 
+    def launches(self) -> list[Launch]:
+        return self.tape.launches()
+
     def drop(self) -> None:
         self.tape.clear()
 
@@ -101,6 +108,7 @@ class SimGraph:
         self._pool_id: PoolId | None = None
         self._state = "empty"  # -> "capturing" -> "captured" -> (reset) "empty"
         self._end_failed = False
+        self.keep = False  # a readable graph (SimRuntime.readable_graph): launches() answers
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         rt = self._rt
@@ -123,6 +131,8 @@ class SimGraph:
         rt.caching.host_begin(pool_id)
         rt.check_fault(self.BEGIN)
         self._recording = self._recorder(stream, private, capture_error_mode)
+        if self.keep:
+            self._recording.keep_launches()
         self._recording.start()
         self._state = "capturing"
 
@@ -186,6 +196,12 @@ class SimGraph:
         if rec is not None:
             rec.drop()
         self._recording, self._state, self._end_failed = None, "empty", False
+
+    def launches(self) -> list[Launch]:
+        """What the completed capture records (a readable graph's only)."""
+        if self._state != "captured" or not self.keep:
+            raise RuntimeError("launches: this graph holds no completed readable capture")
+        return self._recording.launches()
 
     def pool(self) -> PoolId:
         if self._state != "captured" or self._pool_id is None:

@@ -27,7 +27,7 @@ import torch
 
 from xgraph.backends.cpu import HostVirtualMemory, host_tensor
 from xgraph.device.runtime import PoolId, TorchRuntime
-from xgraph.interfaces import PhysicalChunk
+from xgraph.interfaces import Launch, PhysicalChunk
 
 from .caching import SimCachingAllocator, SimMemPool, SimPluggableAllocator
 from .faults import Faults
@@ -148,6 +148,14 @@ class SimRuntime(TorchRuntime):
 
     def new_mempool(self, allocator: Any | None) -> Any:
         return SimMemPool(self, allocator)
+
+    def readable_graph(self) -> SimGraph:
+        g = self.graph_type(self)
+        g.keep = True
+        return g
+
+    def graph_launches(self, graph: Any) -> list[Launch]:
+        return graph.launches()
 
     def custom_allocator(self, alloc_fn: int, free_fn: int) -> SimPluggableAllocator:
         return SimPluggableAllocator(alloc_fn, free_fn, self.device_index)

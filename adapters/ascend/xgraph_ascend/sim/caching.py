@@ -7,8 +7,10 @@ adds is its memory-pool era (docs/ascend.md, 'memory-pool eras'):
 - CONTEXT (<= 2.12): allocations reach the MemPool's allocator only inside
   MemPoolContext(pool), and every segment is freed with a bare aclrtFree (return code
   ignored); the MemPool holds no use of its pool and has neither `use_count` nor
-  `snapshot`, and its destructor does nothing, so a pool all of whose graphs were reset
-  (while a block of it lives) hits the `use_count > 0` assert.
+  `snapshot`, and its destructor does nothing. A pool all of whose graphs were reset is
+  only marked freeable (releasePool): its segments stay cached until an empty_cache
+  (AP-2.10 NPUCachingAllocator.cpp:2825-2837), and a capture on it until then hits the
+  `use_count > 0` assert (:2141-2153).
 Plain device segments come from (simulated) aclrtMalloc, 2 MiB granular.
 """
 
@@ -37,6 +39,12 @@ class NpuCachingAllocator(SimCachingAllocator):
     def __init__(self, runtime: SimRuntime) -> None:
         super().__init__(runtime)
         self._context = threading.local()  # MemPoolContext stack (CONTEXT era)
+
+    @property  # type: ignore[override]
+    def frees_on_release(self) -> bool:
+        """Owner era: the MemPool's destructor empties its pool. Context era: nothing does
+        until an empty_cache."""
+        return self.runtime.era is PoolEra.OWNER
 
     @contextlib.contextmanager
     def mempool_context(self, mempool: Any) -> Iterator[None]:

@@ -14,6 +14,9 @@ parameters. A mismatch fails as the runtime reports it: RT_ERROR_STREAM_TASKGRP_
 type, both surfacing as 507000 ACL_ERROR_RT_INTERNAL_ERROR (hicann/runtime
 context_aclgraph.cc, aix_stars.cc, errcode_manage.cc). 207019 is something else: a driver
 that cannot update the op at all.
+
+A capture kept readable (`keep_launches`, the parameterization check) describes its task
+list: each op, each task with its arguments, and whether a task group's update re-issues it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from torch.utils._python_dispatch import (
 )
 
 from xgraph.backends.cpu import OpTape
+from xgraph.interfaces import Launch
+from xgraph.launches import current_layer, describe
 
 from ..errors import AclRuntimeError
 
@@ -104,6 +109,7 @@ class SimCapture(TorchDispatchMode):
         self.streams, self.stream, self.pool, self.mode = streams, stream, pool, mode
         self.thread = threading.get_ident()
         self.program: list[OpTape | Task] = []
+        self._described: dict[int, Launch] | None = None  # tasks, kept by keep_launches
         self.tape = self._new_tape()
         self.group: list[Task] | None = None
         self.invalid: tuple[int, str] | None = None
@@ -112,7 +118,25 @@ class SimCapture(TorchDispatchMode):
     def _new_tape(self) -> OpTape:
         tape = OpTape()
         tape.begin(self.pool.cache)
+        if self._described is not None:
+            tape.keep_launches()
         return tape
+
+    def keep_launches(self) -> None:
+        """Describe what this capture records (`launches`): ops, and tasks with their args."""
+        self._described = {}
+        self.tape.keep_launches()
+
+    def launches(self) -> list[Launch]:
+        """The task list in order: each tape's ops, each task (a task group's: `updated`)."""
+        described = self._described or {}
+        out: list[Launch] = []
+        for item in self.program:
+            if isinstance(item, Task):
+                out.append(described[id(item)])
+            else:
+                out += item.launches()
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -141,6 +165,11 @@ class SimCapture(TorchDispatchMode):
         self._seal()
         self.program += [self.tape, task]
         self.tape = self._new_tape()
+        if self._described is not None:
+            config = tuple((f"arg {i}", describe(a)) for i, a in enumerate(task.args))
+            config += tuple((k, describe(v)) for k, v in task.kwargs.items())
+            updated = self.group is not None  # a task group is re-issued by its update
+            self._described[id(task)] = Launch("task", task.kind, config, current_layer(), updated)
         if self.group is not None:
             self.group.append(task)
 

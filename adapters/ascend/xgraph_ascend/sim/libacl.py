@@ -41,6 +41,9 @@ ADDR_UNALIGNED = 107008
 INVALID_HANDLE = 107017
 MEMORY_ALLOCATION = 207001
 DRV_INTERNAL = 507899
+# aclrtReserveMemAddress's flags: 0, or 1 "kept for the early API's compatibility"
+# (memory.cpp:1052-1053); torch_npu passes 1, vllm-ascend and xgraph 0
+RESERVE_FLAGS = (0, 1)
 MISALIGN = 64 << 10  # where a deliberately misaligned reservation starts past the boundary
 # location types aclrtMallocPhysical takes (UNREGISTERED and MANAGED are refused)
 _LOCATIONS = (
@@ -86,7 +89,6 @@ class SimAcl:
         self.capacity = capacity
         self.faults = faults
         self.hbm = HostVirtualMemory(granularity=GRAN)
-        self.reserve_flags = {0, 1}  # the flags aclrtReserveMemAddress accepts
         self.misaligned_reserves = 0  # next reservations returned off a 2 MiB boundary
         self.busy: Callable[[], bool] = lambda: False  # queued device work (set by runtime)
         self.end_capture: Callable[[int], int] = lambda stream: 107029
@@ -137,7 +139,7 @@ class SimAcl:
     def _aclrtReserveMemAddress(self, va_out, size, alignment, expect, flags) -> int:
         _rule(bool(va_out), INVALID_PARAM, "virPtr is NULL")
         _rule(size > 0, INVALID_PARAM, "size is 0")
-        _rule(flags in self.reserve_flags, INVALID_PARAM, f"flags {flags} not accepted")
+        _rule(flags in RESERVE_FLAGS, INVALID_PARAM, f"flags {flags} not accepted")
         _rule(alignment == 0, INVALID_PARAM, f"alignment is reserved (0), got {alignment}")
         # expectPtr is a hint the driver may honour inside 16T-24T (experimental); the
         # simulator never does. The size is rounded up to the granularity, not refused.
@@ -314,6 +316,11 @@ class SimAcl:
         with self._lock:
             held = sum(h.chunk.size for h in self._handles.values() if h.on_device)
             return held + sum(c.size for c in self._mallocs.values())
+
+    def reservation_sizes(self) -> list[int]:
+        """The size of each live aclrtReserveMemAddress range (rounded up), in VA order."""
+        with self._lock:
+            return [size for _, (_, size) in sorted(self._reservations.items())]
 
     def books(self) -> dict[str, int]:
         """Live objects of each kind (a leak shows as a count that does not go back)."""

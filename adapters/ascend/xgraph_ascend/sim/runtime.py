@@ -77,7 +77,7 @@ class SimRuntime(sim.SimRuntime, NpuRuntime):
 
     def new_mempool(self, allocator: Any | None) -> Any:
         if self.era is PoolEra.CONTEXT:
-            return SimContextMemPool(allocator)
+            return self.context_mempool(SimContextMemPool(allocator))
         return super().new_mempool(allocator)
 
     def mempool_context(self, mempool: Any) -> contextlib.AbstractContextManager[None]:

@@ -1,9 +1,11 @@
-"""Paged decode attention: one query token per sequence, every per-step value read on device.
+"""Paged decode attention: QLEN query tokens per sequence (1 in decode, 1 + k when k draft
+tokens are verified), every per-step value read on device.
 
-Program (sequence, kv head, split) loads the q heads of its kv head together (GQA), reads
-the sequence's length and block-table row from device tensors and walks only the
-ceil(seq_len / BLOCK_N) key tiles of its share of the context, so its cost follows the real
-context, not the table width. Positions >= seq_len are never loaded (masked loads, -inf
+Program (query token, kv head, split) loads the q heads of its kv head together (GQA),
+reads its sequence's length and block-table row from device tensors and walks only the key
+tiles of its share of the context up to its own position (causal: token j of a sequence of
+length L sees positions < L - QLEN + 1 + j), so its cost follows the real context, not the
+table width. Positions >= seq_len are never loaded (masked loads, -inf
 scores), so whatever fills unused or dummy blocks cannot reach the output. With one split
 the program writes `out`; with several, each writes a normalized partial and its
 log-sum-exp, and a second kernel merges them. The launch shape depends only on tensor
@@ -64,11 +66,13 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
                    GROUP: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+                   PRECISION: tl.constexpr, QLEN: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)  # the query token
     h = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SeqLens + b)
+    seq = b // QLEN
+    # the keys this token sees: its sequence's, up to and including its own position
+    seq_len = tl.load(SeqLens + seq) - (QLEN - 1 - b % QLEN)
     # whole key tiles per split, so a short context keeps to the first few splits
     share = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * share
@@ -82,7 +86,7 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
     if UPCAST:
         q = q.to(tl.float32)
     acc, m, den = _walk(
-        q, K + h * s_kh, V + h * s_vh, Tables + b * s_tb, table_width, lo, hi, scale_log2,
+        q, K + h * s_kh, V + h * s_vh, Tables + seq * s_tb, table_width, lo, hi, scale_log2,
         s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
         PAGE, BLOCK_G, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST, PRECISION,
     )
@@ -134,9 +138,11 @@ def paged_decode(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    query_len: int = 1,
 ) -> None:
-    """out[b] = attention of q[b] [hq, dim] over the first seq_lens[b] positions of sequence
-    b's pages; `splits` programs share each (sequence, kv head)."""
+    """out[t] = attention of q[t] [hq, dim], token t = sequence s, query j (t = s *
+    query_len + j), over the first seq_lens[s] - query_len + 1 + j positions of sequence s's
+    pages; `splits` programs share each (token, kv head)."""
     k_cache, v_cache = kv_cache
     b, hq, dim = q.shape
     hkv = k_cache.shape[2]
@@ -173,6 +179,7 @@ def paged_decode(
         PRECISION=dot_precision(k_cache.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
+        QLEN=query_len,
     )
     if splits > 1:
         _merge(part, lse, out, splits, block_d, dim)

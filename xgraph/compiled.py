@@ -1,0 +1,189 @@
+"""`TokenCompiled`: a forward under torch.compile with the token count dynamic, so one
+compile serves every bucket.
+
+    forward = TokenCompiled(model.forward, max_tokens=512)          # Inductor
+    ex = GraphExecutor(forward, compiled=True, buckets=vllm_capture_sizes(512), ...)
+
+Every tensor argument whose first dim is the step's token count is marked dynamic on that
+dim, bounded to [2, max_tokens] (`torch._dynamo.mark_dynamic(t, 0, min=2, max=...)`): one
+graph serves every size from 2 to `max_tokens`, and a single token, which Dynamo
+specialises whatever it is told (0/1 specialisation), gets a graph of its own. Two
+compiles in all, whatever the number of buckets, where static shapes cost one per bucket
+(and past `torch._dynamo.config.recompile_limit` buckets silently run uncompiled). The
+bounds let the compiler prove index ranges (32-bit indexing) and keep the symbol from being
+unified with any other size. `dynamic=False` compiles once per token count instead (the
+comparison the benchmarks make).
+
+Each instance compiles code of its own (a fresh code object), so its graphs and its
+recompile budget are not shared with another instance over the same function. Calls that
+cannot run the compiled code run `fn` itself:
+
+- under a dispatch mode (a host graph recording ops, the capture checks): Dynamo would run
+  the eager code anyway, and a function first reached under a mode is never compiled again
+  (pytorch/pytorch#190286), `fullgraph=True` raises there;
+- more tokens than `max_tokens` (steps above the largest bucket, which run eagerly);
+- after the compiler failed (warned once, the reason in `stats()`): first a graph break
+  under `fullgraph=True` falls back to compiling with graph breaks allowed, then a failure
+  of that to `fn` uncompiled. Compiler failures happen while tracing or compiling, before
+  any kernel runs, so nothing has been written when the fallback runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .errors import XGraphWarning
+
+logger = logging.getLogger("xgraph")
+
+_serial = itertools.count()
+
+
+def under_dispatch_mode() -> bool:
+    """Whether eager code runs under a TorchDispatchMode (and is not being traced)."""
+    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() > 0
+
+
+def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """`fn` behind a function whose code object is new: Dynamo keeps its compiled graphs
+    (and counts recompiles) per code object, so this instance shares them with nobody."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    code = call.__code__.replace(co_name=name)
+    return types.FunctionType(code, call.__globals__, name, None, call.__closure__)
+
+
+class _Counted:
+    """A compiler backend that counts the graphs it compiles (one per Dynamo compile)."""
+
+    def __init__(self, backend: str | Callable[..., Any]) -> None:
+        self.backend = backend
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.graphs += 1
+        inner = self.backend
+        if isinstance(inner, str):
+            from torch._dynamo import lookup_backend
+
+            inner = lookup_backend(inner)
+        return inner(gm, example_inputs)
+
+
+class TokenCompiled:
+    """`fn(*tensors)` compiled once for every token count up to `max_tokens` (module doc).
+
+    Args:
+        fn: the forward; its first tensor argument's dim 0 is the token count, and every
+            tensor argument with that dim 0 gets it dynamic.
+        max_tokens: the largest token count compiled (the executor's largest bucket).
+        backend: a torch.compile backend: "inductor" (the default), or "eager" /
+            "aot_eager" (CPU tests), or a callable.
+        dynamic: True: one compile for every size from 2 to max_tokens, one for 1 token;
+            False: one compile per size, each specialised to it.
+        fullgraph: require one graph (no graph break); a graph break falls back to
+            compiling with breaks allowed, with a warning.
+        options: further torch.compile keyword arguments (`options=`, `mode=`).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        max_tokens: int,
+        *,
+        backend: str | Callable[..., Any] = "inductor",
+        dynamic: bool = True,
+        fullgraph: bool = True,
+        name: str = "forward",
+        **options: Any,
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"TokenCompiled: max_tokens must be >= 1, got {max_tokens}")
+        self.fn, self.max_tokens, self.dynamic, self.name = fn, max_tokens, dynamic, name
+        self.backend = _Counted(backend)
+        self.options = options
+        self.fullgraph = fullgraph
+        self.fallback: str | None = None  # why calls run `fn` uncompiled, if they do
+        self.graph_breaks: str | None = None  # why the graph may break, if it may
+        self.sizes: set[int] = set()  # token counts the compiled code has run
+        self._code = _own_code(fn, f"xgraph_{name}_{next(_serial)}")
+        self._compiled = self._compile(fullgraph)
+
+    def _compile(self, fullgraph: bool) -> Callable[..., Any]:
+        return torch.compile(
+            self._code,
+            backend=self.backend,
+            fullgraph=fullgraph,
+            dynamic=None if self.dynamic else False,
+            **self.options,
+        )
+
+    @property
+    def compiles(self) -> int:
+        """Graphs compiled so far (each recompile counts one)."""
+        return self.backend.graphs
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "compiles": self.compiles,
+            "dynamic": self.dynamic,
+            "fullgraph": self.fullgraph and self.graph_breaks is None,
+            "graph_breaks": self.graph_breaks,
+            "fallback": self.fallback,
+            "sizes": sorted(self.sizes),
+        }
+
+    def _mark(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+        """The token count, with its dim marked on every tensor that has it; None where the
+        call should run `fn` itself (no tensor, or above max_tokens)."""
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not tensors or tensors[0].dim() == 0:
+            return None
+        n = tensors[0].shape[0]
+        if n > self.max_tokens or n < 1:
+            return None
+        if self.dynamic and n >= 2:
+            for t in tensors:
+                if t.dim() and t.shape[0] == n:
+                    torch._dynamo.mark_dynamic(t, 0, min=2, max=max(self.max_tokens, 2))
+        return n
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fallback is not None or under_dispatch_mode():
+            return self.fn(*args, **kwargs)
+        n = self._mark(args, kwargs)
+        if n is None:
+            return self.fn(*args, **kwargs)
+        try:
+            out = self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            return self._failed(exc, args, kwargs)
+        self.sizes.add(n)
+        return out
+
+    def _failed(self, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A compiler failure: allow graph breaks once, then run uncompiled; warn each time."""
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        if self.fullgraph and self.graph_breaks is None:
+            self.graph_breaks = reason
+            self._warn(f"does not compile as one graph ({reason}); compiling it with graph breaks")
+            self._code = _own_code(self.fn, f"xgraph_{self.name}_{next(_serial)}")
+            self._compiled = self._compile(False)
+            return self(*args, **kwargs)
+        self.fallback = reason
+        self._warn(f"does not compile ({reason}); it runs uncompiled from now on")
+        return self.fn(*args, **kwargs)
+
+    def _warn(self, what: str) -> None:
+        msg = f"{self.name}: torch.compile of the forward {what}."
+        warnings.warn(msg, XGraphWarning, stacklevel=3)
+        logger.warning(msg)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,10 +120,12 @@ class StepPlanner:
         on_overflow: Fallback,
         copier: CopierFactory | None = None,
         decode_runner: AttentionRunner | None = None,
+        allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         """`decode_runner`: the full graphs' runner, which must serve the attention's
         `max_query_len` (steps of one query length per sequence run as full graphs up to
-        it; 1: decode steps only)."""
+        it; 1: decode steps only). `allocate(nbytes)`: where the packed device buffer lives
+        (xgraph.buffers.StagedBuffers)."""
         self.name, self.device, self.mode, self.on_overflow = name, device, mode, on_overflow
         self.buckets = buckets
         self.dims = declare_dims(name, buckets, dims)
@@ -146,16 +148,32 @@ class StepPlanner:
             )
         self.maxima = {n: d.max for n, d in self.dims.items()}
         self.max_seqs = max(attention.max_seqs, buckets.max) if attention is not None else 0
-        self.staged = StagedBuffers(self._buffer_specs(), device, copier)
+        self.closed = False
+        self._staged = StagedBuffers(self._buffer_specs(), device, copier, allocate)
         self.device_check = DeviceCheck(name, attention, device) if attention else None
         self.staging = StepStaging(
-            self.staged, self.inputs, attention, self.maxima, self.device_check
+            self._staged, self.inputs, attention, self.maxima, self.device_check
         )
         self.tokens = TokenCheck(name, self.inputs, self.dims, device, self.staging.numpy_ok)
         self.attn_check = (
             AttentionCheck(name, attention, self.max_seqs, device) if attention else None
         )
         self._warned_overflow = False
+
+    @property
+    def staged(self) -> StagedBuffers:
+        """The persistent buffers (refused once closed: their memory is given back)."""
+        if self.closed:
+            raise self._closed_error()
+        return self._staged
+
+    def close(self) -> None:
+        """Its executor closed and gives the buffers' memory back: planning, staging and
+        reading the buffers raise XGraphError from now on (idempotent)."""
+        self.closed = True
+
+    def _closed_error(self) -> XGraphError:
+        return XGraphError(f"{self.name} is closed; create a new executor.")
 
     def _buffer_specs(self) -> list[BufferSpec]:
         specs = [
@@ -193,6 +211,8 @@ class StepPlanner:
         `pad_to` pads key dims to at least these sizes (ranks agreeing on one key; a key dim
         no input uses, such as a communication dim, joins the key at its padded size);
         `synthetic` marks the executor's own pre-capture steps (dummy block only)."""
+        if self.closed:
+            raise self._closed_error()
         dc = self.device_check
         if dc is not None and dc.pending:
             dc.raise_pending()  # what an earlier step's device-side check found
@@ -368,6 +388,8 @@ class StepPlanner:
     ) -> tuple[dict[str, torch.Tensor], AttentionInputs | None]:
         """Inputs that touch only the dummy slot and block: `n` tokens, or for a full graph
         of `query_len` > 1, n sequences of that many tokens."""
+        if self.closed:
+            raise self._closed_error()
         if query_len > 1:
             if kind is not Kind.FULL or not 1 < query_len <= self.full_query_len:
                 raise XGraphError(

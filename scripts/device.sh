@@ -3,10 +3,10 @@
 #   OUT=out/device bash scripts/device.sh [STAGES] [MODEL]
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
 # "all": every one, in that order; "host-copy", "skinny", "decode-cublas", "decode-forward",
-# "pipeline", "check", "hf-tests", "hf-compile", "hf-generate", "soak" and "dist" run only
-# when named; "dist": graphs across ranks, one process per GPU (DIST_NPROC, default every
-# GPU; docs/distributed.md); DECODE_SCOPE=forward compiles the decode stage's whole forward
-# instead of its layers). MODEL: the reference shape (default qwen3-0.6b). A stage
+# "pipeline", "check", "hf-tests", "hf-compile", "hf-generate", "soak", "sleep" and "dist"
+# run only when named; "dist": graphs across ranks, one process per GPU (DIST_NPROC, default
+# every GPU; docs/distributed.md); DECODE_SCOPE=forward compiles the decode stage's whole
+# forward instead of its layers). MODEL: the reference shape (default qwen3-0.6b). A stage
 # past its limit is killed and the next one starts; the limits of "all" add up to 750 s,
 # more than one ten-minute device call, so name the stages a call needs (docs/benchmarks.md,
 # "Running on a GPU machine", lists every stage with its command and its time on an H200).
@@ -130,6 +130,8 @@ has memory && stage memory 130 45 xgraph bench memory --backend cuda --model "$m
   --models reference,hf-llama --json "$OUT/memory.json" --plot "$OUT/memory.png"
 has soak && stage soak 300 26 xgraph bench soak --backend cuda --steps "${SOAK_STEPS:-20000}" \
   --json "$OUT/soak.json"
+has sleep && stage sleep 290 20 xgraph bench sleep --backend cuda --model "$model" \
+  --kv-cache-gib 16 --json "$OUT/sleep.json"
 has dist && stage dist 540 40 bash -c dist
 echo "=== all stages: $((SECONDS - started)) s, exit $rc" | tee -a "$log"
 exit $rc

@@ -337,3 +337,24 @@ def test_soak_runs_random_steps_without_a_mismatch(tmp_path):
     data = json.loads(out.read_text())
     assert data["steps"] == 60 and data["mismatches"] == 0 and data["caches_equal"]
     assert data["captures"] > 0 and data["replays"] > 0 and data["samples"]
+
+
+def test_sleep_wakes_every_graph_and_matches_close_and_recapture(tmp_path):
+    """In a process of its own: the benchmark's memory regions live as long as the process."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "sleep.json"
+    args = ["bench", "sleep", "--backend", "cpu", "--sizes", "1,2,4", "--piecewise-max", "8"]
+    args += ["--kv-cache-gib", "0.01", "--iters", "1", "--json", str(out)]
+    r = subprocess.run(
+        [sys.executable, "-m", "xgraph.cli", *args], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["graphs"] == 5 and data["mismatches"] == 0 and "partial" not in data
+    (x,), (anchor,) = data["xgraph"], data["anchor"]
+    assert x["captures"] == 5 and x["outputs_equal"] and anchor["outputs_equal"]
+    held = data["graph_bytes"] + data["kv_cache_bytes"]
+    assert x["given_back_bytes"] >= 0.5 * held and x["offloaded_bytes"] > 0
+    assert "close + recapture" in r.stdout

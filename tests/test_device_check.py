@@ -27,7 +27,7 @@ import xgraph
 from xgraph import AttentionInputs
 from xgraph.backends.cpu.tape import OpTape
 from xgraph.device_check import DeviceCheck
-from xgraph.errors import CaptureError
+from xgraph.errors import AsleepError, CaptureError
 from xgraph.graphs import capturing_graph
 from xgraph.models import Step, Workload
 from xgraph.testing.faults import books, fail_driver_call
@@ -38,13 +38,16 @@ MAX_SEQS = {1: 16, 2: 8, 3: 4}  # the most sequences of q tokens a full graph ta
 FILLS = (-1, 0, 10**6)  # columns past a row's need hold anything (never read)
 
 
-def pair(seed: int, **kw):  # type: ignore[no-untyped-def]
+def pair(seed: int, memory: str | None = None, **kw):  # type: ignore[no-untyped-def]
     """Two executors over equal workloads: device metadata on one, host metadata on the other."""
     ws = [Workload.tiny(num_blocks=96, max_blocks=6, max_seqs=16) for _ in range(2)]
     for w in ws:
         w.randomize_cache(seed)
     att = {"max_query_len": MAX_Q, **kw}
-    exs = [w.executor(backend="cpu", buckets=BUCKETS, attention=w.attention(**att)) for w in ws]
+    exs = [
+        w.executor(backend="cpu", buckets=BUCKETS, memory=memory, attention=w.attention(**att))
+        for w in ws
+    ]
     exs[0].planner.attn_check.cpu_is_device = True
     return ws, exs
 
@@ -116,7 +119,7 @@ def test_every_batch_composition_of_a_key_gives_what_host_metadata_gives(seed, s
     dex.synchronize()  # nothing found
     for ex in (dex, hex_):
         ex.close()
-    assert not check._graphs and not check._pools
+    assert not check._graphs
 
 
 def test_rows_an_earlier_step_left_in_the_raw_buffers_are_masked():
@@ -221,11 +224,18 @@ def _refused_end(backend):  # type: ignore[no-untyped-def]
     return Refusing()
 
 
-@pytest.mark.parametrize("how", ["capture_end refused", "map of the pool failed"])
-def test_a_check_that_cannot_be_captured_runs_eagerly_and_still_guards(how):
+@pytest.mark.parametrize(
+    "how, memory",
+    [
+        ("capture_end refused", "shared-physical"),
+        ("map of the pool failed", "shared-physical"),
+        ("map of the pool failed", "private"),
+    ],
+)
+def test_a_check_that_cannot_be_captured_runs_eagerly_and_still_guards(how, memory):
     vm = xgraph.get_backend("cpu").virtual_memory()
     before = books(vm)
-    (dw, _), (dex, hex_) = pair(12)
+    (dw, _), (dex, hex_) = pair(12, memory=memory)
     check = dex.planner.device_check
     rng = random.Random(12)
     first = dw.decode_step(rng, 3)
@@ -305,4 +315,38 @@ def test_an_executor_dropped_without_close_gives_the_checks_graphs_back():
     assert len(dex.planner.device_check.captured) == 3
     del dex, hex_
     gc.collect()
+    assert books(vm) == before
+
+
+def test_sleep_gives_back_the_checks_memory_and_wake_replays_it():
+    """The check's graphs take their pools from the executor's graph memory and its raw
+    buffers live in the executor's arena: sleep gives them back with the rest, and after
+    wake every key's check replays (no recapture), equal to host metadata."""
+    vm = xgraph.get_backend("cpu").virtual_memory()
+    before = books(vm)
+    (dw, _), (dex, hex_) = pair(15)
+    rng = random.Random(15)
+    steps = [
+        dw.step(rng, [q] * n, [rng.randint(q, 20) for _ in range(n)])
+        for q, n in [(1, 3), (1, 7), (2, 4), (1, 6)]
+    ]
+    for s in steps:
+        run_both(dw, dex, hex_, s, rng)
+    check = dex.planner.device_check
+    graphs = list(check._graphs)
+    raw = check._raw.seq_lens.data_ptr()
+    assert dex.stats()["persistent_bytes"] - hex_.stats()["persistent_bytes"] == check.nbytes()
+    released = dex.sleep().released_bytes
+    assert released >= hex_.sleep().released_bytes + check.nbytes()  # the raw buffers too
+    with pytest.raises(AsleepError):
+        run_both(dw, dex, hex_, steps[0], rng)
+    dex.wake()
+    hex_.wake()
+    for s in steps:
+        out, ref = run_both(dw, dex, hex_, s, rng)
+        assert torch.equal(out, ref)
+    assert check._graphs == graphs and check._raw.seq_lens.data_ptr() == raw  # kept
+    dex.synchronize()
+    for ex in (dex, hex_):
+        ex.close()
     assert books(vm) == before

@@ -32,6 +32,12 @@ from .options import Fallback, MemoryMode, Mode
 from .paging import PagedAttention, PagedKVCache
 from .plugins import get_backend
 
+# sleep mode (docs/sleep.md): engine-facing, but outside the 25 names of __all__; their
+# module is xgraph.sleepmode
+from .sleepmode import memory_region as memory_region
+from .sleepmode import sleep as sleep
+from .sleepmode import wake as wake
+
 __version__ = "0.1.0"
 
 logging.getLogger("xgraph").addHandler(logging.NullHandler())

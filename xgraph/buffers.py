@@ -97,8 +97,14 @@ class StagedBuffers:
     BANKS = 2
 
     def __init__(
-        self, specs: Sequence[BufferSpec], device: torch.device, copier: CopierFactory | None = None
+        self,
+        specs: Sequence[BufferSpec],
+        device: torch.device,
+        copier: CopierFactory | None = None,
+        allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
+        """`allocate(nbytes)`: where the packed device buffer lives (a uint8 tensor), e.g. an
+        executor's xgraph.arena.Arena, whose memory sleep gives back; default torch's."""
         self.device = device
         self.specs = {s.name: s for s in specs}
         self.offsets: dict[str, int] = {}
@@ -108,7 +114,12 @@ class StagedBuffers:
             total += -(-_nbytes(s) // ALIGN) * ALIGN
         self.nbytes = total
         # zeros: alignment gaps hold no stale bytes (buffers compare equal byte for byte)
-        self.packed = torch.zeros(max(total, ALIGN), dtype=torch.uint8, device=device)
+        n = max(total, ALIGN)
+        self.packed = (
+            torch.zeros(n, dtype=torch.uint8, device=device)
+            if allocate is None
+            else allocate(n).zero_()
+        )
         self.device_views = {s.name: self._view(self.packed, s) for s in specs}
         self.banks = [self._bank(copier) for _ in range(self.BANKS)]
         self.packed.copy_(self.banks[0].packed)

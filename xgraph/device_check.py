@@ -18,8 +18,10 @@ dummy block, whatever the values.
 The check costs the host a few calls per step, whatever the batch: the given tensors are
 copied into persistent raw buffers of the largest shapes (three device-to-device copies),
 and a graph of the check's own ops, captured once per (padded sequences, query length)
-through the backend's Graph (a CUDA graph on a GPU, the tape on the CPU), is replayed
-before the step's graph. It reads the raw buffers at the key's padded sizes and the real
+through the backend's Graph (a CUDA graph on a GPU, the tape on the CPU) on a lease of the
+executor's graph memory, is replayed before the step's graph. The raw buffers live where
+the executor's persistent buffers do (its arena): sleep gives both back and wake restores
+them; close resets the graphs with the executor's. It reads the raw buffers at the key's padded sizes and the real
 counts (the sequences n and the table width w, known on the host and staged with the
 step's other host values in the same copy), so rows past n, columns past w and tokens past
 n * q, which hold earlier steps' values, are masked: one capture serves every batch
@@ -44,9 +46,10 @@ from functools import partial
 
 import torch
 
-from .errors import InputError, XGraphWarning
+from .errors import InputError, XGraphError, XGraphWarning
 from .graphs import graph
-from .interfaces import Backend, CapturePool, Graph
+from .interfaces import Backend, Graph
+from .memory import GraphMemory
 from .paging import PagedAttention
 from .step_attention import StepAttention
 
@@ -63,34 +66,57 @@ PROBLEMS = {
 # the staged buffer of a checked step's real counts: sequences n, block-table width w
 COUNTS = "device_counts"
 VIEWS_KEPT = 4096  # raw-buffer views kept for reuse, one per (sequences, width, tokens)
+Allocate = Callable[[int], torch.Tensor] | None  # nbytes -> a uint8 device tensor
+ALIGN = 64  # bytes: each raw buffer starts on a cache line
 
 
 @dataclass(frozen=True)
 class _Raw:
-    """The persistent raw buffers the given tensors are copied into, and the constants the
-    captured check reads (largest shapes: every key's check reads a prefix)."""
+    """The persistent raw buffers the given tensors are copied into, the error buffer, and
+    the constants the captured check reads (largest shapes: every key's check reads a
+    prefix); views of one allocation."""
 
     seq_lens: torch.Tensor  # int64 [max_seqs]
     table: torch.Tensor  # int32 [max_seqs, width]
     slots: torch.Tensor  # int64 [max_tokens]
+    error: torch.Tensor  # int64 [3]: the first problem's code, index and value
     rows: torch.Tensor  # arange(max_seqs)
     cols: torch.Tensor  # arange(max(width, max_query_len))
     sentinels: torch.Tensor  # -1 - arange(max_tokens): distinct, never a valid slot
 
     @classmethod
-    def make(cls, a: PagedAttention, seqs: int, tokens: int, device: torch.device) -> _Raw:
-        def ints(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
+    def make(
+        cls, a: PagedAttention, seqs: int, tokens: int, device: torch.device, allocate: Allocate
+    ) -> _Raw:
+        """In memory from `allocate(nbytes)` (the executor's arena, which sleep gives back
+        and wake restores with its contents), else torch's."""
+        width, i64 = a.max_blocks_per_seq, torch.int64
+        layout = [(i64, (seqs,)), (torch.int32, (seqs, width)), (i64, (tokens,)), (i64, (3,))]
+        layout += [(i64, (seqs,)), (i64, (max(width, a.max_query_len),)), (i64, (tokens,))]
+        nbytes = [_nbytes(d, sh) for d, sh in layout]
+        starts = [0]
+        for n in nbytes:
+            starts.append(starts[-1] + -(-n // ALIGN) * ALIGN)
+        if allocate is None:
+            packed = torch.zeros(starts[-1], dtype=torch.uint8, device=device)
+        else:
+            packed = allocate(starts[-1]).zero_()
+        views = [packed[at : at + n] for at, n in zip(starts, nbytes)]
+        raw = cls(*(v.view(d).view(sh) for v, (d, sh) in zip(views, layout)))
+        raw.rows.copy_(torch.arange(seqs, device=device))
+        raw.cols.copy_(torch.arange(len(raw.cols), device=device))
+        raw.sentinels.copy_(-1 - torch.arange(tokens, device=device))
+        return raw
 
-        cols = max(a.max_blocks_per_seq, a.max_query_len)
-        return cls(
-            ints(seqs),
-            ints(seqs, a.max_blocks_per_seq, dtype=torch.int32),
-            ints(tokens),
-            torch.arange(seqs, device=device),
-            torch.arange(cols, device=device),
-            -1 - torch.arange(tokens, device=device),
-        )
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in vars(self).values())
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for x in shape:
+        n *= x
+    return n
 
 
 class DeviceCheck:
@@ -100,16 +126,17 @@ class DeviceCheck:
         self,
         name: str,
         layout: PagedAttention,
-        backend: Backend,
+        device: torch.device,
         counts: torch.Tensor,
-        max_seqs: int,
-        max_tokens: int,
+        sizes: tuple[int, int],
+        allocate: Allocate = None,
     ) -> None:
-        self.name, self.layout, self.backend = name, layout, backend
-        self.device = device = backend.device
-        self.counts = counts  # the staged int64 [2]: n, w (device view)
-        self.sizes = (max_seqs, max_tokens)
-        self.error = torch.zeros(3, dtype=torch.int64, device=device)  # code, index, value
+        """`counts`: the staged int64 [2] (n, w) on the device; `sizes`: the most sequences
+        and tokens of a full graph; `allocate`: where the raw buffers live."""
+        self.name, self.layout, self.device = name, layout, device
+        self.counts, self.sizes, self.allocate = counts, sizes, allocate
+        self.backend: Backend | None = None  # attach(): the executor's
+        self.memory: GraphMemory | None = None
         pin = device.type != "cpu"
         self._host = torch.zeros(3, dtype=torch.int64, pin_memory=pin)
         self._host_np = self._host.numpy()  # read without torch's dispatch
@@ -119,8 +146,12 @@ class DeviceCheck:
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         self._runs: dict[tuple[int, int], Callable[[], None]] = {}  # (seqs, q) -> check
         self._graphs: list[Graph] = []
-        self._pools: list[CapturePool] = []
         self._warned = False
+
+    def attach(self, backend: Backend, memory: GraphMemory) -> None:
+        """The backend whose graphs the check is captured as, and the graph memory they
+        take their pools from (so sleep gives them back with the executor's)."""
+        self.backend, self.memory = backend, memory
 
     # -- per step --------------------------------------------------------------------------
 
@@ -147,7 +178,7 @@ class DeviceCheck:
         if run is None:
             run = self._prepare(out, num_seqs, q)
         run()
-        self._host.copy_(self.error, non_blocking=True)
+        self._host.copy_(self._raw.error, non_blocking=True)  # type: ignore[union-attr]
         if self._event is not None:
             self._event.record()
         self.pending = True
@@ -158,7 +189,7 @@ class DeviceCheck:
         if got is None:
             raw = self._raw
             if raw is None:
-                raw = self._raw = _Raw.make(self.layout, *self.sizes, self.device)
+                raw = self._raw = _Raw.make(self.layout, *self.sizes, self.device, self.allocate)
             got = (raw.seq_lens[:n], raw.table[:n, :w], raw.slots[:t])
             if len(self._views) >= VIEWS_KEPT:  # tables of ever new widths: kept bounded
                 self._views.clear()
@@ -173,6 +204,8 @@ class DeviceCheck:
         check's own pool. A capture that fails is rolled back and the key's check runs
         eagerly from then on, as safe and slower (warned once)."""
         check = partial(self._check, out, s, q)
+        if self.backend is None or self.memory is None:
+            raise XGraphError(f"{self.name}: the device check is not attached to an executor.")
         with torch.no_grad():
             with self.backend.warmup_context():
                 check()
@@ -186,11 +219,16 @@ class DeviceCheck:
         return run
 
     def _capture(self, check: Callable[[], None]) -> Graph:
-        if not self._pools or self._pools[-1].poisoned:
-            self._pools.append(self.backend.new_pool())
-        g = self.backend.new_graph()
-        with graph(g, self._pools[-1]):  # type: ignore[arg-type]  # a CheckedGraph
-            check()
+        """Captured on a lease of the executor's graph memory, rolled back if it fails."""
+        assert self.backend is not None and self.memory is not None
+        lease = self.memory.begin()
+        try:
+            g = self.backend.new_graph()
+            with graph(g, lease.pool):  # type: ignore[arg-type]  # a CheckedGraph
+                check()
+        except BaseException:
+            self.memory.rollback(lease)
+            raise
         self._graphs.append(g)
         return g
 
@@ -227,7 +265,8 @@ class DeviceCheck:
         first = (codes != 0).byte().argmax().view(1)  # indexed as a tensor: no host read
         index = torch.where(first < s, first, first - s)
         found = torch.cat([codes.gather(0, first), index, values.gather(0, first)])
-        self.error.copy_(torch.where(self.error[0] != 0, self.error, found))
+        error = raw.error
+        error.copy_(torch.where(error[0] != 0, error, found))
 
     def _sequences(
         self, raw: _Raw, s: int, q: int, real: torch.Tensor, w: torch.Tensor
@@ -281,7 +320,8 @@ class DeviceCheck:
         code, index, value = (int(x) for x in self._host_np)
         if not code:
             return
-        self.error.zero_()
+        if self._raw is not None:
+            self._raw.error.zero_()
         self._host_np[:] = 0
         field, what = PROBLEMS[code]
         kind = "token" if field == "slot_mapping" else "sequence"
@@ -293,20 +333,15 @@ class DeviceCheck:
         )
 
     def release(self) -> None:
-        """Reset the check's graphs and close its pools (after the device finished them:
-        a captured graph's reset waits for it)."""
+        """Reset the check's graphs (a captured graph's reset waits for the device); their
+        pools go with the graph memory."""
         self._runs.clear()
         while self._graphs:
             self._graphs.pop().reset()
-        while self._pools:
-            self._pools.pop().close()
 
     def nbytes(self) -> int:
         """Bytes of the raw buffers and constants (0 before the first checked step)."""
-        raw = self._raw
-        if raw is None:
-            return 0
-        return sum(t.numel() * t.element_size() for t in vars(raw).values())
+        return 0 if self._raw is None else self._raw.nbytes()
 
     @property
     def captured(self) -> list[tuple[int, int]]:

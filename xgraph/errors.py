@@ -55,6 +55,10 @@ class MemoryInUseError(XGraphError):
     """Closing graph memory (a GraphMemory, a SharedPhysicalPool) that open executors use."""
 
 
+class AsleepError(XGraphError, RuntimeError):
+    """A step, capture or allocation over memory that sleep() gave back; wake() first."""
+
+
 class ParameterizationLeakError(XGraphError):
     """A recorded launch follows per-step metadata (GraphExecutor.check_parameterization)."""
 

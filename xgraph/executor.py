@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 import warnings
 from collections import Counter
@@ -26,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import sleepmode
+from .arena import Arena
 from .attention import InlineRunner, step_context
 from .buckets import Buckets, Dim, Input
 from .distributed import Parallel, attach
@@ -47,6 +48,7 @@ from .piecewise import FullGraph, PiecewiseGraph, guarded_storages
 from .plugins import get_backend
 from .pool import SharedPhysicalPool
 from .precapture import PreCapture
+from .release import Release
 from .runners import reference_runners
 from .steps import Step, StepPlanner
 
@@ -67,7 +69,7 @@ class ExecutorStats:
     failed_keys: dict[tuple, str] = field(default_factory=dict)
 
 
-class GraphExecutor(PreCapture):
+class GraphExecutor(PreCapture, Release):
     """Runs a forward through cached graphs, one per bucket key (see the module docstring).
 
     Args:
@@ -120,6 +122,7 @@ class GraphExecutor(PreCapture):
         self.backend = get_backend(backend)
         self.backend.activate()  # its kernels serve the core's ops (xgraph.linear) from now on
         self.device = self.backend.device
+        self._arena = Arena.of(self.backend, name)  # persistent buffers sleep can give back
         self.buckets = Buckets.of(buckets, DEFAULT_MAX_TOKENS)
         self.attention = attention
         self.decode_runner, self.prefill_runner = self._runners(attention)
@@ -129,10 +132,12 @@ class GraphExecutor(PreCapture):
             dims=dims,
             buckets=self.buckets,
             attention=attention,
-            backend=self.backend,
+            device=self.device,
             mode=self.mode,
             on_overflow=Fallback.parse(on_overflow, "on_overflow"),
+            copier=self.backend.host_copier,
             decode_runner=self.decode_runner,
+            allocate=None if self._arena is None else self._arena.empty,
         )
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
         self._eager_keys: dict[tuple, str] = {}
@@ -140,14 +145,16 @@ class GraphExecutor(PreCapture):
         self._out_spec: Any = None
         self._out_views: dict[int, Any] = {}
         self._stats = ExecutorStats()
-        self._busy = threading.Lock()  # one step at a time: outputs are shared buffers
         self.memory = GraphMemory.of(self.backend, memory)
         self._steps = self.memory.steps  # steps over shared memory run one at a time
         self._outside = OutsidePoolMeter(self.memory)
         # graphs and memory live apart from this object: released by close(), or when it is
         # collected (xgraph.lifetime), whichever comes first
         self._held = Holdings(name, self.backend, self.memory, not isinstance(memory, GraphMemory))
-        self._held.closers.append(self.planner.release)  # the device check's graphs
+        self._held.arena = self._arena
+        self.planner.attach(self._held)  # the device check's graphs: on this graph memory
+        self._busy = self._held.busy  # one step at a time: outputs are shared buffers
+        sleepmode.join(self._held)
         self._graphs: dict[tuple, Entry] = self._held.graphs
         self._finalizer = release_when_collected(self, self._held)
         self.lockstep = attach(parallel, self)  # several ranks: self.planner agrees each step
@@ -171,9 +178,11 @@ class GraphExecutor(PreCapture):
         return decode, prefill
 
     def persistent_bytes(self) -> int:
-        """Bytes of every persistent buffer (inputs, attention metadata, outputs)."""
-        n = self.planner.persistent_bytes()
-        return n + sum(b.numel() * b.element_size() for b in self._out_bufs or [])
+        """Bytes of every persistent buffer the executor holds (inputs, attention metadata,
+        outputs); 0 once closed, which gives them back."""
+        if self.planner.closed:
+            return 0
+        return self.planner.persistent_bytes() + sum(b.nbytes for b in self._out_bufs or [])
 
     # -- step ------------------------------------------------------------------------------
 
@@ -192,6 +201,8 @@ class GraphExecutor(PreCapture):
         try:
             if self._held.closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
+            if self._held.asleep:
+                raise sleepmode.asleep_error(self.name, self._held.asleep)
             step = self.planner.plan(inputs, attn)
             self._steps.acquire(self.name)
             try:
@@ -221,6 +232,8 @@ class GraphExecutor(PreCapture):
         try:
             if self._held.closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
+            if self._held.asleep and what != "close":
+                raise sleepmode.asleep_error(self.name, self._held.asleep)
             yield
         finally:
             self._busy.release()
@@ -455,6 +468,7 @@ class GraphExecutor(PreCapture):
             "outside_pool_bytes": self._outside.bytes,
             "graph_bytes": self.memory.graph_bytes(),
             "memory": self.memory.stats(),
+            "asleep": sorted(self._held.asleep),
             "keys": sorted(self._graphs, key=repr),
             "parallel": self.lockstep.stats(),  # None for one rank
         }
@@ -469,24 +483,6 @@ class GraphExecutor(PreCapture):
         """The cached recording of a key (describe() lists its pieces), or None."""
         e = self._graphs.get(key)
         return e.graph if e else None
-
-    @property
-    def closed(self) -> bool:
-        """Whether close() ran (or the executor was released when collected)."""
-        return self._held.closed
-
-    def close(self) -> None:
-        """Wait for queued work, reset every graph, give back graph memory (if owned).
-
-        Safe right after steps, with no synchronize of the caller's: replays still queued
-        on the device finish before any memory they use is unmapped or freed. An executor
-        dropped without close() does the same when it is collected (xgraph.lifetime).
-        """
-        if self._held.closed:
-            return
-        with self._exclusive("close"):
-            self._finalizer.detach()
-            self._held.release()
 
     def __enter__(self) -> GraphExecutor:
         return self

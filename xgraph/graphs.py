@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import IncompleteBackendError, PoolClosedError, XGraphError
 from .interfaces import Backend, CapturePool, Graph, Launch, OpCheck
+from .regions import refuse_capture_inside
 from .safety import block_host_conversions, check_op
 
 logger = logging.getLogger("xgraph")
@@ -99,6 +100,7 @@ class CheckedGraph(Graph):
         """Start recording. `check_ops=False` leaves out the per-op guard (Dynamo runs a
         compiled forward eagerly under any dispatch mode); host recorders keep it, since
         they record through it. Tensor.tolist / numpy stay blocked either way."""
+        refuse_capture_inside("capture_begin")  # its allocations would land in the region
         if self._state != _IDLE:
             raise XGraphError(
                 f"capture_begin: this graph is {self._state}; "

@@ -174,6 +174,13 @@ class CapturePool(ABC):
         `segments` where the runtime does not say which pool asks. Default: nothing to route."""
         return nullcontext()
 
+    def allocating(self) -> AbstractContextManager[Any] | None:
+        """Optional: a context in which this thread's ordinary tensor allocations on the
+        device (outside any capture) come from this pool, for `xgraph.memory_region`; None
+        where the runtime cannot route them (regions are then refused, with the reason).
+        Only a pool made with `segments` is asked. Default: None."""
+        return None
+
     def close(self) -> None:
         """Give back what the pool holds; graphs captured on it must be reset first."""
         if self.closed:

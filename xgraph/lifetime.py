@@ -10,18 +10,22 @@ likes. An owner of an executor (a model wrapper) gets the same by holding it: wh
 goes, so does the executor, and its holdings are released.
 
 The order is always the same: leave the graph memory's list of users, wait for the work
-queued on the device, reset every graph, then close the graph memory if the executor owns
-it. A finalizer never raises: a failure is logged, and what the driver refused stays booked.
+queued on the device, reset every graph, give back the persistent input buffers (on close;
+collected, each goes with its last tensor), then close the graph memory if the executor
+owns it. A finalizer never raises: a failure is logged, and what the driver refused stays
+booked.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from .arena import Arena
 from .interfaces import Backend
 from .memory import GraphMemory, Lease
 from .options import Kind
@@ -64,13 +68,17 @@ class Holdings:
         self.graphs: dict[tuple, Entry] = {}
         self.closers: list[Callable[[], None]] = []  # more graphs of the executor's, reset
         self.closed = False
+        self.busy = threading.Lock()  # held by each step (and by sleep, to wait for one)
+        self.asleep: set[str] = set()  # what sleep() gave back that its graphs use
+        self.arena: Arena | None = None  # its persistent buffers, where they can sleep
         memory.attach(self)  # a closed memory is refused here, before anything is held
 
-    def release(self) -> None:
+    def release(self, buffers: bool = False) -> None:
         """Wait for queued work, reset every graph, close the memory if owned (idempotent).
 
-        A driver failure is raised; the books keep what it refused, and closing the memory
-        again finishes the job.
+        `buffers`: give the persistent input buffers back too (an explicit close, whose
+        planner refuses from then on); else each goes with its last tensor. A driver failure
+        is raised; the books keep what it refused, and closing the memory again finishes it.
         """
         if self.closed:
             return
@@ -82,6 +90,11 @@ class Holdings:
             entry.graph.reset()
         while self.closers:
             self.closers.pop()()
+        if self.arena is not None:
+            if buffers:
+                self.arena.close()
+            else:
+                self.arena.drain()  # what went with its last tensor, given back if deferred
         if self.owns_memory:
             self.memory.close()
 

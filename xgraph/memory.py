@@ -130,6 +130,10 @@ class GraphMemory:
         """Names of the open executors that use this memory."""
         return [u.name for u in self._users.values()]
 
+    def holdings(self) -> list[Any]:
+        """The Holdings of the open executors that use this memory (xgraph.lifetime)."""
+        return list(self._users.values())
+
     def begin(self) -> Lease:
         """The pool for the next capture (several pieces of one forward share one lease)."""
         if self.closed:

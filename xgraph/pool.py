@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import MemoryInUseError, PoolClosedError, XGraphError
+from .errors import AsleepError, MemoryInUseError, PoolClosedError, XGraphError
 from .interfaces import FALLBACK_CAPTURE_SPACE_BYTES, PhysicalChunk, VirtualMemory
 from .steplock import StepLock
 
@@ -91,6 +91,7 @@ class SharedPhysicalPool:
         self.high_water = 0  # bytes: the largest cursor any space reached
         self.map_calls = 0
         self.closed = False
+        self.asleep = False  # its chunks were given back (xgraph.pool_sleep) until wake
 
     # -- users ---------------------------------------------------------------------------
 
@@ -104,6 +105,11 @@ class SharedPhysicalPool:
     def detach(self, memory: Any) -> None:
         with self._lock:
             self._users.discard(memory)
+
+    def memories(self) -> list[Any]:
+        """The open GraphMemory objects over this pool."""
+        with self._lock:
+            return list(self._users)
 
     def _refuse_in_use(self) -> None:
         users = list(self._users)
@@ -134,6 +140,8 @@ class SharedPhysicalPool:
         with self._lock:
             if self.closed or space.closed:
                 raise PoolClosedError("allocation from a closed pool or space")
+            if self.asleep:
+                raise AsleepError("the graph memory is asleep (sleep()); call wake() first.")
             size = -(-nbytes // self.chunk_size) * self.chunk_size
             start = space.cursor
             end = start + size

@@ -40,6 +40,10 @@ class StepLock:
         self._owner = None
         self._lock.release()
 
+    def held_here(self) -> bool:
+        """Whether this thread holds the lock (a step calling into sleep, say)."""
+        return self._owner == threading.get_ident()
+
     def locked(self) -> bool:
         """Whether a step holds the lock now (tests, diagnostics)."""
         return self._lock.locked()

@@ -19,23 +19,26 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .buckets import Buckets, Dim, Input
-from .buffers import BufferSpec, StagedBuffers
+from .buffers import BufferSpec, CopierFactory, StagedBuffers
 from .device_check import COUNTS, DeviceCheck
 from .errors import BucketOverflowError, InputError, XGraphError, XGraphWarning
-from .interfaces import AttentionRunner, Backend
+from .interfaces import AttentionRunner
 from .metadata import AttentionInputs, AttentionMetadata
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
 from .staging import StepStaging
 from .step_attention import AttentionCheck, StepAttention
 from .validation import NUM_TOKENS, TokenCheck
+
+if TYPE_CHECKING:
+    from .lifetime import Holdings
 
 logger = logging.getLogger("xgraph")
 
@@ -115,16 +118,17 @@ class StepPlanner:
         dims: Sequence[Dim],
         buckets: Buckets,
         attention: PagedAttention | None,
-        backend: Backend,
+        device: torch.device,
         mode: Mode,
         on_overflow: Fallback,
+        copier: CopierFactory | None = None,
         decode_runner: AttentionRunner | None = None,
+        allocate: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
-        """`backend`: the device, the host copier and the device check's graphs.
-        `decode_runner`: the full graphs' runner, which must serve the attention's
+        """`decode_runner`: the full graphs' runner, which must serve the attention's
         `max_query_len` (steps of one query length per sequence run as full graphs up to
-        it; 1: decode steps only)."""
-        device = backend.device
+        it; 1: decode steps only). `allocate(nbytes)`: where the packed device buffer lives
+        (xgraph.buffers.StagedBuffers)."""
         self.name, self.device, self.mode, self.on_overflow = name, device, mode, on_overflow
         self.buckets = buckets
         self.dims = declare_dims(name, buckets, dims)
@@ -147,20 +151,37 @@ class StepPlanner:
             )
         self.maxima = {n: d.max for n, d in self.dims.items()}
         self.max_seqs = max(attention.max_seqs, buckets.max) if attention is not None else 0
-        self.staged = StagedBuffers(self._buffer_specs(), device, backend.host_copier)
+        self.closed = False
+        self._staged = StagedBuffers(self._buffer_specs(), device, copier, allocate)
+        sizes = (self.max_seqs, buckets.max)  # a full graph's most sequences and tokens
         self.device_check = (
-            DeviceCheck(name, attention, backend, self.staged[COUNTS], self.max_seqs, buckets.max)
+            DeviceCheck(name, attention, device, self._staged[COUNTS], sizes, allocate)
             if attention
             else None
         )
         self.staging = StepStaging(
-            self.staged, self.inputs, attention, self.maxima, self.device_check
+            self._staged, self.inputs, attention, self.maxima, self.device_check
         )
         self.tokens = TokenCheck(name, self.inputs, self.dims, device, self.staging.numpy_ok)
         self.attn_check = (
             AttentionCheck(name, attention, self.max_seqs, device) if attention else None
         )
         self._warned_overflow = False
+
+    @property
+    def staged(self) -> StagedBuffers:
+        """The persistent buffers (refused once closed: their memory is given back)."""
+        if self.closed:
+            raise self._closed_error()
+        return self._staged
+
+    def close(self) -> None:
+        """Its executor closed and gives the buffers' memory back: planning, staging and
+        reading the buffers raise XGraphError from now on (idempotent)."""
+        self.closed = True
+
+    def _closed_error(self) -> XGraphError:
+        return XGraphError(f"{self.name} is closed; create a new executor.")
 
     def _buffer_specs(self) -> list[BufferSpec]:
         specs = [
@@ -199,6 +220,8 @@ class StepPlanner:
         `pad_to` pads key dims to at least these sizes (ranks agreeing on one key; a key dim
         no input uses, such as a communication dim, joins the key at its padded size);
         `synthetic` marks the executor's own pre-capture steps (dummy block only)."""
+        if self.closed:
+            raise self._closed_error()
         dc = self.device_check
         if dc is not None and dc.pending:
             dc.raise_pending()  # what an earlier step's device-side check found
@@ -229,15 +252,17 @@ class StepPlanner:
         if self.device_check is not None:
             self.device_check.raise_pending(wait)
 
-    def persistent_bytes(self) -> int:
-        """Bytes of the staged buffers and of the device check's raw buffers (once made)."""
-        n = sum(v.numel() * v.element_size() for _, v in self.staged.items())
-        return n + (self.device_check.nbytes() if self.device_check is not None else 0)
-
-    def release(self) -> None:
-        """Give back the device check's graphs and pools (once queued work has finished)."""
+    def attach(self, held: Holdings) -> None:
+        """The executor's holdings: the device check captures on its backend and graph
+        memory, and its graphs are reset when they are released."""
         if self.device_check is not None:
-            self.device_check.release()
+            self.device_check.attach(held.backend, held.memory)
+            held.closers.append(self.device_check.release)
+
+    def persistent_bytes(self) -> int:
+        """Bytes of the staged buffers and of the device check's raw buffers."""
+        n = sum(v.nbytes for _, v in self._staged.items())
+        return n + (self.device_check.nbytes() if self.device_check is not None else 0)
 
     def _attention(
         self, attn: AttentionInputs | None, num_tokens: int, synthetic: bool
@@ -384,6 +409,8 @@ class StepPlanner:
     ) -> tuple[dict[str, torch.Tensor], AttentionInputs | None]:
         """Inputs that touch only the dummy slot and block: `n` tokens, or for a full graph
         of `query_len` > 1, n sequences of that many tokens."""
+        if self.closed:
+            raise self._closed_error()
         if query_len > 1:
             if kind is not Kind.FULL or not 1 < query_len <= self.full_query_len:
                 raise XGraphError(

@@ -10,19 +10,20 @@ from typing import Any
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..cli_types import positive_int, sizes
 from ..interfaces import Backend
-from . import decode, distributed, host, memory, memory_plot, pipeline, prefill, soak
+from . import decode, distributed, host, memory, memory_plot, pipeline, prefill, sleep, soak
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
-EXTRA = ("soak", "host", "distributed", "pipeline")  # run on their own
+EXTRA = ("soak", "host", "distributed", "pipeline", "sleep")  # run on their own
 # the benchmarks each option is read by: given to another one, it is refused, not ignored
 USED_BY = {
-    "sizes": ("memory", "prefill", "decode", "host", "distributed", "pipeline"),
+    "sizes": ("memory", "prefill", "decode", "host", "distributed", "pipeline", "sleep"),
     "max_size": ("memory", "prefill"),
     "compile": ("prefill", "decode"),
     "table_check": ("decode",),
-    "piecewise_max": ("memory",),
-    "iters": ("prefill", "decode", "host", "distributed", "pipeline"),
+    "piecewise_max": ("memory", "sleep"),
+    "iters": ("prefill", "decode", "host", "distributed", "pipeline", "sleep"),
+    "kv_cache_gib": ("sleep",),
     "steps": ("soak",),
     "memory": ("soak",),
     "plot": ("memory",),
@@ -92,7 +93,8 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="memory: piecewise graphs at SGLang-style sizes up to this (default 2048 for the "
-        "reference and 1024 for hf-llama on accelerators, 128 on the CPU backend)",
+        "reference and 1024 for hf-llama on accelerators, 128 on the CPU backend); sleep: "
+        "the piecewise executor's sizes (default 2048, 64 on the CPU backend)",
     )
     p.add_argument(
         "--all-modes",
@@ -105,7 +107,8 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
 def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: memory | prefill | decode | all | soak | host | distributed | pipeline",
+        help="benchmarks: memory | prefill | decode | all | soak | host | distributed | "
+        "pipeline | sleep",
     )
     p.add_argument(
         "which",
@@ -128,7 +131,7 @@ def add_parsers(sub: Any) -> None:
         default=None,
         type=sizes,
         help="comma-separated sizes (memory: capture sizes; prefill: step sizes; "
-        "decode: batch sizes); defaults depend on the backend",
+        "decode: batch sizes; sleep: decode capture sizes); defaults depend on the backend",
     )
     p.add_argument(
         "--max-size",
@@ -158,7 +161,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="prefill, decode, host: timed repetitions per measurement (default 10 prefill, "
-        "50 decode; host: 2000, 300 for the model on accelerators)",
+        "50 decode; host: 2000, 300 for the model on accelerators); sleep: sleep/wake "
+        "cycles (default 2)",
     )
     p.add_argument(
         "--steps",
@@ -177,6 +181,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         default="trivial",
         choices=["trivial", "model"],
         help="host: the forward replayed (trivial: two ops; model: the reference model)",
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="sleep: the KV cache dropped at each sleep, GiB (default 16 on accelerators)",
     )
     p.add_argument("--json", default=None, help="write the results here (bench all: a folder)")
     p.add_argument("--plot", default=None, help="memory: write a PNG plot here")
@@ -268,6 +278,20 @@ def _pipeline(backend: Backend, args: argparse.Namespace, sizes: list[int] | Non
     return data, pipeline.summarize(data)
 
 
+def _sleep(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    pw = None if args.piecewise_max is None else sglang_piecewise_sizes(args.piecewise_max)
+    data = sleep.run(
+        backend,
+        args.model,
+        sizes,
+        pw,
+        kv_cache_gib=args.kv_cache_gib,
+        cycles=2 if args.iters is None else args.iters,
+        checkpoint=Checkpoint(_json_path(args, "sleep")),
+    )
+    return data, sleep.summarize(data)
+
+
 RUNNERS: dict[str, Runner] = {
     "memory": _memory,
     "prefill": _prefill,
@@ -276,6 +300,7 @@ RUNNERS: dict[str, Runner] = {
     "host": _host,
     "distributed": _distributed,
     "pipeline": _pipeline,
+    "sleep": _sleep,
 }
 
 

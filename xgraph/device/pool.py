@@ -24,6 +24,7 @@ import contextlib
 import logging
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -187,6 +188,14 @@ class MemPoolCapturePool(CapturePool):
             return contextlib.nullcontext()
         return routing(self.segments)
 
+    def allocating(self) -> contextlib.AbstractContextManager[Any] | None:
+        """This thread's allocations in the block come from the pool and their segments from
+        `segments` (memory regions), where the runtime has `use_mem_pool`."""
+        if self.segments is None or self._mempool is None:
+            return None
+        place = self.runtime.use_mem_pool(self._mempool)
+        return None if place is None else _allocating(self.segments, place)
+
     def _release(self) -> None:
         """Park the MemPool and keeper; they go once no graph holds the pool and no capture
         runs. Reset graphs captured on the pool before closing it."""
@@ -210,3 +219,11 @@ class MemPoolCapturePool(CapturePool):
         kind = "routed" if self.segments is not None else "native"
         state = "closed" if self.closed else ("poisoned" if self.poisoned else "open")
         return f"<{type(self).__name__} {kind} id={self.id} {state}>"
+
+
+@contextlib.contextmanager
+def _allocating(
+    segments: SegmentAllocator, place: contextlib.AbstractContextManager[Any]
+) -> Iterator[None]:
+    with routing(segments), place:
+        yield

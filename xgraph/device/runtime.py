@@ -70,6 +70,12 @@ class TorchRuntime(ABC):
     def custom_allocator(self, alloc_fn: int, free_fn: int) -> Any:
         """torch's pluggable allocator over two C function pointers (xgraph.routing's)."""
 
+    def use_mem_pool(self, mempool: Any) -> AbstractContextManager[Any] | None:
+        """Optional: a context in which this thread's allocations on the device come from
+        `mempool` (torch.cuda.use_mem_pool), for memory regions (`xgraph.memory_region`);
+        None where the runtime has no such call (regions are then refused). Default None."""
+        return None
+
     @abstractmethod
     def end_allocate_to_pool(self, pool_id: PoolId) -> None:
         """Stop routing this thread's allocations to the pool; raises if they were not."""

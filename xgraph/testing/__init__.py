@@ -30,6 +30,7 @@ _SUITE = {
     "PiecewiseTests": "piecewise",
     "PoolTests": "pool",
     "ReliabilityTests": "reliability",
+    "SleepTests": "sleep",
     "ConformanceSuite": "suite",
     "VirtualMemoryTests": "vmm",
 }

@@ -22,6 +22,7 @@ from .parameterization import ParameterizationTests
 from .piecewise import PiecewiseTests
 from .pool import PoolTests
 from .reliability import ReliabilityTests
+from .sleep import SleepTests
 from .vmm import VirtualMemoryTests
 
 
@@ -34,6 +35,7 @@ class ConformanceSuite(
     PiecewiseTests,
     KernelTests,
     ReliabilityTests,
+    SleepTests,
     ParameterizationTests,
 ):
     """Every conformance test; subclass it once per backend."""

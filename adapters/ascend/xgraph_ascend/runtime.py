@@ -268,6 +268,9 @@ class TorchNpuRuntime(NpuRuntime):
     def custom_allocator(self, alloc_fn: int, free_fn: int) -> Any:
         return self._tn._C._npu_customAllocator(alloc_fn, free_fn)
 
+    def use_mem_pool(self, mempool: Any) -> contextlib.AbstractContextManager[Any] | None:
+        return self._tn.npu.memory.use_mem_pool(mempool)  # what vllm-ascend's sleep mode uses
+
     def end_allocate_to_pool(self, pool_id: PoolId) -> None:
         c = self._tn._C
         end = getattr(c, "_npu_endAllocateToPool", None) or c._npu_endAllocateCurrentStreamToPool

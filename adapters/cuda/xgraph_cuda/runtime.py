@@ -74,6 +74,9 @@ class CUDARuntime(TorchRuntime):
     def custom_allocator(self, alloc_fn: int, free_fn: int) -> Any:
         return torch._C._cuda_customAllocator(alloc_fn, free_fn)
 
+    def use_mem_pool(self, mempool: Any) -> AbstractContextManager[Any] | None:
+        return torch.cuda.use_mem_pool(mempool, self.device)  # as vLLM's sleep allocator does
+
     def end_allocate_to_pool(self, pool_id: PoolId) -> None:
         end = (
             getattr(torch._C, "_cuda_endAllocateToPool", None)

@@ -2,6 +2,7 @@
 
 from .backend import CPUBackend
 from .graph import CPUGraph
+from .placement import PlaceInPool
 from .pool import HostCachingPool
 from .tape import OpTape, host_tensor
 from .vmm import HostVirtualMemory
@@ -12,5 +13,6 @@ __all__ = [
     "HostCachingPool",
     "HostVirtualMemory",
     "OpTape",
+    "PlaceInPool",
     "host_tensor",
 ]

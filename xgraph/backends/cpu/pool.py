@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import PoolClosedError, XGraphError
 from ...interfaces import CapturePool, PhysicalChunk, SegmentAllocator
+from .placement import PlaceInPool
 
 if TYPE_CHECKING:
     from .vmm import HostVirtualMemory
@@ -87,6 +88,10 @@ class HostCachingPool(CapturePool):
             return
         self._closed = True
         self._release()
+
+    def allocating(self) -> PlaceInPool | None:
+        """Host tensors made in the block come from this pool (memory regions)."""
+        return None if self.segments is None else PlaceInPool(self)
 
     # -- allocation ------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ proportional resident size (Pss) counts such pages once; VmRSS counts every mapp
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import mmap
@@ -189,6 +190,24 @@ def range_resident_bytes(start: int, end: int) -> tuple[int, int]:
             elif inside and head == "Pss:":
                 pss += int(line.split()[1]) * 1024
     return rss, pss
+
+
+def resident_in(ranges: list[tuple[int, int]]) -> int:
+    """Pss of this process's mappings inside any of the (start, size) ranges (/proc/self/smaps):
+    the kernel's reading of the memory behind those reservations, aliases counted once."""
+    spans = sorted((a, a + n) for a, n in ranges)
+    starts = [a for a, _ in spans]
+    pss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: lo-hi perms ...
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                i = bisect.bisect_right(starts, lo) - 1
+                inside = i >= 0 and hi <= spans[i][1]
+            elif inside and head == "Pss:":
+                pss += int(line.split()[1]) * 1024
+    return pss
 
 
 def resident_bytes() -> int:

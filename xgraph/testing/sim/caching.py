@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from xgraph.backends.cpu import HostCachingPool
+from xgraph.backends.cpu import HostCachingPool, PlaceInPool
 from xgraph.routing import ALLOC_FN, FREE_FN
 
 if TYPE_CHECKING:
@@ -193,6 +193,14 @@ class SimCachingAllocator:
     def routes(self) -> int:
         with self._lock:
             return len(self._routes)
+
+    def use_mem_pool(self, pool_id: PoolId) -> PlaceInPool:
+        """The block's allocations go to the pool (what use_mem_pool routes on a device)."""
+        with self._lock:
+            pool = self._pools.get(pool_id)
+        if pool is None:
+            raise RuntimeError(f"use_mem_pool: no pool {pool_id}")
+        return PlaceInPool(pool.cache)
 
     # -- the pinned-host allocator's records -----------------------------------------------
 

@@ -160,6 +160,10 @@ class SimRuntime(TorchRuntime):
     def custom_allocator(self, alloc_fn: int, free_fn: int) -> SimPluggableAllocator:
         return SimPluggableAllocator(alloc_fn, free_fn, self.device_index)
 
+    def use_mem_pool(self, mempool: Any) -> contextlib.AbstractContextManager[Any]:
+        """torch's use_mem_pool: the block's tensors land in the pool's blocks."""
+        return self.caching.use_mem_pool(tuple(mempool.id))
+
     def end_allocate_to_pool(self, pool_id: PoolId) -> None:
         self.caching.end_allocate_to_pool(pool_id)
 

@@ -1,0 +1,147 @@
+"""Arena: an executor's persistent input buffers in memory that sleep gives back and wake
+restores at the same addresses.
+
+The packed input buffer (token ids, positions, attention metadata: a few KB to MB) is a
+segment of its own, one reservation and one chunk (`RestorableSegments`), seen as a device
+tensor through `Backend.as_tensor`, so the graphs that read it keep their addresses across a
+sleep; its contents are copied to host memory and back, so nothing needs staging again after
+wake. The segments live on a VirtualMemory of their own (a second instance of the backend's
+class), so the graph memory's books (and faults injected into them) stay the graph memory's.
+
+The output buffers stay in torch's allocator: a caller may hold views of the last outputs
+past a step, a close, or an exception's traceback, so their memory must go with the last
+view, which a driver allocation that sleep unmaps cannot promise.
+
+The input buffers go when their executor closes: `close()` closes its planner first (planning,
+staging or reading its buffers then raises XGraphError instead of touching memory that is
+gone), resets the graphs, then gives every segment back. An executor collected without
+close() leaves each buffer to its last tensor (a finalizer on the storage), so a planner
+someone still holds keeps its buffer mapped. A finalizer may fire anywhere, inside a
+VirtualMemory call or a capture of this thread (cyclic garbage collection), where giving
+memory back is not safe: the segment then goes at the arena's next operation or the next
+arena made.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+import torch
+
+from .errors import XGraphError
+from .graphs import capturing_graph
+from .interfaces import Backend, VirtualMemory
+from .restorable import RestorableSegments, Segment
+
+logger = logging.getLogger("xgraph")
+
+# arenas with deferred releases, held strongly: an executor's arena is often otherwise gone
+# by the time its buffers die, and its segments must still be given back
+_pending: set[Arena] = set()
+_vms: weakref.WeakKeyDictionary[Backend, VirtualMemory] = weakref.WeakKeyDictionary()
+_vms_lock = threading.Lock()
+
+
+class Arena:
+    """Persistent buffers of one executor (see the module docstring)."""
+
+    def __init__(self, backend: Backend, vm: VirtualMemory, name: str) -> None:
+        self.backend, self.vm = backend, vm
+        self.segments = RestorableSegments(backend, vm, f"{name}: persistent buffers")
+        self._dead: list[Segment] = []
+        self._lock = threading.Lock()
+        self.closed = False
+        drain_pending()
+
+    @classmethod
+    def of(cls, backend: Backend, name: str) -> Arena | None:
+        """An arena over the backend's buffer memory (None without virtual memory)."""
+        vm = buffer_memory(backend)
+        return None if vm is None else cls(backend, vm, name)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """A uint8 device tensor of `nbytes` in a segment of its own, kept across a sleep."""
+        if self.closed:
+            raise XGraphError(
+                f"{self.segments.what}: the executor is closed; create a new executor."
+            )
+        self.drain()
+        seg = self.segments.add(max(int(nbytes), 1))
+        t = self.backend.as_tensor(seg.address, seg.size)
+        done = weakref.finalize(t.untyped_storage(), self._died, seg)
+        done.atexit = False  # at exit the memory outlives Python's objects
+        return t[:nbytes]
+
+    def _died(self, seg: Segment) -> None:
+        with self._lock:
+            self._dead.append(seg)
+        owned = getattr(getattr(self.vm, "_lock", None), "_is_owned", None)
+        if capturing_graph() is not None or owned is None or owned():
+            _pending.add(self)  # not safe here: the next operation gives it back
+            return
+        self.drain()
+        drain_pending()  # a safe point: what was deferred goes too
+
+    def drain(self) -> None:
+        """Give back the segments of buffers that are gone."""
+        while True:
+            with self._lock:
+                if not self._dead:
+                    _pending.discard(self)
+                    return
+                seg = self._dead[-1]
+            try:
+                if self.segments.segments.get(seg.address) is seg:  # not given back already
+                    self.segments.remove(seg.address)
+            except Exception:  # from a finalizer: report, keep it for the next attempt
+                logger.exception("releasing a persistent buffer's memory failed")
+                _pending.add(self)
+                return
+            with self._lock:
+                self._dead.remove(seg)
+
+    def close(self) -> None:
+        """Give every buffer's memory back now: its executor closed, and closed its planner,
+        so nothing of xgraph writes or reads the buffers again (idempotent; after a driver
+        failure, calling it again finishes the job)."""
+        self.closed = True
+        self.drain()
+        for address in list(self.segments.segments):
+            self.segments.remove(address)
+
+    # -- sleep and wake --------------------------------------------------------------------
+
+    def sleep(self) -> tuple[int, int]:
+        """Copy every buffer to host memory, then give its memory back; returns (bytes given
+        back, bytes copied)."""
+        self.drain()
+        return self.segments.release(lambda s: True)
+
+    def wake(self, commit: bool = True) -> int:
+        self.drain()
+        return self.segments.restore(commit)
+
+    @property
+    def asleep(self) -> bool:
+        return self.segments.asleep
+
+
+def drain_pending() -> None:
+    """Give back the segments whose release was deferred (a finalizer at an unsafe point)."""
+    for arena in list(_pending):
+        arena.drain()
+
+
+def buffer_memory(backend: Backend) -> VirtualMemory | None:
+    """The VirtualMemory persistent buffers live on: a second instance of the backend's class,
+    made once per backend; None where the backend has no virtual memory."""
+    vm = backend.virtual_memory()
+    if vm is None:
+        return None
+    with _vms_lock:
+        own = _vms.get(backend)
+        if own is None:
+            own = _vms[backend] = type(vm)(backend)  # type: ignore[call-arg]
+        return own

@@ -19,14 +19,15 @@ The check costs the host a few calls per step, whatever the batch: the given ten
 copied into persistent raw buffers of the largest shapes (three device-to-device copies),
 and a graph of the check's own ops, captured once per (padded sequences, query length)
 through the backend's Graph (a CUDA graph on a GPU, the tape on the CPU) on a lease of the
-executor's graph memory, is replayed before the step's graph. The raw buffers live where
-the executor's persistent buffers do (its arena): sleep gives both back and wake restores
-them; close resets the graphs with the executor's. It reads the raw buffers at the key's padded sizes and the real
-counts (the sequences n and the table width w, known on the host and staged with the
-step's other host values in the same copy), so rows past n, columns past w and tokens past
-n * q, which hold earlier steps' values, are masked: one capture serves every batch
-composition of its key. It writes the padded metadata the step's graph reads, padding
-included. A key whose check cannot be captured runs the same ops eagerly (warned once).
+executor's graph memory, is replayed before the step's graph. The graph reads the raw
+buffers at the key's padded sizes and the real counts (the sequences n and the table width
+w, known on the host and staged with the step's other host values in the same copy), so
+rows past n, columns past w and tokens past n * q, which hold earlier steps' values, are
+masked: one capture serves every batch composition of its key. It writes the padded
+metadata the step's graph reads, padding included. A key whose check cannot be captured
+runs the same ops eagerly (warned once). The raw buffers live where the executor's
+persistent buffers do (its arena): sleep gives them and the graphs' memory back, wake
+restores both; close resets the graphs with the executor's.
 
 The first problem is kept in a small device buffer (the field, the index, the value) and
 copied to pinned host memory behind the step; the next step whose copy has arrived, and

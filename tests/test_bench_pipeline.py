@@ -1,4 +1,4 @@
-"""`xgraph bench pipeline` on the CPU backend: both metadata placements, every column."""
+"""`xgraph bench pipeline` on the CPU backend: every metadata placement, every column."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def test_bench_pipeline_writes_a_row_per_batch_and_placement(tmp_path):
         (2, "host"),
         (1, "device"),
         (2, "device"),
+        (1, "device, trusted"),
+        (2, "device, trusted"),
     ]
     for r in data["rows"]:
         assert r["device_us"] > 0 and r["wall_us"] > 0 and r["call_us"] > 0

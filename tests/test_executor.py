@@ -77,6 +77,7 @@ def test_persistent_input_bytes_stay_one_max_shape_set():
     ex = w.executor(backend="cpu", buckets=BUCKETS)
     expected = 16 * 8 * 2  # input_ids and positions, int64, 16 tokens
     expected += 16 * 8 + 24 * 4 + 25 * 4 + 24 * 6 * 4  # slot mapping, seq lens, qsl, tables
+    expected += 2 * 8  # the device check's counts (sequences, table width), int64
     assert ex.stats()["persistent_bytes"] == expected
     rng = random.Random(0)
     seen = []

@@ -80,6 +80,7 @@ class Reference:
             "seq_lens": b,
             "query_start_loc": b + 1,
             "block_tables": b,
+            "device_counts": 0,  # written by device-metadata steps only
         }
 
     def assert_equal(self, planner) -> None:

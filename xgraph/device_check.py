@@ -3,8 +3,7 @@
 An engine that keeps its sequence lengths, block tables and slot mapping on the device
 passes them as device tensors (the query lengths stay on the host: they choose the graph).
 Reading them on the host would stall the host on the device, so a full-graph step checks
-them where they are, with a few torch ops queued on the current stream before the replay
-(any device, the CPU too: the same ops):
+them where they are, before its replay:
 
 - a sequence whose seq_len is below its query length or beyond its row, or whose row holds
   a block id outside the cache or the dummy block in a column it reads, is redirected: its
@@ -14,22 +13,48 @@ them where they are, with a few torch ops queued on the current stream before th
   with another token of the step, writes the dummy slot instead.
 
 So a step with bad metadata reads and writes nothing outside its own valid blocks and the
-dummy block, whatever the values. The first problem is kept in a small device buffer (the
-field, the index, the value) and copied to pinned host memory behind the step; the next
-step whose copy has arrived, and `GraphExecutor.synchronize()`, raise it as an InputError
-naming the field. The redirected sequences' outputs are not valid: the error says so.
-`PagedAttention(validate="trusted")` skips the check for engines that guarantee their
-tables.
+dummy block, whatever the values.
+
+The check costs the host a few calls per step, whatever the batch: the given tensors are
+copied into persistent raw buffers of the largest shapes (three device-to-device copies),
+and a graph of the check's own ops, captured once per (padded sequences, query length)
+through the backend's Graph (a CUDA graph on a GPU, the tape on the CPU) on a lease of the
+executor's graph memory, is replayed before the step's graph. The graph reads the raw
+buffers at the key's padded sizes and the real counts (the sequences n and the table width
+w, known on the host and staged with the step's other host values in the same copy), so
+rows past n, columns past w and tokens past n * q, which hold earlier steps' values, are
+masked: one capture serves every batch composition of its key. It writes the padded
+metadata the step's graph reads, padding included. A key whose check cannot be captured
+runs the same ops eagerly (warned once). The raw buffers live where the executor's
+persistent buffers do (its arena): sleep gives them and the graphs' memory back, wake
+restores both; close resets the graphs with the executor's.
+
+The first problem is kept in a small device buffer (the field, the index, the value) and
+copied to pinned host memory behind the step; the next step whose copy has arrived, and
+`GraphExecutor.synchronize()`, raise it as an InputError naming the field. The redirected
+sequences' outputs are not valid: the error says so. `PagedAttention(validate="trusted")`
+skips the check for engines that guarantee their tables: the given tensors are copied into
+the metadata buffers as they are.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, XGraphError, XGraphWarning
+from .graphs import graph
+from .interfaces import Backend, Graph
+from .memory import GraphMemory
 from .paging import PagedAttention
+from .step_attention import StepAttention
+
+logger = logging.getLogger("xgraph")
 
 # what the error buffer's code names (0: no error)
 PROBLEMS = {
@@ -39,104 +64,248 @@ PROBLEMS = {
     4: ("slot_mapping", "is a slot another token of the step writes too"),
 }
 
+# the staged buffer of a checked step's real counts: sequences n, block-table width w
+COUNTS = "device_counts"
+VIEWS_KEPT = 4096  # raw-buffer views kept for reuse, one per (sequences, width, tokens)
+Allocate = Callable[[int], torch.Tensor] | None  # nbytes -> a uint8 device tensor
+ALIGN = 64  # bytes: each raw buffer starts on a cache line
+
 
 @dataclass(frozen=True)
-class DeviceViews:
-    """The metadata buffers a full-graph step writes on the device: the real sequences'
-    seq_lens [n] and block-table rows [n, width], and the real tokens' slots [t]."""
+class _Raw:
+    """The persistent raw buffers the given tensors are copied into, the error buffer, and
+    the constants the captured check reads (largest shapes: every key's check reads a
+    prefix); views of one allocation."""
 
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor  # int64 [max_seqs]
+    table: torch.Tensor  # int32 [max_seqs, width]
+    slots: torch.Tensor  # int64 [max_tokens]
+    error: torch.Tensor  # int64 [3]: the first problem's code, index and value
+    rows: torch.Tensor  # arange(max_seqs)
+    cols: torch.Tensor  # arange(max(width, max_query_len))
+    sentinels: torch.Tensor  # -1 - arange(max_tokens): distinct, never a valid slot
+
+    @classmethod
+    def make(
+        cls, a: PagedAttention, seqs: int, tokens: int, device: torch.device, allocate: Allocate
+    ) -> _Raw:
+        """In memory from `allocate(nbytes)` (the executor's arena, which sleep gives back
+        and wake restores with its contents), else torch's."""
+        width, i64 = a.max_blocks_per_seq, torch.int64
+        layout = [(i64, (seqs,)), (torch.int32, (seqs, width)), (i64, (tokens,)), (i64, (3,))]
+        layout += [(i64, (seqs,)), (i64, (max(width, a.max_query_len),)), (i64, (tokens,))]
+        nbytes = [_nbytes(d, sh) for d, sh in layout]
+        starts = [0]
+        for n in nbytes:
+            starts.append(starts[-1] + -(-n // ALIGN) * ALIGN)
+        if allocate is None:
+            packed = torch.zeros(starts[-1], dtype=torch.uint8, device=device)
+        else:
+            packed = allocate(starts[-1]).zero_()
+        views = [packed[at : at + n] for at, n in zip(starts, nbytes)]
+        raw = cls(*(v.view(d).view(sh) for v, (d, sh) in zip(views, layout)))
+        raw.rows.copy_(torch.arange(seqs, device=device))
+        raw.cols.copy_(torch.arange(len(raw.cols), device=device))
+        raw.sentinels.copy_(-1 - torch.arange(tokens, device=device))
+        return raw
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in vars(self).values())
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for x in shape:
+        n *= x
+    return n
 
 
 class DeviceCheck:
     """The device-side check of one executor's steps (see the module docstring)."""
 
-    def __init__(self, name: str, layout: PagedAttention, device: torch.device) -> None:
+    def __init__(
+        self,
+        name: str,
+        layout: PagedAttention,
+        device: torch.device,
+        counts: torch.Tensor,
+        sizes: tuple[int, int],
+        allocate: Allocate = None,
+    ) -> None:
+        """`counts`: the staged int64 [2] (n, w) on the device; `sizes`: the most sequences
+        and tokens of a full graph; `allocate`: where the raw buffers live."""
         self.name, self.layout, self.device = name, layout, device
-        self.error = torch.zeros(3, dtype=torch.int64, device=device)  # code, index, value
+        self.counts, self.sizes, self.allocate = counts, sizes, allocate
+        self.backend: Backend | None = None  # attach(): the executor's
+        self.memory: GraphMemory | None = None
         pin = device.type != "cpu"
         self._host = torch.zeros(3, dtype=torch.int64, pin_memory=pin)
+        self._host_np = self._host.numpy()  # read without torch's dispatch
         self._event = torch.Event(device=device) if pin else None
         self.pending = False  # a check's result is on its way to the host
-        self._cols: dict[int, torch.Tensor] = {}
+        self._raw: _Raw | None = None  # made at the first checked step
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        self._runs: dict[tuple[int, int], Callable[[], None]] = {}  # (seqs, q) -> check
+        self._graphs: list[Graph] = []
+        self._warned = False
+
+    def attach(self, backend: Backend, memory: GraphMemory) -> None:
+        """The backend whose graphs the check is captured as, and the graph memory they
+        take their pools from (so sleep gives them back with the executor's)."""
+        self.backend, self.memory = backend, memory
+
+    # -- per step --------------------------------------------------------------------------
 
     def write(
-        self,
-        views: DeviceViews,
-        seq_lens: torch.Tensor,
-        table: torch.Tensor,
-        slots: torch.Tensor,
-        q: int,
-        trusted: bool,
+        self, h: StepAttention, out: dict[str, torch.Tensor], num_seqs: int, trusted: bool
     ) -> None:
-        """Write the step's real metadata into the buffers, checked and redirected where
-        bad (trusted: as given); queued on the current stream, nothing read on the host."""
-        n, w = table.shape
+        """Write the step's device metadata into the metadata buffers `out` (the views of a
+        full graph of `num_seqs` sequences, whose padding the host copy has sent): checked
+        and redirected where bad (trusted: as given); queued on the current stream, nothing
+        read on the host. A checked step's counts are staged already (`COUNTS`)."""
+        n, w = h.table.shape
+        t = len(h.slots)
         if trusted:
-            views.seq_lens.copy_(seq_lens)
-            views.block_tables[:, :w].copy_(table)
-            views.slot_mapping.copy_(slots)
+            out["seq_lens"][:n].copy_(h.seq_lens)
+            out["block_tables"][:n, :w].copy_(h.table)
+            out["slot_mapping"][:t].copy_(h.slots)
             return
-        bad_seq, code_seq, value_seq = self._sequences(seq_lens, table, q)
-        bad_tok, code_tok = self._tokens(seq_lens, table, slots, q)
-        bad_tok |= bad_seq.repeat_interleave(q)
-        a = self.layout
-        views.seq_lens.copy_(torch.where(bad_seq, q, seq_lens))
-        views.block_tables[:, :w].copy_(torch.where(bad_seq[:, None], a.dummy_block, table))
-        views.slot_mapping.copy_(torch.where(bad_tok, a.dummy_slot, slots))
-        self._record(torch.cat([code_seq, code_tok]), torch.cat([value_seq, slots]), n)
-
-    def _sequences(
-        self, seq_lens: torch.Tensor, table: torch.Tensor, q: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(bad sequence, its problem code, the value named) per sequence."""
-        a = self.layout
-        sl = seq_lens.long()
-        w = table.shape[1]
-        last = torch.div(sl - 1, a.block_size, rounding_mode="floor")  # column of the last block
-        bad_len = (sl < q) | (last >= w)
-        used = self._columns(w)[None, :] <= last[:, None]
-        ids = table.long()
-        bad_ids = ((ids < 0) | (ids >= a.num_blocks) | (ids == a.dummy_block)) & used
-        bad_block = bad_ids.any(1)
-        first_bad = ids.gather(1, bad_ids.byte().argmax(1, keepdim=True))[:, 0]
-        code = torch.where(bad_len, 1, torch.where(bad_block, 2, 0))
-        return bad_len | bad_block, code, torch.where(bad_len, sl, first_bad)
-
-    def _tokens(
-        self, seq_lens: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, q: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(bad token, its problem code) per token."""
-        bs, w = self.layout.block_size, table.shape[1]
-        pos = seq_lens.long()[:, None] - q + self._columns(q)[None, :]  # [n, q]
-        col = torch.div(pos, bs, rounding_mode="floor").clamp(0, w - 1)
-        expected = (table.long().gather(1, col) * bs + pos % bs).reshape(-1)
-        wrong = slots != expected
-        ordered, order = slots.sort(stable=True)
-        twice = torch.zeros_like(wrong)
-        twice[order[1:]] = ordered[1:] == ordered[:-1]  # the later of two tokens on one slot
-        code = torch.where(wrong, 3, torch.where(twice, 4, 0))
-        return wrong | twice, code
-
-    def _columns(self, w: int) -> torch.Tensor:
-        c = self._cols.get(w)
-        if c is None:
-            c = self._cols[w] = torch.arange(w, device=self.device)
-        return c
-
-    def _record(self, codes: torch.Tensor, values: torch.Tensor, n: int) -> None:
-        """Keep the step's first problem unless an earlier one is kept; copy it behind the
-        step to the host."""
-        first = (codes != 0).byte().argmax().view(1)  # indexed as a tensor: no host read
-        index = torch.where(first < n, first, first - n)
-        found = torch.cat([codes.gather(0, first), index, values.long().gather(0, first)])
-        self.error.copy_(torch.where(self.error[0] != 0, self.error, found))
-        self._host.copy_(self.error, non_blocking=True)
+        sl, table, slots = self._raw_views(n, w, t)
+        sl.copy_(h.seq_lens)
+        table.copy_(h.table)
+        slots.copy_(h.slots)
+        q = h.query_len
+        run = self._runs.get((num_seqs, q))
+        if run is None:
+            run = self._prepare(out, num_seqs, q)
+        run()
+        self._host.copy_(self._raw.error, non_blocking=True)  # type: ignore[union-attr]
         if self._event is not None:
             self._event.record()
         self.pending = True
+
+    def _raw_views(self, n: int, w: int, t: int) -> tuple[torch.Tensor, ...]:
+        """Where the given tensors go in the raw buffers (made once per shape)."""
+        got = self._views.get((n, w, t))
+        if got is None:
+            raw = self._raw
+            if raw is None:
+                raw = self._raw = _Raw.make(self.layout, *self.sizes, self.device, self.allocate)
+            got = (raw.seq_lens[:n], raw.table[:n, :w], raw.slots[:t])
+            if len(self._views) >= VIEWS_KEPT:  # tables of ever new widths: kept bounded
+                self._views.clear()
+            self._views[(n, w, t)] = got
+        return got
+
+    # -- the check of one key, captured ----------------------------------------------------
+
+    def _prepare(self, out: dict[str, torch.Tensor], s: int, q: int) -> Callable[[], None]:
+        """The check of a key: run once eagerly where the backend warms up (lazy
+        initialisation stays out of the capture; it checks this step), then captured on the
+        check's own pool. A capture that fails is rolled back and the key's check runs
+        eagerly from then on, as safe and slower (warned once)."""
+        check = partial(self._check, out, s, q)
+        if self.backend is None or self.memory is None:
+            raise XGraphError(f"{self.name}: the device check is not attached to an executor.")
+        with torch.no_grad():
+            with self.backend.warmup_context():
+                check()
+            try:
+                g = self._capture(check)
+            except Exception as exc:
+                self._capture_failed(s, q, exc)
+                self._runs[(s, q)] = check
+                return check
+        self._runs[(s, q)] = run = g.replay
+        return run
+
+    def _capture(self, check: Callable[[], None]) -> Graph:
+        """Captured on a lease of the executor's graph memory, rolled back if it fails."""
+        assert self.backend is not None and self.memory is not None
+        lease = self.memory.begin()
+        try:
+            g = self.backend.new_graph()
+            with graph(g, lease.pool):  # type: ignore[arg-type]  # a CheckedGraph
+                check()
+        except BaseException:
+            self.memory.rollback(lease)
+            raise
+        self._graphs.append(g)
+        return g
+
+    def _capture_failed(self, s: int, q: int, exc: Exception) -> None:
+        logger.debug("%s: capturing the device check failed", self.name, exc_info=True)
+        if self._warned:
+            return
+        self._warned = True
+        msg = (
+            f"{self.name}: the device-metadata check of {s} sequences of {q} tokens could not "
+            f"be captured ({type(exc).__name__}: {exc}); such keys check their metadata with "
+            "the same ops issued eagerly each step (as safe, more host time). Shown once."
+        )
+        warnings.warn(msg, XGraphWarning, stacklevel=7)  # the engine's step call
+        logger.warning(msg)
+
+    def _check(self, out: dict[str, torch.Tensor], s: int, q: int) -> None:
+        """The check over the raw buffers at the key's sizes (s sequences of q tokens), masked
+        by the staged counts; writes the padded metadata and keeps the first problem."""
+        raw = self._raw
+        assert raw is not None
+        a = self.layout
+        n, w = self.counts[0], self.counts[1]
+        real = raw.rows[:s] < n
+        code_seq, value_seq, keep = self._sequences(raw, s, q, real, w)
+        code_tok, good_tok = self._tokens(raw, s, q, keep, real)
+        cols = raw.cols[: a.max_blocks_per_seq]
+        out["seq_lens"].copy_(torch.where(keep, raw.seq_lens[:s], q))
+        rows = keep[:, None] & (cols < w)[None, :]
+        out["block_tables"].copy_(torch.where(rows, raw.table[:s], a.dummy_block))
+        out["slot_mapping"].copy_(torch.where(good_tok, raw.slots[: s * q], a.dummy_slot))
+        codes = torch.cat([code_seq, code_tok])
+        values = torch.cat([value_seq, raw.slots[: s * q]])
+        first = (codes != 0).byte().argmax().view(1)  # indexed as a tensor: no host read
+        index = torch.where(first < s, first, first - s)
+        found = torch.cat([codes.gather(0, first), index, values.gather(0, first)])
+        error = raw.error
+        error.copy_(torch.where(error[0] != 0, error, found))
+
+    def _sequences(
+        self, raw: _Raw, s: int, q: int, real: torch.Tensor, w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(problem code, the value named, written as given) per sequence: real ones only."""
+        a = self.layout
+        sl = raw.seq_lens[:s]
+        last = torch.div(sl - 1, a.block_size, rounding_mode="floor")  # its last block's column
+        bad_len = (sl < q) | (last >= w)
+        used = raw.cols[None, : a.max_blocks_per_seq] <= last[:, None]  # columns past w: unused
+        ids = raw.table[:s].long()
+        bad_ids = ((ids < 0) | (ids >= a.num_blocks) | (ids == a.dummy_block)) & used
+        bad_block = bad_ids.any(1)
+        first_bad = ids.gather(1, bad_ids.byte().argmax(1, keepdim=True))[:, 0]
+        code = torch.where(real, torch.where(bad_len, 1, torch.where(bad_block, 2, 0)), 0)
+        keep = real & ~(bad_len | bad_block)
+        return code, torch.where(bad_len, sl, first_bad), keep
+
+    def _tokens(
+        self, raw: _Raw, s: int, q: int, keep: torch.Tensor, real: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(problem code, written as given) per token: real ones only (n * q of them, in
+        order), and no token of a redirected sequence written."""
+        bs, width = self.layout.block_size, self.layout.max_blocks_per_seq
+        sl, slots = raw.seq_lens[:s], raw.slots[: s * q]
+        pos = sl[:, None] - q + raw.cols[None, :q]  # [s, q]
+        col = torch.div(pos, bs, rounding_mode="floor").clamp(0, width - 1)
+        expected = (raw.table[:s].long().gather(1, col) * bs + pos % bs).reshape(-1)
+        real_tok = real[:, None].expand(s, q).reshape(-1)
+        wrong = slots != expected
+        # padded tokens hold earlier steps' slots: distinct negative stand-ins instead
+        ordered, order = torch.where(real_tok, slots, raw.sentinels[: s * q]).sort(stable=True)
+        twice = torch.zeros_like(wrong).scatter_(0, order[1:], ordered[1:] == ordered[:-1])
+        code = torch.where(real_tok, torch.where(wrong, 3, torch.where(twice, 4, 0)), 0)
+        good = keep[:, None].expand(s, q).reshape(-1) & ~(wrong | twice)
+        return code, good
+
+    # -- errors and teardown ---------------------------------------------------------------
 
     def raise_pending(self, wait: bool = False) -> None:
         """Raise the kept problem as an InputError once its copy has reached the host (or,
@@ -149,11 +318,12 @@ class DeviceCheck:
             elif not self._event.query():
                 return
         self.pending = False
-        code, index, value = (int(x) for x in self._host)
+        code, index, value = (int(x) for x in self._host_np)
         if not code:
             return
-        self.error.zero_()
-        self._host.zero_()
+        if self._raw is not None:
+            self._raw.error.zero_()
+        self._host_np[:] = 0
         field, what = PROBLEMS[code]
         kind = "token" if field == "slot_mapping" else "sequence"
         raise InputError(
@@ -162,3 +332,19 @@ class DeviceCheck:
             f"{kind} read and wrote the dummy block only, so its outputs in that step are not "
             "valid. Fix the engine's metadata (or check it on the host: pass host tensors)."
         )
+
+    def release(self) -> None:
+        """Reset the check's graphs (a captured graph's reset waits for the device); their
+        pools go with the graph memory."""
+        self._runs.clear()
+        while self._graphs:
+            self._graphs.pop().reset()
+
+    def nbytes(self) -> int:
+        """Bytes of the raw buffers and constants (0 before the first checked step)."""
+        return 0 if self._raw is None else self._raw.nbytes()
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        """The keys (padded sequences, query length) whose check runs as a graph."""
+        return [k for k, run in self._runs.items() if not isinstance(run, partial)]

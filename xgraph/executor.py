@@ -148,17 +148,23 @@ class GraphExecutor(PreCapture, Release):
         self.memory = GraphMemory.of(self.backend, memory)
         self._steps = self.memory.steps  # steps over shared memory run one at a time
         self._outside = OutsidePoolMeter(self.memory)
-        # graphs and memory live apart from this object: released by close(), or when it is
-        # collected (xgraph.lifetime), whichever comes first
-        self._held = Holdings(name, self.backend, self.memory, not isinstance(memory, GraphMemory))
-        self._held.arena = self._arena
+        self._held = self._holdings(not isinstance(memory, GraphMemory))
         self._busy = self._held.busy  # one step at a time: outputs are shared buffers
-        sleepmode.join(self._held)
         self._graphs: dict[tuple, Entry] = self._held.graphs
         self._finalizer = release_when_collected(self, self._held)
         self.lockstep = attach(parallel, self)  # several ranks: self.planner agrees each step
         # several ranks: a failure after the agreement stops the executor; one rank: none
         self._lockstep_run = getattr(self.lockstep, "run", None)
+
+    def _holdings(self, owns_memory: bool) -> Holdings:
+        """Graphs and memory live apart from this object: released by close(), or when it is
+        collected (xgraph.lifetime), whichever comes first. They hold the persistent buffers'
+        arena and the device check's graphs (on this graph memory), and share its sleep."""
+        held = Holdings(self.name, self.backend, self.memory, owns_memory)
+        held.arena = self._arena
+        self.planner.attach(held)
+        sleepmode.join(held)
+        return held
 
     def _runners(
         self, attention: PagedAttention | None
@@ -181,8 +187,7 @@ class GraphExecutor(PreCapture, Release):
         outputs); 0 once closed, which gives them back."""
         if self.planner.closed:
             return 0
-        n = sum(v.nbytes for _, v in self.planner.staged.items())
-        return n + sum(b.nbytes for b in self._out_bufs or [])
+        return self.planner.persistent_bytes() + sum(b.nbytes for b in self._out_bufs or [])
 
     # -- step ------------------------------------------------------------------------------
 

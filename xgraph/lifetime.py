@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,6 +66,7 @@ class Holdings:
         self.memory = memory
         self.owns_memory = owns_memory
         self.graphs: dict[tuple, Entry] = {}
+        self.closers: list[Callable[[], None]] = []  # more graphs of the executor's, reset
         self.closed = False
         self.busy = threading.Lock()  # held by each step (and by sleep, to wait for one)
         self.asleep: set[str] = set()  # what sleep() gave back that its graphs use
@@ -86,6 +88,8 @@ class Holdings:
         while self.graphs:
             _, entry = self.graphs.popitem()
             entry.graph.reset()
+        while self.closers:
+            self.closers.pop()()
         if self.arena is not None:
             if buffers:
                 self.arena.close()

@@ -19,7 +19,7 @@ import torch
 
 from .buckets import Input
 from .buffers import StagedBuffers, Target, has_numpy_twin, write_prefix
-from .device_check import DeviceCheck, DeviceViews
+from .device_check import COUNTS, DeviceCheck
 from .metadata import AttentionMetadata
 from .padding import PaddedArrays, pad_into, query_starts
 from .paging import PagedAttention
@@ -63,6 +63,7 @@ class StepStaging:
     ) -> None:
         self.staged, self.inputs, self.attention = staged, list(inputs), attention
         self.device_check = device_check
+        self.trusted = attention is not None and attention.validate == "trusted"
         self.maxima = maxima  # the size of each symbolic dim outside the key: its max
         self.numpy_ok = [has_numpy_twin(i.dtype) for i in self.inputs]
         self._inputs: dict[tuple[int, tuple], _Inputs] = {}  # (bank, key) ->
@@ -121,23 +122,24 @@ class StepStaging:
             m = self._padded(attn, padded[NUM_TOKENS], num_seqs, bank)
             nbytes = max(nbytes, m.nbytes)
             md = self._runner_metadata(attn, m, num_seqs, bank)
+            if attn.on_device and not self.trusted:
+                nbytes = max(nbytes, self._counts(attn, bank))
         st.send(nbytes)
         for view, value, fill in later or ():
             write_prefix(view, value, fill)
         if attn is not None and attn.on_device:
-            self._write_on_device(attn, m, num_seqs)
+            # the host copy has sent the padding; the real rows follow on the device
+            assert self.device_check is not None
+            self.device_check.write(attn, m.device, num_seqs, self.trusted)
         return plan.views, md
 
-    def _write_on_device(self, h: StepAttention, m: _Metadata, num_seqs: int) -> None:
-        """Device metadata: the host copy has sent the padding; the real sequences and tokens
-        are written on the device after it, checked there."""
-        a, check = self.attention, self.device_check
-        assert a is not None and check is not None
-        n, t = h.num_seqs, len(h.slots)
-        views = DeviceViews(
-            m.device["seq_lens"][:n], m.device["block_tables"][:n], m.device["slot_mapping"][:t]
-        )
-        check.write(views, h.seq_lens, h.table, h.slots, h.query_len, a.validate == "trusted")
+    def _counts(self, h: StepAttention, bank: int) -> int:
+        """Stage a checked device step's real counts (sequences, table width) for the
+        device check; the end of what the copy must send."""
+        t = self.staged.target(COUNTS, (2,), bank)
+        assert t.np is not None
+        t.np[0], t.np[1] = h.table.shape
+        return t.end
 
     def _buffers(self, num_tokens: int, num_seqs: int, bank: int) -> _Metadata:
         key = (num_tokens, num_seqs, bank)

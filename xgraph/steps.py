@@ -21,13 +21,13 @@ import logging
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .buckets import Buckets, Dim, Input
 from .buffers import BufferSpec, CopierFactory, StagedBuffers
-from .device_check import DeviceCheck
+from .device_check import COUNTS, DeviceCheck
 from .errors import BucketOverflowError, InputError, XGraphError, XGraphWarning
 from .interfaces import AttentionRunner
 from .metadata import AttentionInputs, AttentionMetadata
@@ -36,6 +36,9 @@ from .paging import PagedAttention
 from .staging import StepStaging
 from .step_attention import AttentionCheck, StepAttention
 from .validation import NUM_TOKENS, TokenCheck
+
+if TYPE_CHECKING:
+    from .lifetime import Holdings
 
 logger = logging.getLogger("xgraph")
 
@@ -150,7 +153,12 @@ class StepPlanner:
         self.max_seqs = max(attention.max_seqs, buckets.max) if attention is not None else 0
         self.closed = False
         self._staged = StagedBuffers(self._buffer_specs(), device, copier, allocate)
-        self.device_check = DeviceCheck(name, attention, device) if attention else None
+        sizes = (self.max_seqs, buckets.max)  # a full graph's most sequences and tokens
+        self.device_check = (
+            DeviceCheck(name, attention, device, self._staged[COUNTS], sizes, allocate)
+            if attention
+            else None
+        )
         self.staging = StepStaging(
             self._staged, self.inputs, attention, self.maxima, self.device_check
         )
@@ -190,6 +198,7 @@ class StepPlanner:
             t, s = self.buckets.max, self.max_seqs
             # block tables last: a step's copy to the device then ends at its used rows
             specs += [
+                BufferSpec(COUNTS, torch.int64, (2,), 0),
                 BufferSpec("slot_mapping", torch.int64, (t,), a.dummy_slot),
                 BufferSpec("seq_lens", torch.int32, (s,), 1),
                 BufferSpec("query_start_loc", torch.int32, (s + 1,), 0),
@@ -242,6 +251,18 @@ class StepPlanner:
         """Raise what the device-side check of an earlier step found (`wait`: for it)."""
         if self.device_check is not None:
             self.device_check.raise_pending(wait)
+
+    def attach(self, held: Holdings) -> None:
+        """The executor's holdings: the device check captures on its backend and graph
+        memory, and its graphs are reset when they are released."""
+        if self.device_check is not None:
+            self.device_check.attach(held.backend, held.memory)
+            held.closers.append(self.device_check.release)
+
+    def persistent_bytes(self) -> int:
+        """Bytes of the staged buffers and of the device check's raw buffers."""
+        n = sum(v.nbytes for _, v in self._staged.items())
+        return n + (self.device_check.nbytes() if self.device_check is not None else 0)
 
     def _attention(
         self, attn: AttentionInputs | None, num_tokens: int, synthetic: bool

@@ -15,9 +15,11 @@ different random batch each step, graphs captured first):
   step's device time the host needs; below 1 the host can prepare the next step meanwhile).
 
 `device` placement passes sequence lengths, block tables and slots as device tensors
-(checked on the device, xgraph.device_check), token ids and positions as host tensors; on
-the CPU backend "device" tensors are host tensors taken down the same path. The banks' waits
-are timed by wrapping their copiers: a measurement of the internals, not an example.
+(checked on the device by a captured check, xgraph.device_check), token ids and positions as
+host tensors; `device, trusted` passes the same to `PagedAttention(validate="trusted")`,
+which copies them as given (the check's cost is the difference of the two rows). On the CPU
+backend "device" tensors are host tensors taken down the same path. The banks' waits are
+timed by wrapping their copiers: a measurement of the internals, not an example.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ..models import Step, Workload
 from . import hooks
 from .report import header, table, workload
 
-PLACEMENTS = ("host", "device")
+PLACEMENTS = ("host", "device", "device, trusted")
 
 
 def _on_device(step: Step, w: Workload, dev: torch.device) -> dict[str, Any]:
@@ -111,12 +113,18 @@ def run(
     rng = random.Random(seed)
     rows = []
     for placement in PLACEMENTS:
-        ex = w.executor(backend=backend, buckets=sorted(set(batches)), on_capture_error="raise")
-        if placement == "device" and backend.device.type == "cpu":
+        on_device = placement != "host"
+        ex = w.executor(
+            backend=backend,
+            buckets=sorted(set(batches)),
+            on_capture_error="raise",
+            attention=w.attention(validate="trusted" if "trusted" in placement else "checked"),
+        )
+        if on_device and backend.device.type == "cpu":
             ex.planner.attn_check.cpu_is_device = True  # type: ignore[union-attr]
         for b in batches:
             steps = [w.decode_step(rng, b, max_context=256) for _ in range(iters)]
-            if placement == "device":
+            if on_device:
                 calls = [_on_device(s, w, backend.device) for s in steps]
             else:
                 calls = [

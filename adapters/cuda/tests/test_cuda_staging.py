@@ -123,41 +123,147 @@ def test_device_metadata_runs_with_no_host_sync(backend):  # type: ignore[no-unt
         ex.close()
 
 
-@pytest.mark.parametrize(
-    "how", ["block id past the cache", "negative slot", "longer than its table"]
-)
-def test_bad_device_metadata_is_named_by_synchronize_and_corrupts_nothing(backend, how):  # type: ignore[no-untyped-def]
+PLANTS = [
+    "block id past the cache",
+    "negative slot",
+    "longer than its table",
+    "copy of another sequence",
+]
+
+
+def _plant(w, step, attn, how):  # type: ignore[no-untyped-def]
+    """One problem of each code planted in sequence (token) 2; (what the error names, the
+    token whose own slot must keep its value)."""
+    bs, i = w.block_size, 2
+    sl_i = int(step.attn.seq_lens[i])
+    slots = [int(s) for s in step.attn.slot_mapping]
+    if how == "block id past the cache":
+        attn.block_tables[i, (sl_i - 1) // bs] = w.cache.num_blocks + 5
+        return f"block_tables[{i}] = {w.cache.num_blocks + 5}", i
+    if how == "negative slot":
+        attn.slot_mapping[i] = -7
+        return f"slot_mapping[{i}] = -7", i
+    if how == "longer than its table":
+        attn.seq_lens[i] = w.max_blocks * bs + 3
+        return f"seq_lens[{i}] = {w.max_blocks * bs + 3}", i
+    # sequence 3 given sequence 2's blocks and slot: its token writes a slot twice
+    attn.seq_lens[3], attn.block_tables[3] = attn.seq_lens[i], attn.block_tables[i]
+    attn.slot_mapping[3] = attn.slot_mapping[i]
+    return f"slot_mapping[3] = {slots[i]}", 3
+
+
+@pytest.mark.parametrize("warm", [False, True])
+@pytest.mark.parametrize("how", PLANTS)
+def test_bad_device_metadata_is_named_by_synchronize_and_corrupts_nothing(backend, how, warm):  # type: ignore[no-untyped-def]
+    """Each of the check's four problems, on a key's first step (warm-up, capture, replay)
+    and on a key whose check graph replays: named by synchronize(), and nothing written
+    outside the dummy block but the valid tokens' own slots."""
     import random
 
     import xgraph
 
     (w, _), (ex, other) = _executors(backend)
     other.close()
-    step = w.decode_step(random.Random(1), 4)
+    rng = random.Random(1)
+    if warm:
+        first = w.decode_step(rng, 4)
+        ex(**{**first.kwargs(), "attn": _device_attn(first, w, backend.device)})
+        ex.synchronize()
+    step = w.decode_step(rng, 4)
     attn = _device_attn(step, w, backend.device)
-    bs, i = w.block_size, 2
-    sl_i = int(step.attn.seq_lens[i])
-    if how == "block id past the cache":
-        attn.block_tables[i, (sl_i - 1) // bs] = w.cache.num_blocks + 5
-        needle = f"block_tables[{i}] = {w.cache.num_blocks + 5}"
-    elif how == "negative slot":
-        attn.slot_mapping[i] = -7
-        needle = f"slot_mapping[{i}] = -7"
-    else:
-        attn.seq_lens[i] = w.max_blocks * bs + 3
-        needle = f"seq_lens[{i}] = {w.max_blocks * bs + 3}"
+    needle, bad = _plant(w, step, attn, how)
     before = [t[: w.cache.num_blocks].clone() for t in w.cache.tensors()]
     ex(input_ids=step.input_ids, positions=step.positions, attn=attn)  # queued, not refused
     with pytest.raises(xgraph.InputError) as info:
         ex.synchronize()
     assert needle in str(info.value)
-    valid = {int(s) for t, s in enumerate(step.attn.slot_mapping) if t != i}
+    valid = {int(s) for t, s in enumerate(step.attn.slot_mapping) if t != bad}
     for b, t in zip(before, w.cache.tensors()):
         flat_b = b.reshape(-1, *b.shape[2:])
         flat_t = t[: w.cache.num_blocks].reshape(flat_b.shape)
         changed = set((flat_b != flat_t).flatten(1).any(1).nonzero().flatten().tolist())
         assert changed <= valid
+    assert ex.planner.device_check.captured == [(4, 1)]
     ex.close()
+
+
+def test_the_device_check_is_one_cuda_graph_per_key_for_every_batch_composition(backend):  # type: ignore[no-untyped-def]
+    """Several batch compositions per key: one captured check each key (a CUDA graph), no
+    host sync in a step, and outputs equal to host metadata's."""
+    import random
+    import warnings
+
+    import xgraph
+    from xgraph.device import StreamGraph
+
+    (dw, _), (dex, hex_) = _executors(backend, max_query_len=3)
+    rng = random.Random(5)
+    plan = [(1, 5), (1, 7), (1, 8), (1, 6), (2, 3), (2, 4), (3, 2), (3, 1), (1, 5), (2, 3)]
+    steps = [dw.step(rng, [q] * n, [rng.randint(q, 24) for _ in range(n)]) for q, n in plan]
+    calls = [_device_attn(s, dw, backend.device) for s in steps]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", xgraph.XGraphWarning)  # every check captured
+        for s, attn in zip(steps, calls):  # first steps of keys capture (they synchronize)
+            kw = {"input_ids": s.input_ids, "positions": s.positions, "clone": True}
+            assert torch.equal(dex(attn=attn, **kw), hex_(attn=s.attn, **kw))
+    check = dex.planner.device_check
+    assert sorted(check.captured) == [(1, 3), (2, 3), (4, 2), (8, 1)]
+    assert len(check._graphs) == 4 and all(isinstance(g, StreamGraph) for g in check._graphs)
+    torch.cuda.synchronize()
+    outs = []
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in a step raises
+    try:
+        for s, attn in zip(steps, calls):
+            outs.append(dex(input_ids=s.input_ids, positions=s.positions, attn=attn, clone=True))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for s, out in zip(steps, outs):
+        assert torch.equal(out, hex_(**s.kwargs(), clone=True))
+    dex.synchronize()
+    for ex in (dex, hex_):
+        ex.close()
+    assert not check._graphs
+
+
+def test_a_device_metadata_step_issues_a_few_host_ops(backend):  # type: ignore[no-untyped-def]
+    """Counted with a dispatch mode around one step (a CUDA graph's replay is not an op):
+    the three copies into the check's raw buffers and the error's copy beside a
+    host-metadata step's ops; none of the check's own."""
+    import collections
+    import random
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    (dw, _), (dex, hex_) = _executors(backend)
+    step = dw.decode_step(random.Random(6), 8)
+    dev = {"input_ids": step.input_ids, "positions": step.positions}
+    dev["attn"] = _device_attn(step, dw, backend.device)
+    host = step.with_tensor_tables(dw.max_blocks, dw.cache.dummy_block).kwargs()
+    counted = []
+    for ex, kw in ((dex, dev), (hex_, host)):
+        ex(**kw)  # captures
+        ex(**kw)
+        with HostOps() as c:
+            ex(**kw)
+        counted.append(c.ops)
+    on_device, on_host = counted
+    print(f"\ndevice {dict(on_device)}\nhost {dict(on_host)}")
+    assert (on_device - on_host)["aten.copy_.default"] == 4
+    assert sum(on_device.values()) <= sum(on_host.values()) + 6
+    for op in ("aten.sort.stable", "aten.where.self", "aten.gather.default", "aten.cat.default"):
+        assert op not in on_device
+    dex.synchronize()
+    for ex in (dex, hex_):
+        ex.close()
 
 
 def test_a_step_returns_before_the_device_reaches_it(backend):  # type: ignore[no-untyped-def]

@@ -32,9 +32,18 @@ class _OwnSegments:
         self._held: dict[int, PhysicalChunk] = {}
 
     def alloc(self, nbytes: int) -> int:
+        """A mapped segment; a driver call that fails gives back what the others took."""
         address = self.vm.reserve(nbytes)
-        chunk = self.vm.create(nbytes)
-        self.vm.map(address, chunk)
+        try:
+            chunk = self.vm.create(nbytes)
+            try:
+                self.vm.map(address, chunk)
+            except BaseException:
+                self.vm.free(chunk)
+                raise
+        except BaseException:
+            self.vm.release(address)
+            raise
         self._held[address] = chunk
         return address
 

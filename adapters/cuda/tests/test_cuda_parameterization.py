@@ -51,6 +51,30 @@ def test_words_that_are_addresses_are_left_out():
     assert nodes._words(blob, lambda w: w == address) == [5, "pointer", 7]  # type: ignore[arg-type]
 
 
+# kernels of leak-free models whose by-value functors and offset calculators differed
+# between steps on an H200 (stack bytes in their padding and empty structs)
+ATEN_KERNELS = {
+    "_ZN2at6native29vectorized_elementwise_kernelILi8ENS0_13BinaryFunctorIN3c108BFloat16ES4_"
+    "S4_NS0_15binary_internal10MulFunctorIfEEEESt5arrayIPcLm3EEEEviT0_T1_": 3,
+    "_ZN2at6native29vectorized_elementwise_kernelILi4EZNS0_51_GLOBAL__N__b1108092_12_PowKernel"
+    "_cu_751192d7_2139629pow_tensor_scalar_kernel_implIffEEvRNS_18TensorIteratorBaseET0_EUlfE_"
+    "St5arrayIPcLm2EEEEviS6_T1_": 3,
+    "_ZN2at6native27unrolled_elementwise_kernelIZZZNS0_23direct_copy_kernel_cudaERNS_18Tensor"
+    "IteratorBaseEENKUlvE1_clEvENKUlvE5_clEvEUlfE_St5arrayIPcLm2EELi4E23TrivialOffsetCalculator"
+    "ILi1EjESB_NS0_6memory12LoadWithCastILi1EEENSC_13StoreWithCastILi1EEEEEviT_T0_T2_T3_T4_T5_": 7,
+}
+
+
+def test_only_the_builtin_arguments_of_aten_kernels_are_compared():
+    from xgraph_cuda import nodes
+
+    for name, count in ATEN_KERNELS.items():  # the element count, then classes by value
+        assert nodes.builtin_parameters(name, count) == [True] + [False] * (count - 1)
+        assert nodes.builtin_parameters(name, count + 1) is None  # the driver's count rules
+    assert nodes.builtin_parameters("_paged_decode_kernel", 9) is None  # Triton: by size
+    assert nodes.builtin_parameters("_Z6kernelPfi", 2) is None  # no return type spelled
+
+
 # -- on the GPU ------------------------------------------------------------------------------
 
 

@@ -9,13 +9,16 @@ library kernel), its bytes from the node's array (or its `extra` buffer). An 8-b
 an argument that is a device address (the driver answers cuPointerGetAttribute for it, or
 for the byte before it: an end pointer) is left out: two captures differ in the addresses
 of their pools, and in nothing else unless a launch depends on a per-step value. An
-argument wider than a word is a struct passed by value, and only its size is compared:
-ATen's own kernels take one such struct (the functor and its offset calculator) whose
-unused slots hold whatever the host stack held before the launch, which differs with the
-host code that ran before it (seen on an H200: silu, mul and cat kernels of a model with no
-leak differed there from step to step). Their launches are still compared by function, grid,
-block and shared memory; the scalars inside such a struct are compared on the CPU backend,
-which records ops and their non-tensor arguments. Memset
+argument of a class type passed by value is compared by its size only: ATen's kernels take
+their functor, data array and offset calculators so, and their padding, unused slots and
+empty functors hold whatever the host stack held before the launch, which differs with the
+host code that ran before it (seen on an H200: silu, mul, pow, copy and cat kernels of
+models with no leak differed there between steps). Such an argument is one wider than a
+word, or, for a template kernel whose mangled name spells its parameters (`...Ev` and
+then builtin types, template parameters `T_` and substitutions `S_`), one not of a builtin
+type. Those launches are still compared by function, grid, block, shared memory and their
+builtin arguments (the element count); the scalars inside a functor are compared on the
+CPU backend, which records ops and their non-tensor arguments. Memset
 nodes give element size, width, height and value; memcpy nodes their extents; other nodes
 their type. A call the installed cuda-bindings lacks raises an XGraphError naming it.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import re
 from typing import Any
 
 from xgraph.adapter import Launch
@@ -142,6 +146,26 @@ class _Kernels:
         return out
 
 
+# a template function's mangled name ends with its return type (v) and its parameters: a
+# builtin type, a pointer to one, a template parameter or a substitution each
+_BUILTIN = r"P?K?[abcdefhijlmnostxy]"
+_PARAMETER = re.compile(rf"{_BUILTIN}|T\d*_|S[0-9A-Z]*_")
+_SIGNATURE = re.compile(rf"Ev((?:{_BUILTIN}|T\d*_|S[0-9A-Z]*_)+)$")
+
+
+def builtin_parameters(name: str, count: int) -> list[bool] | None:
+    """Per parameter, whether it is of a builtin type (or a pointer to one), read off the
+    mangled name of a template kernel; None where the name does not spell `count`
+    parameters that simply (a Triton kernel, a plain C function)."""
+    m = _SIGNATURE.search(name)
+    if m is None:
+        return None
+    params = _PARAMETER.findall(m.group(1))
+    if len(params) != count:
+        return None
+    return [not p.startswith(("T", "S")) for p in params]
+
+
 def _text(name: Any) -> str:
     return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
 
@@ -173,11 +197,12 @@ def _kernel(d: _Driver, kernels: _Kernels, is_pointer: _Pointers, node: Any) -> 
         ("block", (int(p.blockDimX), int(p.blockDimY), int(p.blockDimZ))),
         ("shared memory", int(p.sharedMemBytes)),
     ]
+    builtin = builtin_parameters(name, len(params))
     for i, blob in enumerate(_arguments(p, params)):
-        if len(blob) <= 8:
+        if builtin[i] if builtin is not None else len(blob) <= 8:
             words = _words(blob, is_pointer)
             config.append((f"arg {i}", words[0] if words else None))
-        else:  # a struct by value: its padding and unused slots are stack bytes
+        else:  # a class by value: its padding and unused slots are stack bytes
             config.append((f"arg {i}", f"struct of {len(blob)} bytes"))
     return Launch("kernel", name, tuple(config))
 

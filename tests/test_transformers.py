@@ -1,7 +1,7 @@
 """Hugging Face transformers models through xgraph, unmodified (CPU backend, float32).
 
-Tiny randomly initialised configs of several families, built here from transformers' own
-config classes: every logit of a multi-sequence chunked-prefill + decode run through the
+Tiny randomly initialised configs of several families (hf_tiny.py), built from transformers'
+own config classes: every logit of a multi-sequence chunked-prefill + decode run through the
 executor must match transformers' full-sequence forward (sdpa); host reads inside the
 model are named at capture and run eagerly under the eager policy; `xgraph generate` runs
 on a model folder saved by a fixture.
@@ -22,6 +22,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
+from hf_tiny import FAMILIES, LIMITS, TINY, tiny  # noqa: E402
+
 import xgraph  # noqa: E402
 from xgraph.cli import main as xgraph_main  # noqa: E402
 from xgraph.integrations.transformers import (  # noqa: E402
@@ -33,34 +35,8 @@ from xgraph.integrations.transformers import (  # noqa: E402
     UnsupportedModelError,
 )
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-)
-# family -> (config class, model class, extra config fields)
-FAMILIES = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    # every Mistral layer slides; a window as long as max_model_len is declared exact
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 64}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
-}
-LIMITS = dict(block_size=4, max_model_len=64, max_seqs=4, max_num_tokens=16)
 PROMPT_LENS = (13, 5, 29, 9, 3)  # 5 prompts over 4 seats: one waits; 29 > 16: chunked
 NEW_TOKENS = [6, 3, 8, 5, 4]  # sequences finish at different steps: decode batches shrink
-
-
-def tiny(family: str, seed: int = 0, **fields: object) -> torch.nn.Module:
-    config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**TINY, **extra, **fields})
-    torch.manual_seed(seed)
-    return getattr(transformers, model_cls)(config).eval()
 
 
 def prompts(seed: int = 0, lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:

@@ -18,17 +18,12 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
+from hf_tiny import LIMITS, TINY  # noqa: E402
+
 from xgraph.integrations.transformers import GraphModel, UnsupportedModelError  # noqa: E402
 
-SIZES = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=256,
-)
-LIMITS = dict(block_size=4, max_model_len=64, max_seqs=4, max_num_tokens=16)
+# TINY without its key/value head count and head size: each family keeps its own
+SIZES = {k: v for k, v in TINY.items() if k not in ("num_key_value_heads", "head_dim")}
 
 
 def build(config_cls: str, model_cls: str, seed: int = 0, **fields: object) -> torch.nn.Module:

@@ -14,30 +14,15 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
+from hf_tiny import LIMITS, tiny  # noqa: E402
+
 from xgraph.cli import main as xgraph_main  # noqa: E402
 from xgraph.integrations.transformers import GraphModel  # noqa: E402
 from xgraph.runners import PagedDecodeRunner  # noqa: E402
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-)
-LIMITS = dict(block_size=4, max_model_len=64, max_seqs=4, max_num_tokens=16)
-
-
-def qwen3() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).eval()
-
 
 def test_a_transformers_qwen3_passes_for_both_kinds():
-    with GraphModel(qwen3(), backend="cpu", on_capture_error="raise", **LIMITS) as gm:
+    with GraphModel(tiny("qwen3"), backend="cpu", on_capture_error="raise", **LIMITS) as gm:
         stats = gm.stats()
         report = gm.executor.check_parameterization(sizes=[4, 8])
         assert gm.stats() == stats
@@ -56,7 +41,7 @@ def test_a_leaky_runner_under_a_transformers_qwen3_is_named_by_its_module_path()
             longest = max(int(n) for n in self.planned().seq_lens_host)
             out.add_(torch.zeros(longest).sum())  # the planted leak
 
-    with GraphModel(qwen3(), backend="cpu", **LIMITS) as gm:
+    with GraphModel(tiny("qwen3"), backend="cpu", **LIMITS) as gm:
         gm.executor.decode_runner = Leak()
         report = gm.executor.check_parameterization(kind="full")
     layers = {d.site.launch.layer.split(" at ")[0] for d in report.differences}
@@ -64,7 +49,7 @@ def test_a_leaky_runner_under_a_transformers_qwen3_is_named_by_its_module_path()
 
 
 def test_xgraph_check_runs_on_a_model_folder(tmp_path, capsys):
-    qwen3().save_pretrained(tmp_path / "qwen3")
+    tiny("qwen3").save_pretrained(tmp_path / "qwen3")
     code = xgraph_main(
         ["check", "--backend", "cpu", "--model", str(tmp_path / "qwen3"), "--block-size", "4"]
     )

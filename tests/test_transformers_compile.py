@@ -2,7 +2,7 @@
 
 On the CPU backend the compiler backend is "aot_eager" (Inductor needs a C++ toolchain and
 minutes; on a GPU it is the default). What must hold, for the four families of
-test_transformers.py:
+hf_tiny.py (those of test_transformers.py):
 - greedy tokens identical to transformers' own generate(), with and without compile=True;
 - one compile for every bucket: a graph for every token count of 2 or more and one for a
   single token, whatever the sizes, with no graph break (torch._dynamo's counters);
@@ -21,42 +21,19 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
+from hf_tiny import FAMILIES, LIMITS, TINY, tiny  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 from xgraph.integrations.transformers import GraphModel, SamplingParams  # noqa: E402
 
-CONFIG = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-)
-FAMILIES = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 64}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
-}
-LIMITS = dict(block_size=4, max_model_len=64, max_seqs=4, max_num_tokens=16)
 PROMPT_LENS = (13, 5, 29, 9, 3)  # five over four seats; 29 > 16: chunked
 NEW = 6
 COMPILER = "aot_eager"
 
 
-def tiny(family: str, seed: int = 0) -> torch.nn.Module:
-    config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**CONFIG, **extra})
-    torch.manual_seed(seed)
-    return getattr(transformers, model_cls)(config).eval()
-
-
 def prompts(seed: int = 0, lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(CONFIG["vocab_size"]) for _ in range(n)] for n in lens]
+    return [[rng.randrange(TINY["vocab_size"]) for _ in range(n)] for n in lens]
 
 
 def hf_greedy(model: torch.nn.Module, ps: list[list[int]], new: int) -> list[list[int]]:
@@ -160,7 +137,7 @@ def test_compiled_decoder_calls_the_attention_op_on_the_cache_itself():
     op = torch.ops.xgraph.attention.default
     for g, inputs in graphs:
         calls = [n for n in g.graph.nodes if n.target is op]
-        assert len(calls) == CONFIG["num_hidden_layers"]
+        assert len(calls) == TINY["num_hidden_layers"]
         placeholders = {n.name: x for n, x in zip(g.graph.find_nodes(op="placeholder"), inputs)}
         for n in calls:
             k_cache, v_cache = n.args[3], n.args[4]

@@ -11,6 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
+from hf_tiny import LIMITS, TINY, tiny  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import xgraph.linear as xlinear  # noqa: E402
@@ -19,33 +20,15 @@ from xgraph.integrations.transformers import GraphModel, SamplingParams  # noqa:
 from xgraph.integrations.transformers.linears import XLinear  # noqa: E402
 from xgraph.interfaces import Kernels  # noqa: E402
 
-CONFIG = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-)
-LIMITS = dict(block_size=4, max_model_len=64, max_seqs=4, max_num_tokens=16)
-
-
-def tiny(seed: int = 0, cls: str = "Qwen3") -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = getattr(transformers, f"{cls}Config")(**CONFIG)
-    return getattr(transformers, f"{cls}ForCausalLM")(config).eval()
-
 
 def prompts(seed: int, lens: tuple[int, ...]) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(CONFIG["vocab_size"]) for _ in range(n)] for n in lens]
+    return [[rng.randrange(TINY["vocab_size"]) for _ in range(n)] for n in lens]
 
 
 @pytest.fixture(scope="module")
 def gm():
-    with GraphModel(tiny(), backend="cpu", on_capture_error="raise", **LIMITS) as g:
+    with GraphModel(tiny("qwen3"), backend="cpu", on_capture_error="raise", **LIMITS) as g:
         yield g
 
 
@@ -150,13 +133,13 @@ def test_a_sequence_of_requests_samples_reproducibly_per_seed(gm):
 
 
 def test_xgraph_linear_swap_is_bit_exact_on_the_cpu_backend_and_undone_on_close():
-    model = tiny(1, "Llama")
+    model = tiny("llama", seed=1)
     ps = prompts(8, (11, 4))
     with GraphModel(model, backend="cpu", linear=False, **LIMITS) as plain:
         want = plain.generate(ps, 5, record_logits=True)
     with GraphModel(model, backend="cpu", linear=True, **LIMITS) as gm:
         swapped = [m for m in model.modules() if type(m) is XLinear]
-        assert len(swapped) == 7 * CONFIG["num_hidden_layers"]  # q k v o gate up down
+        assert len(swapped) == 7 * TINY["num_hidden_layers"]  # q k v o gate up down
         assert type(model.lm_head) is torch.nn.Linear  # the head runs outside the graphs
         got = gm.generate(ps, 5, record_logits=True)
     assert got.tokens == want.tokens
@@ -178,11 +161,11 @@ def test_projections_reach_the_backends_linear_kernel_eager_and_compiled():
         def kernels(self) -> Kernels:
             return Kernels(linear=kernel)
 
-    model = tiny(2, "Qwen3")
+    model = tiny("qwen3", seed=2)
     ps = prompts(9, (7, 3))
     with GraphModel(model, backend="cpu", linear=False, **LIMITS) as plain:
         want = plain.generate(ps, 4).tokens
-    layers, qkv = CONFIG["num_hidden_layers"], (4 + 2 + 2) * 16
+    layers, qkv = TINY["num_hidden_layers"], (4 + 2 + 2) * 16
     try:
         for compile in (False, "aot_eager"):
             torch._dynamo.reset()
@@ -204,7 +187,7 @@ def test_projections_reach_the_backends_linear_kernel_eager_and_compiled():
 def test_xgraph_generate_compile_and_stream(tmp_path, capsys):
     from xgraph.cli import main
 
-    tiny(3, "Llama").save_pretrained(tmp_path)
+    tiny("llama", seed=3).save_pretrained(tmp_path)
     base = ["generate", "--model", str(tmp_path), "--prompt", "1 2 3", "--prompt", "4 5"]
     base += ["--max-new-tokens", "4", "--backend", "cpu", "--ignore-eos"]
     assert main(base) == 0

@@ -23,6 +23,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
+from hf_tiny import LIMITS, TINY  # noqa: E402
 from transformers.models.auto.modeling_auto import (  # noqa: E402
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
 )
@@ -30,16 +31,9 @@ from transformers.models.auto.modeling_auto import (  # noqa: E402
 from xgraph.integrations.transformers import GraphModel, UnsupportedModelError  # noqa: E402
 
 FAMILY_NAMES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-VOCAB = 128
+VOCAB = TINY["vocab_size"]
 SIZES = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
+    TINY,
     # mixtures of experts, kept small
     moe_intermediate_size=32,
     num_experts=4,
@@ -78,7 +72,7 @@ EXTRA: dict[str, dict] = {
     "plbart": {"d_model": 64, "decoder_attention_heads": 4, "encoder_attention_heads": 4},
 }
 MAX_PARAMS = 20e6
-LIMITS = dict(block_size=4, max_model_len=64, max_seqs=2, max_num_tokens=16)
+LIMITS = dict(LIMITS, max_seqs=2)
 PROMPT_LENS = (13, 21)  # 21 > 16: chunked prefill; two sequences: mixed and decode steps
 NEW_TOKENS = 4
 # family -> "match", or a pattern the refusal must match (the true reason)

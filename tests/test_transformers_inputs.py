@@ -19,6 +19,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
+from hf_tiny import LIMITS, TINY, tiny  # noqa: E402
+
 from xgraph import InputError  # noqa: E402
 from xgraph.integrations.transformers import (  # noqa: E402
     CapacityError,
@@ -28,33 +30,16 @@ from xgraph.integrations.transformers import (  # noqa: E402
     UnsupportedModelError,
 )
 
-CONFIG = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-)
-LIMITS = dict(block_size=4, max_model_len=64, max_seqs=4, max_num_tokens=16)
-
-
-def tiny_llama(seed: int = 0, **fields: object) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CONFIG, **fields})).eval()
-
 
 @pytest.fixture(scope="module")
 def gm():
-    with GraphModel(tiny_llama(), backend="cpu", **LIMITS) as g:
+    with GraphModel(tiny("llama"), backend="cpu", **LIMITS) as g:
         yield g
 
 
 @pytest.fixture
 def folder(tmp_path):
-    tiny_llama(seed=1).save_pretrained(tmp_path)
+    tiny("llama", seed=1).save_pretrained(tmp_path)
     return tmp_path
 
 
@@ -89,7 +74,7 @@ def test_a_t5_or_gemma2_folder_is_an_unsupported_model(tmp_path):
     transformers.T5ForConditionalGeneration(t5).save_pretrained(tmp_path / "t5")
     with pytest.raises(UnsupportedModelError, match=r"model_type 't5'.*encoder-decoder"):
         GraphModel.from_pretrained(str(tmp_path / "t5"), backend="cpu")
-    gemma2 = transformers.Gemma2Config(**CONFIG)
+    gemma2 = transformers.Gemma2Config(**TINY)
     transformers.Gemma2ForCausalLM(gemma2).save_pretrained(tmp_path / "gemma2")
     with pytest.raises(UnsupportedModelError, match=r"Gemma2ForCausalLM.*softcapping"):
         GraphModel.from_pretrained(str(tmp_path / "gemma2"), backend="cpu")
@@ -173,7 +158,7 @@ def test_top_p_keeps_the_most_likely_tokens(gm):
 
 
 def test_kv_heads_that_do_not_divide_the_query_heads_are_refused_at_construction():
-    model = tiny_llama(num_key_value_heads=3)
+    model = tiny("llama", num_key_value_heads=3)
     with pytest.raises(
         UnsupportedModelError,
         match=r"num_key_value_heads=3, which does not divide num_attention_heads=4",
@@ -195,7 +180,7 @@ class CastingEmbedding(torch.nn.Module):
 
 
 def test_a_cache_dtype_follows_what_attention_computes():
-    model = tiny_llama()
+    model = tiny("llama")
     model.model.embed_tokens = CastingEmbedding(model.model.embed_tokens)
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("sdpa")
@@ -212,7 +197,7 @@ def test_a_cache_dtype_follows_what_attention_computes():
 
 
 def test_a_model_cast_after_construction_is_refused_at_its_next_capture():
-    model = tiny_llama()
+    model = tiny("llama")
     with GraphModel(model, backend="cpu", **LIMITS) as g:
         model.double()
         with pytest.raises(UnsupportedModelError, match=r"torch\.float64.*holds .* torch\.float32"):

@@ -19,29 +19,14 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
+from hf_tiny import LIMITS, TINY, tiny  # noqa: E402
+
 from xgraph.integrations.transformers import GraphModel  # noqa: E402
-
-CONFIG = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-)
-LIMITS = dict(block_size=4, max_model_len=64, max_seqs=4, max_num_tokens=16)
-
-
-def tiny_llama(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
 
 
 def prompts(seed: int, lens: tuple[int, ...]) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(128) for _ in range(n)] for n in lens]
+    return [[rng.randrange(TINY["vocab_size"]) for _ in range(n)] for n in lens]
 
 
 def holders(model: torch.nn.Module) -> int:
@@ -63,7 +48,7 @@ def greedy_reference(ref: torch.nn.Module, ps: list[list[int]], new: int) -> lis
 
 
 def test_closing_one_graphmodel_leaves_another_over_the_same_model_intact():
-    model = tiny_llama()
+    model = tiny("llama")
     ref = copy.deepcopy(model)
     first = GraphModel(model, backend="cpu", **LIMITS)
     second = GraphModel(model, backend="cpu", **LIMITS)
@@ -84,7 +69,7 @@ def test_closing_one_graphmodel_leaves_another_over_the_same_model_intact():
 
 
 def test_a_graphmodel_dropped_without_close_is_released_when_collected():
-    model = tiny_llama()
+    model = tiny("llama")
     gm = GraphModel(model, backend="cpu", **LIMITS)
     gm.generate(prompts(2, (9, 4)), 4)
     executor = weakref.ref(gm.executor)
@@ -98,7 +83,7 @@ def test_a_graphmodel_dropped_without_close_is_released_when_collected():
 
 
 def test_collection_closes_the_executor_before_giving_the_attention_back():
-    model = tiny_llama()
+    model = tiny("llama")
     gm = GraphModel(model, backend="cpu", **LIMITS)
     gm.generate(prompts(3, (6,)), 2)
     executor = gm.executor  # kept: its state after the GraphModel is gone can be read
@@ -117,7 +102,7 @@ def test_collection_closes_the_executor_before_giving_the_attention_back():
 
 
 def test_a_failing_release_is_reported_and_never_raised(caplog):
-    model = tiny_llama()
+    model = tiny("llama")
     gm = GraphModel(model, backend="cpu", name="failing", **LIMITS)
     executor = gm.executor
 

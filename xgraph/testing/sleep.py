@@ -274,6 +274,35 @@ class SleepTests(VirtualMemoryFixture):
         decode = [w.decode_step(rng, n) for n in (1, 5, 16)]
         return [*decode, w.prefill_step(rng, [7, 9], [0, 3])]  # full graphs and a piecewise one
 
+    def _workload_in_regions(self, own: Backend | None, seed: int) -> Any:
+        """_in_regions' workload with its KV cache randomised from `seed`; None where there is
+        nothing to do (the fixture checked the documented refusal, or the regions were refused,
+        saying why)."""
+        if own is None:
+            return None
+        w = self._in_regions(own)
+        if w is not None:
+            w.randomize_cache(seed)
+        return w
+
+    def _replayed(self, w: Any, backend: Backend) -> tuple[Any, list[Any], list[Any], list[Any]]:
+        """An executor over the workload, its steps, the KV cache before them and each step's
+        output."""
+        ex = w.executor(backend=backend, buckets=[1, 2, 4, 8, 16])
+        steps = self._steps(w)
+        kv0 = [t.clone() for t in w.cache.tensors()]
+        before = [ex(**s.kwargs(), clone=True) for s in steps]
+        return ex, steps, kv0, before
+
+    def _assert_replays_match(
+        self, backend: Backend, w: Any, ex: Any, steps: list[Any], kv0: list[Any], before: list[Any]
+    ) -> None:
+        """From the KV cache of before the steps, each step replays to its output of then."""
+        for t, k in zip(w.cache.tensors(), kv0):
+            t.copy_(k)
+        for s, out in zip(steps, before):
+            self.assert_matches(backend, ex(**s.kwargs()), out)
+
     def test_regions_and_graphs_sleep_and_wake_with_weights_and_kv_kept_bitwise(
         self, own: Backend
     ) -> None:
@@ -281,17 +310,11 @@ class SleepTests(VirtualMemoryFixture):
         from xgraph.errors import AsleepError
         from xgraph.sleepmode import address_ranges, memory_reading, regions
 
-        if own is None:
-            return  # the fixture checked the documented refusal
-        backend = own
-        w = self._in_regions(backend)
+        w = self._workload_in_regions(own, 4)
         if w is None:
-            return  # refused, saying why
-        w.randomize_cache(4)
-        ex = w.executor(backend=backend, buckets=[1, 2, 4, 8, 16])
-        kv0 = [t.clone() for t in w.cache.tensors()]
-        steps = self._steps(w)
-        before = [ex(**s.kwargs(), clone=True) for s in steps]
+            return  # nothing to do (refused)
+        backend = own
+        ex, steps, kv0, before = self._replayed(w, backend)
         kv1 = [t.clone() for t in w.cache.tensors()]
         weights = [p.clone() for p in w.model.parameters()]
         captures, tags = ex.stats()["captures"], [WEIGHTS, KV]
@@ -308,23 +331,17 @@ class SleepTests(VirtualMemoryFixture):
         xgraph.wake(ex, tags=tags)
         assert all(torch.equal(a, b) for a, b in zip(w.cache.tensors(), kv1))
         assert all(torch.equal(a, b) for a, b in zip(w.model.parameters(), weights))
-        for t, k in zip(w.cache.tensors(), kv0):
-            t.copy_(k)
-        for s, out in zip(steps, before):
-            self.assert_matches(backend, ex(**s.kwargs()), out)
+        self._assert_replays_match(backend, w, ex, steps, kv0, before)
         assert ex.stats()["captures"] == captures
         ex.close()
 
     def test_a_dropped_kv_cache_comes_back_zeroed_and_weights_kept(self, own: Backend) -> None:
         import xgraph
 
-        if own is None:
-            return  # the fixture checked the documented refusal
-        backend = own
-        w = self._in_regions(backend)
+        w = self._workload_in_regions(own, 5)
         if w is None:
-            return  # refused, saying why
-        w.randomize_cache(5)
+            return  # nothing to do (refused)
+        backend = own
         weights = [p.clone() for p in w.model.parameters()]
         report = xgraph.sleep(tags=[WEIGHTS, KV], offload=WEIGHTS, backend=backend)
         assert report.offloaded_bytes < report.released_bytes  # the cache was not copied
@@ -340,17 +357,11 @@ class SleepTests(VirtualMemoryFixture):
         from xgraph.errors import VirtualMemoryError
         from xgraph.sleepmode import regions
 
-        if own is None:
-            return  # the fixture checked the documented refusal
-        backend = own
-        w = self._in_regions(backend)
+        w = self._workload_in_regions(own, 6)
         if w is None:
-            return  # refused, saying why
-        w.randomize_cache(6)
-        ex = w.executor(backend=backend, buckets=[1, 2, 4, 8, 16])
-        steps = self._steps(w)
-        kv0 = [t.clone() for t in w.cache.tensors()]
-        before = [ex(**s.kwargs(), clone=True) for s in steps]
+            return  # nothing to do (refused)
+        backend = own
+        ex, steps, kv0, before = self._replayed(w, backend)
         tags, vm = [WEIGHTS, KV], backend.virtual_memory()
         xgraph.sleep(ex, tags=tags, offload=tags)
         asleep = books(vm)
@@ -367,8 +378,5 @@ class SleepTests(VirtualMemoryFixture):
         assert fault.fired and books(vm) == asleep
         assert all(r.asleep for r in regions(backend, tags))
         xgraph.wake(ex, tags=tags)
-        for t, k in zip(w.cache.tensors(), kv0):
-            t.copy_(k)
-        for s, out in zip(steps, before):
-            self.assert_matches(backend, ex(**s.kwargs()), out)
+        self._assert_replays_match(backend, w, ex, steps, kv0, before)
         ex.close()

@@ -27,6 +27,20 @@ def _workload() -> Workload:
     return Workload.tiny(device="cuda")  # 8 blocks of 4 slots per sequence: longest 32
 
 
+def _triton_fill():  # type: ignore[no-untyped-def]
+    """Triton and a kernel `fill` writing 1.0 over ptr[:n], BLOCK elements a program (the
+    test skips without Triton)."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    @triton.jit
+    def fill(ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(ptr + offs, 1.0, mask=offs < n)
+
+    return triton, fill
+
+
 # -- without a GPU -------------------------------------------------------------------------
 
 
@@ -97,14 +111,7 @@ def test_the_kernel_nodes_of_a_captured_graph_are_read(backend):
 
 @needs_cuda
 def test_the_pointer_and_scalar_arguments_of_a_triton_kernel_are_read(backend):
-    triton = pytest.importorskip("triton")
-    import triton.language as tl
-
-    @triton.jit
-    def fill(ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(ptr + offs, 1.0, mask=offs < n)
-
+    _, fill = _triton_fill()
     x = torch.zeros(1000, device="cuda")
     fill[(8,)](x, 1000, BLOCK=128)  # warm-up: compiled before the capture
     g = backend.new_graph()
@@ -120,13 +127,7 @@ def test_the_pointer_and_scalar_arguments_of_a_triton_kernel_are_read(backend):
 
 @needs_cuda
 def test_a_triton_grid_from_the_longest_sequence_is_flagged(backend):
-    triton = pytest.importorskip("triton")
-    import triton.language as tl
-
-    @triton.jit
-    def touch(ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(ptr + offs, 0.0, mask=offs < n)
+    triton, fill = _triton_fill()
 
     class TritonGridLeak(PagedDecodeRunner):
         graph_safe = True
@@ -135,7 +136,7 @@ def test_a_triton_grid_from_the_longest_sequence_is_flagged(backend):
         def run(self, q, k, v, out, kv_cache, scale):  # type: ignore[no-untyped-def]
             super().run(q, k, v, out, kv_cache, scale)
             longest = max(int(n) for n in self.planned().seq_lens_host)
-            touch[(triton.cdiv(longest, 8),)](self.scratch, longest, BLOCK=8)  # the leak
+            fill[(triton.cdiv(longest, 8),)](self.scratch, longest, BLOCK=8)  # the leak
 
     w = _workload()
     ex = w.executor(
@@ -144,12 +145,12 @@ def test_a_triton_grid_from_the_longest_sequence_is_flagged(backend):
     report = ex.check_parameterization(kind="full")
     ex.close()
     print(report)
-    assert {d.site.launch.name for d in report.differences} == {"touch"}
+    assert {d.site.launch.name for d in report.differences} == {"fill"}
     grids = [d for d in report.differences if d.field == "grid"]
     assert len(grids) == w.model.config.num_layers
     assert (grids[0].first, grids[0].second) == ((1, 1, 1), (4, 1, 1))
     assert grids[0].varied == ["sequence lengths"]
-    assert f"kernel {grids[0].site.position} touch" in str(report)
+    assert f"kernel {grids[0].site.position} fill" in str(report)
 
 
 @needs_cuda

@@ -97,17 +97,9 @@ def _device_attn(step, w, device):  # type: ignore[no-untyped-def]
     )
 
 
-def test_device_metadata_runs_with_no_host_sync(backend):  # type: ignore[no-untyped-def]
-    import random
-
-    (dw, _), (dex, hex_) = _executors(backend, max_query_len=3)
-    rng = random.Random(0)
-    plan = [(1, 3), (1, 8), (2, 3), (3, 2), (1, 5), (1, 3), (2, 3)]
-    steps = [dw.step(rng, [q] * n, [rng.randint(q, 24) for _ in range(n)]) for q, n in plan]
-    calls = [_device_attn(s, dw, backend.device) for s in steps]
-    for s, attn in zip(steps, calls):  # captures (they synchronize) and the host references
-        kw = {"input_ids": s.input_ids, "positions": s.positions}
-        assert torch.equal(dex(attn=attn, clone=True, **kw), hex_(attn=s.attn, clone=True, **kw))
+def _replay_with_no_host_sync(dex, hex_, steps, calls):  # type: ignore[no-untyped-def]
+    """The steps again on device metadata (`calls`), any host sync an error, each output equal
+    to host metadata's; then both executors closed."""
     torch.cuda.synchronize()
     outs = []
     torch.cuda.set_sync_debug_mode("error")  # any host sync in a step raises
@@ -121,6 +113,20 @@ def test_device_metadata_runs_with_no_host_sync(backend):  # type: ignore[no-unt
     dex.synchronize()
     for ex in (dex, hex_):
         ex.close()
+
+
+def test_device_metadata_runs_with_no_host_sync(backend):  # type: ignore[no-untyped-def]
+    import random
+
+    (dw, _), (dex, hex_) = _executors(backend, max_query_len=3)
+    rng = random.Random(0)
+    plan = [(1, 3), (1, 8), (2, 3), (3, 2), (1, 5), (1, 3), (2, 3)]
+    steps = [dw.step(rng, [q] * n, [rng.randint(q, 24) for _ in range(n)]) for q, n in plan]
+    calls = [_device_attn(s, dw, backend.device) for s in steps]
+    for s, attn in zip(steps, calls):  # captures (they synchronize) and the host references
+        kw = {"input_ids": s.input_ids, "positions": s.positions}
+        assert torch.equal(dex(attn=attn, clone=True, **kw), hex_(attn=s.attn, clone=True, **kw))
+    _replay_with_no_host_sync(dex, hex_, steps, calls)
 
 
 PLANTS = [
@@ -209,19 +215,7 @@ def test_the_device_check_is_one_cuda_graph_per_key_for_every_batch_composition(
     check = dex.planner.device_check
     assert sorted(check.captured) == [(1, 3), (2, 3), (4, 2), (8, 1)]
     assert len(check._graphs) == 4 and all(isinstance(g, StreamGraph) for g in check._graphs)
-    torch.cuda.synchronize()
-    outs = []
-    torch.cuda.set_sync_debug_mode("error")  # any host sync in a step raises
-    try:
-        for s, attn in zip(steps, calls):
-            outs.append(dex(input_ids=s.input_ids, positions=s.positions, attn=attn, clone=True))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for s, out in zip(steps, outs):
-        assert torch.equal(out, hex_(**s.kwargs(), clone=True))
-    dex.synchronize()
-    for ex in (dex, hex_):
-        ex.close()
+    _replay_with_no_host_sync(dex, hex_, steps, calls)
     assert not check._graphs
 
 

@@ -133,10 +133,13 @@ class DecoderLayer(nn.Module):
     """One decoder layer; `forward(x, residual, ...)` returns (mlp output, residual), and
     the next layer (or the final norm) adds them, fused with its norm."""
 
-    def __init__(self, c: Qwen3Config) -> None:
+    def __init__(
+        self, c: Qwen3Config, attn: nn.Module | None = None, mlp: nn.Module | None = None
+    ) -> None:
+        """`attn` and `mlp` replace the single-rank blocks (the TP model passes its shards)."""
         super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = MLP(c)
+        self.self_attn = Attention(c) if attn is None else attn
+        self.mlp = MLP(c) if mlp is None else mlp
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

@@ -32,7 +32,7 @@ from ..metadata import KVCache
 from ..paging import PagedKVCache
 from .qwen3 import Qwen3Model, hf_parameters
 from .qwen3_config import Qwen3Config
-from .qwen3_layers import RMSNorm, Rotary, apply_rotary, rms_norm
+from .qwen3_layers import DecoderLayer, RMSNorm, Rotary, apply_rotary, rms_norm
 
 
 def qwen3_8b() -> Qwen3Config:
@@ -157,28 +157,13 @@ class TPMLP(nn.Module):
         return self.s.all_reduce(linear(F.silu(gate) * up, self.down_proj.weight))
 
 
-class TPDecoderLayer(nn.Module):
-    def __init__(self, c: Qwen3Config, s: Shard) -> None:
-        super().__init__()
-        self.self_attn = TPAttention(c, s)
-        self.mlp = TPMLP(c, s)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos_sin, kv_cache)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
-
 class _Body(nn.Module):
     def __init__(self, c: Qwen3Config, s: Shard) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(s.vocab, c.hidden_size)
-        self.layers = nn.ModuleList(TPDecoderLayer(c, s) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, TPAttention(c, s), TPMLP(c, s)) for _ in range(c.num_layers)
+        )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 

@@ -120,15 +120,18 @@ class _Kernels:
 
     def __init__(self, d: _Driver) -> None:
         self.d = d
-        self.seen: dict[int, tuple[str, list[tuple[int, int]]]] = {}
+        self.seen: dict[int, tuple[str, list[tuple[int, int]], list[bool]]] = {}
 
-    def layout(self, p: Any) -> tuple[str, list[tuple[int, int]]]:
-        """(name, [(offset, size)] of each parameter) of a node's function or kernel."""
+    def layout(self, p: Any) -> tuple[str, list[tuple[int, int]], list[bool]]:
+        """(name, [(offset, size)] of each parameter, whether each parameter's bytes are
+        compared) of a node's function or kernel."""
         handle, prefix = (p.func, "cuFunc") if int(p.func) else (p.kern, "cuKernel")
         key = int(handle)
         if key not in self.seen:
-            name = self.d.call(f"{prefix}GetName", handle)
-            self.seen[key] = (_text(name), self._params(prefix, handle))
+            name = _text(self.d.call(f"{prefix}GetName", handle))
+            params = self._params(prefix, handle)
+            compared = builtin_parameters(name, len(params)) or [s <= 8 for _, s in params]
+            self.seen[key] = (name, params, compared)
         return self.seen[key]
 
     def _params(self, prefix: str, handle: Any) -> list[tuple[int, int]]:
@@ -191,15 +194,14 @@ def _arguments(p: Any, params: list[tuple[int, int]]) -> list[bytes]:
 
 def _kernel(d: _Driver, kernels: _Kernels, is_pointer: _Pointers, node: Any) -> Launch:
     p = d.call("cuGraphKernelNodeGetParams", node)
-    name, params = kernels.layout(p)
+    name, params, compared = kernels.layout(p)
     config: list[tuple[str, Any]] = [
         ("grid", (int(p.gridDimX), int(p.gridDimY), int(p.gridDimZ))),
         ("block", (int(p.blockDimX), int(p.blockDimY), int(p.blockDimZ))),
         ("shared memory", int(p.sharedMemBytes)),
     ]
-    builtin = builtin_parameters(name, len(params))
     for i, blob in enumerate(_arguments(p, params)):
-        if builtin[i] if builtin is not None else len(blob) <= 8:
+        if compared[i]:
             words = _words(blob, is_pointer)
             config.append((f"arg {i}", words[0] if words else None))
         else:  # a class by value: its padding and unused slots are stack bytes

@@ -94,12 +94,14 @@ def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     """GQA self-attention: merged qkv GEMM, QK-norm and rotary over q and k at once."""
 
-    def __init__(self, c: Qwen3Config) -> None:
+    def __init__(self, c: Qwen3Config, heads: int | None = None, kv_heads: int | None = None):
+        """`heads`, `kv_heads`: the heads this module holds (default all; a TP shard's)."""
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        heads = c.num_heads + 2 * c.num_kv_heads
-        self.qkv_proj = nn.Linear(c.hidden_size, heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        hq = c.num_heads if heads is None else heads
+        hkv = c.num_kv_heads if kv_heads is None else kv_heads
+        self.heads, self.kv_heads, self.head_dim = hq, hkv, c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, (hq + 2 * hkv) * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(hq * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.scale = c.head_dim**-0.5
@@ -118,10 +120,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU over one merged gate/up GEMM."""
 
-    def __init__(self, c: Qwen3Config) -> None:
+    def __init__(self, c: Qwen3Config, inter: int | None = None) -> None:
+        """`inter`: the intermediate size this module holds (default all; a TP shard's)."""
         super().__init__()
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        inter = c.intermediate_size if inter is None else inter
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
         _merge_on_load(self, "gate_up_proj", ("gate_proj", "up_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

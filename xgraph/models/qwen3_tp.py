@@ -25,14 +25,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import attention
 from ..distributed.channel import all_gather_single
 from ..linear import linear
 from ..metadata import KVCache
 from ..paging import PagedKVCache
 from .qwen3 import Qwen3Model, hf_parameters
 from .qwen3_config import Qwen3Config
-from .qwen3_layers import DecoderLayer, RMSNorm, Rotary, apply_rotary, rms_norm
+from .qwen3_layers import MLP, Attention, DecoderLayer, RMSNorm, Rotary
 
 
 def qwen3_8b() -> Qwen3Config:
@@ -121,40 +120,26 @@ def random_hf_state(c: Qwen3Config, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-class TPAttention(nn.Module):
+class TPAttention(Attention):
     """This rank's query heads and their kv heads; o_proj row-parallel, then all-reduced."""
 
     def __init__(self, c: Qwen3Config, s: Shard) -> None:
-        super().__init__()
+        super().__init__(c, s.heads, s.kv_heads)
         self.s = s
-        self.heads, self.kv_heads, self.head_dim = s.heads, s.kv_heads, c.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, (s.heads + 2 * s.kv_heads) * c.head_dim, False)
-        self.o_proj = nn.Linear(s.heads * c.head_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.scale = c.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
-        t, hq, hkv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
-        qkv = linear(x, self.qkv_proj.weight).view(t, hq + 2 * hkv, d)
-        w = torch.cat([self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)])
-        qk = apply_rotary(rms_norm(qkv[:, : hq + hkv], w, self.q_norm.eps), cos_sin)
-        o = attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kv_cache, scale=self.scale)
-        return self.s.all_reduce(linear(o.reshape(t, hq * d), self.o_proj.weight))
+        return self.s.all_reduce(super().forward(x, cos_sin, kv_cache))
 
 
-class TPMLP(nn.Module):
+class TPMLP(MLP):
     """SwiGLU over this rank's slice of the intermediate size; down_proj all-reduced."""
 
     def __init__(self, c: Qwen3Config, s: Shard) -> None:
-        super().__init__()
+        super().__init__(c, s.inter)
         self.s = s
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * s.inter, bias=False)
-        self.down_proj = nn.Linear(s.inter, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj.weight).chunk(2, -1)
-        return self.s.all_reduce(linear(F.silu(gate) * up, self.down_proj.weight))
+        return self.s.all_reduce(super().forward(x))
 
 
 class _Body(nn.Module):

@@ -223,6 +223,24 @@ def test_a_parallel_of_one_rank_exchanges_nothing_and_keeps_the_plain_planner():
     assert "RuntimeError: no communicator" in r["duty"]["error"]
 
 
+def group_backend_worker(rank: int, world: int) -> str:
+    backend = xgraph.get_backend("cpu")
+    backend.collective_backend = "nccl"  # as the CUDA adapter declares it
+    try:
+        backend.prepare_collectives([dist.group.WORLD])
+    except xgraph.XGraphError as exc:
+        return str(exc)
+    finally:
+        del backend.collective_backend
+    return "accepted"
+
+
+def test_a_group_of_another_backend_than_the_declared_one_is_refused():
+    error = run_ranks(group_backend_worker, 1, timeout=120)[0].value
+    assert "has backend 'gloo'" in error and "need nccl" in error
+    assert "create the group with backend='nccl'" in error
+
+
 # -- the launcher bounds every run ----------------------------------------------------------
 
 

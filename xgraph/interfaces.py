@@ -445,15 +445,30 @@ class Backend(ABC):
 
     # -- collectives inside graphs (graphs across ranks; docs/distributed.md) ----------------
 
+    #: the torch.distributed backend whose collectives this backend's graphs can hold
+    #: ("nccl", "hccl"); None: any
+    collective_backend: str | None = None
+
     def prepare_collectives(self, groups: Sequence[Any]) -> None:
         """Make collectives on `groups` (torch.distributed process groups) capturable here:
         called once per group, on every rank together, before any capture of a forward that
-        issues them. Default: one all_reduce of a one-element tensor on this device per group,
-        then synchronize, so a communicator that sets up on first use (NCCL, HCCL) does so
+        issues them. Default: each group's backend checked against `collective_backend`,
+        then one all_reduce of a one-element tensor on this device per group and a
+        synchronize, so a communicator that sets up on first use (NCCL, HCCL) does so
         outside every capture. A runtime with further needs (a capture mode, a stream, an
         environment setting) checks or sets them here and raises, naming them, if it cannot."""
         import torch.distributed as dist  # only executors with `parallel` get here
 
+        from .errors import XGraphError
+
+        want = self.collective_backend
+        for group in groups:
+            got = str(dist.get_backend(group))
+            if want is not None and want not in got:
+                raise XGraphError(
+                    f"group {group.group_name!r} has backend {got!r}: collectives inside "
+                    f"{self.name!r} graphs need {want}; create the group with backend={want!r}."
+                )
         for group in groups:
             dist.all_reduce(torch.zeros(1, device=self.device), group=group)
         self.synchronize()

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from xgraph.adapter import Availability, TorchBackend, TorchRuntime, VirtualMemory
-from xgraph.errors import BackendUnavailableError, XGraphError
+from xgraph.errors import BackendUnavailableError
 
 from . import probe
 from .acl import VMM_CALLS
@@ -43,6 +43,7 @@ class AscendBackend(TorchBackend):
     runtime_class = TorchNpuRuntime
     graph_class = AscendGraph
     virtual_memory_class = AscendVirtualMemory
+    collective_backend = "hccl"  # HCCL sets its communicator up on first use: warmed first
 
     def __init__(self, runtime: NpuRuntime | None = None) -> None:
         super().__init__(runtime)
@@ -87,22 +88,6 @@ class AscendBackend(TorchBackend):
                 raise capture_error(exc, "synchronize") from exc
             raise
 
-    def prepare_collectives(self, groups: Sequence[Any]) -> None:
-        """On an NPU, HCCL groups only, each warmed by one all_reduce outside any capture
-        (HCCL sets its communicator up on first use); captures already run in thread-local
-        mode on the capture stream. The simulated runtime (host tensors) takes gloo groups,
-        whose collectives it records as ops (docs/distributed.md)."""
-        import torch.distributed as dist
-
-        if self.device.type == "npu":
-            for g in groups:
-                if "hccl" not in str(dist.get_backend(g)):
-                    raise XGraphError(
-                        f"group {g.group_name!r} has backend {dist.get_backend(g)!r}: "
-                        "collectives inside ACL graphs need HCCL; create it with backend='hccl'."
-                    )
-        super().prepare_collectives(groups)
-
     # -- benchmark hooks (xgraph.interfaces.BenchmarkHooks) -----------------------------------
 
     def device_name(self) -> str:
@@ -117,6 +102,7 @@ class AscendSimBackend(AscendBackend):
 
     name = "ascend-sim"
     runtime_class = SimRuntime
+    collective_backend = None  # host tensors: gloo groups, their collectives recorded as ops
 
     @classmethod
     def default_runtime(cls) -> TorchRuntime:

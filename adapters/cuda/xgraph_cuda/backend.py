@@ -7,13 +7,13 @@ attention runners, the skinny linear kernel), the driver copier and the benchmar
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from xgraph.adapter import Availability, HostCopier, TorchBackend, TorchRuntime
-from xgraph.errors import BackendUnavailableError, XGraphError
+from xgraph.errors import BackendUnavailableError
 from xgraph.interfaces import Kernels
 
 from . import attention, linear, probe, staging
@@ -28,6 +28,9 @@ class CUDABackend(TorchBackend):
     name = "cuda"
     runtime_class = CUDARuntime
     virtual_memory_class = CUDAVirtualMemory
+    # a gloo group moves cuda tensors through the host: not capturable. Captures already run
+    # in thread-local mode on the capture stream, as NCCL requires (docs/distributed.md)
+    collective_backend = "nccl"
 
     @classmethod
     def default_runtime(cls) -> TorchRuntime:
@@ -53,20 +56,6 @@ class CUDABackend(TorchBackend):
         """cuMemcpyHtoDAsync and an event on the current stream, without torch's copy path
         (`staging`; XGRAPH_CUDA_STAGING=torch uses the core's torch copy)."""
         return staging.host_copier(device, host)
-
-    def prepare_collectives(self, groups: Sequence[Any]) -> None:
-        """NCCL groups only (a gloo group moves cuda tensors through the host: not
-        capturable), each warmed by one all_reduce outside any capture; captures already run
-        in thread-local mode on the capture stream, as NCCL requires (docs/distributed.md)."""
-        import torch.distributed as dist
-
-        for g in groups:
-            if "nccl" not in str(dist.get_backend(g)):
-                raise XGraphError(
-                    f"group {g.group_name!r} has backend {dist.get_backend(g)!r}: collectives "
-                    "inside CUDA graphs need NCCL; create the group with backend='nccl'."
-                )
-        super().prepare_collectives(groups)
 
     # -- benchmark hooks (xgraph.interfaces.BenchmarkHooks) -----------------------------------
 

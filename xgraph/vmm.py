@@ -13,6 +13,7 @@ import threading
 
 from .errors import VirtualMemoryError
 from .interfaces import Backend, PhysicalChunk, VirtualMemory
+from .intervals import Intervals
 
 
 class CheckedVirtualMemory(VirtualMemory):
@@ -28,8 +29,8 @@ class CheckedVirtualMemory(VirtualMemory):
         if self.granularity <= 0:
             raise VirtualMemoryError("granularity", f"the driver reported {self.granularity}")
         self._lock = threading.RLock()
-        self._reservations: dict[int, int] = {}  # start -> size
-        self._mappings: dict[int, PhysicalChunk] = {}  # address -> chunk mapped there
+        self._reservations: Intervals[None] = Intervals()
+        self._mappings: Intervals[PhysicalChunk] = Intervals()  # the chunk mapped at each
         self._chunks: dict[int, tuple[PhysicalChunk, set[int]]] = {}  # id -> (chunk, addresses)
 
     def _quiesce(self) -> None:
@@ -61,16 +62,17 @@ class CheckedVirtualMemory(VirtualMemory):
         self._check_size("reserve", size)
         with self._lock:
             address = int(self._reserve_range(size))
-            self._reservations[address] = size
+            self._reservations.add(address, size, None)
         return address
 
     def release(self, address: int) -> None:
         address = int(address)
         with self._lock:
-            size = self._reservations.get(address)
-            if size is None:
+            entry = self._reservations.get(address)
+            if entry is None:
                 raise VirtualMemoryError("release", f"{address:#x} is not a reservation's start")
-            inside = [a for a in self._mappings if address <= a < address + size]
+            size = entry[0]
+            inside = self._mappings.starts_within(address, address + size)
             if inside:
                 raise VirtualMemoryError(
                     "release",
@@ -78,7 +80,7 @@ class CheckedVirtualMemory(VirtualMemory):
                     "unmap() every mapping before release().",
                 )
             self._release_range(address, size)
-            del self._reservations[address]
+            self._reservations.pop(address)
 
     def create(self, size: int) -> PhysicalChunk:
         size = int(size)
@@ -110,32 +112,33 @@ class CheckedVirtualMemory(VirtualMemory):
                     "map", f"address {address:#x} is not aligned to {self.granularity}"
                 )
             end = address + chunk.size
-            if not any(s <= address and end <= s + n for s, n in self._reservations.items()):
+            if not self._reservations.holds(address, end):
                 raise VirtualMemoryError(
                     "map",
                     f"[{address:#x}, {end:#x}) is not inside a reservation",
                     "Map only inside ranges returned by reserve().",
                 )
-            for a, other in self._mappings.items():
-                if a < end and address < a + other.size:
-                    raise VirtualMemoryError(
-                        "map",
-                        f"[{address:#x}, +{chunk.size}) overlaps the mapping at {a:#x}",
-                        "unmap() it first.",
-                    )
+            other = self._mappings.overlapping(address, end)
+            if other is not None:
+                raise VirtualMemoryError(
+                    "map",
+                    f"[{address:#x}, +{chunk.size}) overlaps the mapping at {other:#x}",
+                    "unmap() it first.",
+                )
             self._map_chunk(address, chunk.handle, chunk.size)
-            self._mappings[address] = chunk
+            self._mappings.add(address, chunk.size, chunk)
             mapped_at.add(address)
 
     def unmap(self, address: int) -> None:
         address = int(address)
         with self._lock:
-            chunk = self._mappings.get(address)
-            if chunk is None:
+            entry = self._mappings.get(address)
+            if entry is None:
                 raise VirtualMemoryError("unmap", f"nothing is mapped at {address:#x}")
+            chunk = entry[1]
             self._quiesce()
             self._unmap_chunk(address, chunk.size)
-            del self._mappings[address]
+            self._mappings.pop(address)
             self._chunks[id(chunk)][1].discard(address)
 
     # -- reporting -------------------------------------------------------------------------

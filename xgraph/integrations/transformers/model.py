@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ...buckets import Buckets, Input, default_sizes
-from ...compiled import TokenCompiled
+from ...compiled import DYNAMIC_INDUCTOR_CONFIG, TokenCompiled
 from ...errors import XGraphError
 from ...executor import GraphExecutor
 from ...interfaces import Backend
@@ -212,6 +212,7 @@ class GraphModel:
             backend=compiler,
             dynamic=dynamic,
             name=name,
+            inductor_config=DYNAMIC_INDUCTOR_CONFIG if dynamic else None,
         )
         self._forward.compiled = compiled
         return compiled

@@ -22,6 +22,9 @@ cannot run the compiled code run `fn` itself:
   the eager code anyway, and a function first reached under a mode is never compiled again
   (pytorch/pytorch#190286), `fullgraph=True` raises there;
 - more tokens than `max_tokens` (steps above the largest bucket, which run eagerly);
+- a forward whose code branches on the token count (Dynamo's guard contradicts the bounds:
+  a ConstraintViolationError) is compiled once per token count from then on, warned once,
+  the guard in `stats()["per_size"]`;
 - after the compiler failed (warned once, the reason in `stats()`): first a graph break
   under `fullgraph=True` falls back to compiling with graph breaks allowed, then a failure
   of that to `fn` uncompiled. Compiler failures happen while tracing or compiling, before
@@ -96,6 +99,28 @@ class _Counted:
             return inner(gm, example_inputs)
 
 
+_MARKS = (
+    "_dynamo_dynamic_indices",
+    "_dynamo_dynamic_range",
+    "_dynamo_hint_overrides",
+    "_has_dynamo_dim_marking",
+)
+
+
+def _unmark(t: torch.Tensor) -> None:
+    """Take torch._dynamo.mark_dynamic's marks off `t` (they are attributes of the tensor)."""
+    for name in _MARKS:
+        if name in t.__dict__:
+            delattr(t, name)
+
+
+def _branches_on_shape(exc: BaseException) -> bool:
+    """Whether `exc` is Dynamo refusing the dynamic bounds (a guard contradicts them)."""
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    return isinstance(exc, ConstraintViolationError)
+
+
 class TokenCompiled:
     """`fn(*tensors)` compiled once for every token count up to `max_tokens` (module doc).
 
@@ -134,6 +159,7 @@ class TokenCompiled:
         self.fullgraph = fullgraph
         self.fallback: str | None = None  # why calls run `fn` uncompiled, if they do
         self.graph_breaks: str | None = None  # why the graph may break, if it may
+        self.per_size: str | None = None  # why a dynamic compile became per-size, if it did
         self.sizes: set[int] = set()  # token counts the compiled code has run
         self._code = _own_code(fn, f"xgraph_{name}_{next(_serial)}")
         self._compiled = self._compile(fullgraph)
@@ -158,6 +184,7 @@ class TokenCompiled:
             "dynamic": self.dynamic,
             "fullgraph": self.fullgraph and self.graph_breaks is None,
             "graph_breaks": self.graph_breaks,
+            "per_size": self.per_size,
             "fallback": self.fallback,
             "sizes": sorted(self.sizes),
         }
@@ -187,8 +214,28 @@ class TokenCompiled:
             out = self._compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as exc:
             return self._failed(exc, args, kwargs)
+        except RuntimeError as exc:
+            if not (self.dynamic and _branches_on_shape(exc)):
+                raise
+            return self._static(exc, args, kwargs)
         self.sizes.add(n)
         return out
+
+    def _static(self, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The forward branches on the token count: compile once per count from now on."""
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip().startswith("-")]
+        self.per_size = lines[0].lstrip("- ") if lines else type(exc).__name__
+        self._warn(
+            f"depends on the token count in Python ({self.per_size}), so one compile cannot "
+            "serve every size; it is compiled once per token count instead"
+        )
+        self.dynamic = False
+        for t in (*args, *kwargs.values()):  # this call's tensors carry the marks still
+            if isinstance(t, torch.Tensor):
+                _unmark(t)
+        self._code = _own_code(self.fn, f"xgraph_{self.name}_{next(_serial)}")
+        self._compiled = self._compile(self.fullgraph and self.graph_breaks is None)
+        return self(*args, **kwargs)
 
     def _failed(self, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A compiler failure: allow graph breaks once, then run uncompiled; warn each time."""

@@ -1,0 +1,80 @@
+"""TokenCompiled: one compile for every token count, its fallbacks, its Inductor settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xgraph.compiled import DYNAMIC_INDUCTOR_CONFIG, TokenCompiled
+from xgraph.errors import XGraphWarning
+
+
+def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w) * 2 + 1
+
+
+def _branching(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] <= 4:  # Python that reads the token count: a guard on the symbol
+        return x * 2
+    return x * 3
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_one_compile_serves_every_count_from_two_and_one_more_serves_one():
+    w = torch.randn(8, 8)
+    tc = TokenCompiled(_scaled, max_tokens=32, backend="eager")
+    for n in (1, 2, 3, 7, 16, 32):
+        x = torch.randn(n, 8)
+        assert torch.equal(tc(x, w), _scaled(x, w))
+    assert tc.compiles == 2
+    assert tc.stats()["sizes"] == [1, 2, 3, 7, 16, 32]
+
+
+def test_per_size_compiles_once_per_count_and_above_the_largest_runs_uncompiled():
+    w = torch.randn(8, 8)
+    tc = TokenCompiled(_scaled, max_tokens=8, backend="eager", dynamic=False)
+    for n in (2, 3, 5, 40):
+        x = torch.randn(n, 8)
+        assert torch.equal(tc(x, w), _scaled(x, w))
+    assert tc.compiles == 3
+    assert 40 not in tc.stats()["sizes"]
+
+
+def test_a_forward_branching_on_the_count_is_compiled_per_size_with_a_warning():
+    tc = TokenCompiled(_branching, max_tokens=16, backend="eager")
+    x = torch.ones(3, 2)
+    with pytest.warns(XGraphWarning, match="compiled once per token count"):
+        assert torch.equal(tc(x), x * 2)
+    for n in (2, 9, 16):
+        y = torch.ones(n, 2)
+        assert torch.equal(tc(y), _branching(y))
+    stats = tc.stats()
+    assert stats["dynamic"] is False
+    assert "satisfy the generated guard" in stats["per_size"]
+    assert stats["fallback"] is None
+    assert stats["sizes"] == [2, 3, 9, 16]
+
+
+def test_the_compiles_run_under_the_inductor_settings_given():
+    import torch._inductor.config as inductor
+
+    seen: list[object] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        seen.append(inductor.realize_opcount_threshold)
+        return gm.forward
+
+    w = torch.randn(4, 4)
+    before = inductor.realize_opcount_threshold
+    tc = TokenCompiled(_scaled, 8, backend=backend, inductor_config=DYNAMIC_INDUCTOR_CONFIG)
+    tc(torch.randn(3, 4), w)
+    plain = TokenCompiled(_scaled, 8, backend=backend)
+    plain(torch.randn(3, 4), w)
+    assert seen == [DYNAMIC_INDUCTOR_CONFIG["realize_opcount_threshold"], before]
+    assert inductor.realize_opcount_threshold == before

@@ -91,8 +91,6 @@ class _Counted:
             from torch._dynamo import lookup_backend
 
             inner = lookup_backend(inner)
-        if not self.inductor_config:
-            return inner(gm, example_inputs)
         import torch._inductor.config as inductor
 
         with inductor.patch(self.inductor_config):  # lowering runs inside this call

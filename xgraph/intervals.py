@@ -26,9 +26,6 @@ class Intervals(Generic[V]):
     def __len__(self) -> int:
         return len(self._starts)
 
-    def __contains__(self, start: int) -> bool:
-        return start in self._items
-
     def get(self, start: int) -> tuple[int, V] | None:
         """(size, value) of the range starting at `start`, or None."""
         return self._items.get(start)

@@ -78,3 +78,33 @@ def test_the_compiles_run_under_the_inductor_settings_given():
     plain(torch.randn(3, 4), w)
     assert seen == [DYNAMIC_INDUCTOR_CONFIG["realize_opcount_threshold"], before]
     assert inductor.realize_opcount_threshold == before
+
+
+def _hints_seen(seen: list[dict[str, int]]):
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        env = torch._guards.TracingContext.try_get().fake_mode.shape_env
+        seen.append({str(k): int(v) for k, v in env.backed_var_to_val.items()})
+        return gm.forward
+
+    return backend
+
+
+@pytest.mark.parametrize(("hint", "expected"), [(8, 8), (1, 2), (500, 64), (None, 48)])
+def test_the_dynamic_graph_is_chosen_for_the_hinted_count_not_the_first_traced(hint, expected):
+    seen: list[dict[str, int]] = []
+    w = torch.randn(4, 4)
+    tc = TokenCompiled(_scaled, 64, backend=_hints_seen(seen), hint=hint)
+    for n in (48, 5, 64):
+        x = torch.randn(n, 4)
+        assert torch.equal(tc(x, w), _scaled(x, w))
+    assert tc.compiles == 1
+    assert [list(s.values()) for s in seen] == [[expected]]
+    assert tc.stats()["hint"] == (None if hint is None else expected)
+
+
+def test_per_size_compiles_take_no_hint():
+    seen: list[dict[str, int]] = []
+    tc = TokenCompiled(_scaled, 16, backend=_hints_seen(seen), dynamic=False, hint=8)
+    tc(torch.randn(12, 4), torch.randn(4, 4))
+    assert seen == [{}]
+    assert tc.stats()["hint"] is None

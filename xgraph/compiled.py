@@ -134,6 +134,9 @@ class TokenCompiled:
             compiling with breaks allowed, with a warning.
         inductor_config: torch._inductor.config settings the compiles run under (for
             example DYNAMIC_INDUCTOR_CONFIG); none by default.
+        hint: the token count the dynamic graph's kernels are chosen for (the size hint
+            Inductor's heuristics and tile choices read, mark_dynamic's `hint_override`),
+            clamped to [2, max_tokens]; None: the count it is first traced at.
         options: further torch.compile keyword arguments (`options=`, `mode=`).
     """
 
@@ -147,11 +150,13 @@ class TokenCompiled:
         fullgraph: bool = True,
         name: str = "forward",
         inductor_config: dict[str, Any] | None = None,
+        hint: int | None = None,
         **options: Any,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"TokenCompiled: max_tokens must be >= 1, got {max_tokens}")
         self.fn, self.max_tokens, self.dynamic, self.name = fn, max_tokens, dynamic, name
+        self.hint = None if hint is None else min(max(hint, 2), max(max_tokens, 2))
         self.backend = _Counted(backend, inductor_config)
         self.options = options
         self.fullgraph = fullgraph
@@ -180,6 +185,7 @@ class TokenCompiled:
         return {
             "compiles": self.compiles,
             "dynamic": self.dynamic,
+            "hint": self.hint if self.dynamic else None,
             "fullgraph": self.fullgraph and self.graph_breaks is None,
             "graph_breaks": self.graph_breaks,
             "per_size": self.per_size,
@@ -199,7 +205,9 @@ class TokenCompiled:
         if self.dynamic and n >= 2:
             for t in tensors:
                 if t.dim() and t.shape[0] == n:
-                    torch._dynamo.mark_dynamic(t, 0, min=2, max=max(self.max_tokens, 2))
+                    torch._dynamo.mark_dynamic(
+                        t, 0, min=2, max=max(self.max_tokens, 2), hint_override=self.hint
+                    )
         return n
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -13,7 +13,11 @@ from torch.profiler import ProfilerActivity, profile
 import xgraph.integrations.transformers.model as gmod
 from xgraph.bench.timing import Timer
 from xgraph.compiled import TokenCompiled
-from xgraph.integrations.transformers.bench_compile import decode_steps, hf_maker, reference_workload
+from xgraph.integrations.transformers.bench_compile import (
+    decode_steps,
+    hf_maker,
+    reference_workload,
+)
 from xgraph.integrations.transformers.bench_runs import build_named
 from xgraph.plugins import get_backend
 

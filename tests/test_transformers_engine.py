@@ -172,7 +172,6 @@ def test_projections_reach_the_backends_linear_kernel_eager_and_compiled():
             counters.clear()
             backend = WithKernel()
             with GraphModel(model, backend=backend, compile=compile, mode="eager", **LIMITS) as gm:
-                gm.generate([ps[0]], 1)  # compiled: the first launch comes first (tuning.py)
                 seen.clear()
                 gm.generate([ps[0]], 1)  # one step: one forward
                 assert len(seen) == 4 * layers and {d for d, _ in seen} == {2}

@@ -51,7 +51,6 @@ from .precapture import PreCapture
 from .release import Release
 from .runners import reference_runners
 from .steps import Step, StepPlanner
-from .tuning import launch_small_first
 
 if TYPE_CHECKING:
     from .launchdiff import ParameterizationReport
@@ -95,9 +94,7 @@ class GraphExecutor(PreCapture, Release):
             per-op host-read guard and the piecewise bypass check (under a dispatch mode
             Dynamo would run the eager forward instead); a host read still fails the
             capture in the runtime, and Tensor.tolist / numpy stay blocked. Host-recording
-            backends (cpu) keep the guard and record the eager ops. The forward's first
-            launch is a synthetic step at the smallest bucket of 2 or more tokens (Triton
-            keeps the launch configurations it picks there for every size: xgraph.tuning).
+            backends (cpu) keep the guard and record the eager ops.
         parallel: the torch.distributed groups of this rank (xgraph.Parallel): the ranks then
             agree on every step and capture together (docs/distributed.md). None: one rank.
     """
@@ -122,7 +119,6 @@ class GraphExecutor(PreCapture, Release):
         self.mode = Mode.parse(mode, "mode")
         self.on_capture_error = Fallback.parse(on_capture_error, "on_capture_error")
         self.forward, self.name, self.compiled = forward, name, compiled
-        self._untuned = compiled  # the compiled forward has not launched yet
         self.backend = get_backend(backend)
         self.backend.activate()  # its kernels serve the core's ops (xgraph.linear) from now on
         self.device = self.backend.device
@@ -302,9 +298,6 @@ class GraphExecutor(PreCapture, Release):
     # -- eager paths -----------------------------------------------------------------------
 
     def _eager_forward(self, views: Mapping[str, torch.Tensor], step: Step, kind: Kind) -> Any:
-        if self._untuned:
-            self._untuned = False
-            launch_small_first(self, step)
         runner = self._runner(kind)
         with torch.no_grad():
             if runner is None or step.metadata is None:

@@ -164,11 +164,12 @@ class TokenCompiled:
         self.graph_breaks: str | None = None  # why the graph may break, if it may
         self.per_size: str | None = None  # why a dynamic compile became per-size, if it did
         self.sizes: set[int] = set()  # token counts the compiled code has run
-        self._code = _own_code(fn, f"xgraph_{name}_{next(_serial)}")
-        self._compiled = self._compile(fullgraph)
+        self._compile(fullgraph)
 
-    def _compile(self, fullgraph: bool) -> Callable[..., Any]:
-        return torch.compile(
+    def _compile(self, fullgraph: bool) -> None:
+        """Compile afresh: new code (so no earlier graph or recompile count carries over)."""
+        self._code = _own_code(self.fn, f"xgraph_{self.name}_{next(_serial)}")
+        self._compiled = torch.compile(
             self._code,
             backend=self.backend,
             fullgraph=fullgraph,
@@ -239,8 +240,7 @@ class TokenCompiled:
         for t in (*args, *kwargs.values()):  # this call's tensors carry the marks still
             if isinstance(t, torch.Tensor):
                 _unmark(t)
-        self._code = _own_code(self.fn, f"xgraph_{self.name}_{next(_serial)}")
-        self._compiled = self._compile(self.fullgraph and self.graph_breaks is None)
+        self._compile(self.fullgraph and self.graph_breaks is None)
         return self(*args, **kwargs)
 
     def _failed(self, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -249,8 +249,7 @@ class TokenCompiled:
         if self.fullgraph and self.graph_breaks is None:
             self.graph_breaks = reason
             self._warn(f"does not compile as one graph ({reason}); compiling it with graph breaks")
-            self._code = _own_code(self.fn, f"xgraph_{self.name}_{next(_serial)}")
-            self._compiled = self._compile(False)
+            self._compile(False)
             return self(*args, **kwargs)
         self.fallback = reason
         self._warn(f"does not compile ({reason}); it runs uncompiled from now on")

@@ -67,17 +67,22 @@ def test_the_compiles_run_under_the_inductor_settings_given():
     seen: list[object] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        seen.append(inductor.realize_opcount_threshold)
+        seen.append((inductor.realize_opcount_threshold, inductor.triton.persistent_reductions))
         return gm.forward
 
     w = torch.randn(4, 4)
-    before = inductor.realize_opcount_threshold
+    before = (inductor.realize_opcount_threshold, inductor.triton.persistent_reductions)
     tc = TokenCompiled(_scaled, 8, backend=backend, inductor_config=DYNAMIC_INDUCTOR_CONFIG)
     tc(torch.randn(3, 4), w)
     plain = TokenCompiled(_scaled, 8, backend=backend)
     plain(torch.randn(3, 4), w)
-    assert seen == [DYNAMIC_INDUCTOR_CONFIG["realize_opcount_threshold"], before]
-    assert inductor.realize_opcount_threshold == before
+    given = (
+        DYNAMIC_INDUCTOR_CONFIG["realize_opcount_threshold"],
+        DYNAMIC_INDUCTOR_CONFIG["triton.persistent_reductions"],
+    )
+    assert given != before
+    assert seen == [given, before]
+    assert (inductor.realize_opcount_threshold, inductor.triton.persistent_reductions) == before
 
 
 def _hints_seen(seen: list[dict[str, int]]):

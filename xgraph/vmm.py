@@ -30,7 +30,7 @@ class CheckedVirtualMemory(VirtualMemory):
             raise VirtualMemoryError("granularity", f"the driver reported {self.granularity}")
         self._lock = threading.RLock()
         self._reservations: Intervals[None] = Intervals()
-        self._mappings: Intervals[PhysicalChunk] = Intervals()  # the chunk mapped at each
+        self._mappings: Intervals[PhysicalChunk] = Intervals()  # each mapping's chunk
         self._chunks: dict[int, tuple[PhysicalChunk, set[int]]] = {}  # id -> (chunk, addresses)
 
     def _quiesce(self) -> None:

@@ -245,3 +245,48 @@ def test_two_public_faces_stay_small():
     for face in (xgraph, xgraph.adapter):
         missing = [n for n in face.__all__ if not hasattr(face, n)]
         assert not missing, (face.__name__, missing)
+
+
+# -- the step path: check, decide, agree, stage (docs/executor.md) --------------------------
+
+
+def _calls_of(tree: ast.AST, name: str) -> list[int]:
+    """Lines calling a method or function called `name`."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Attribute) and node.func.attr == name)
+            or (isinstance(node.func, ast.Name) and node.func.id == name)
+        )
+    ]
+
+
+def test_no_swapped_planner_and_ranks_agree_before_anything_is_staged():
+    """Nothing replaces an executor's planner, and the agreement across ranks decides again
+    (which writes nothing) instead of staging: a step is staged once, after the ranks
+    agree (tests/test_distributed_dp.py counts the stagings per step on each rank)."""
+    swapped = []
+    for mod, path in _modules("xgraph").items():
+        tree = ast.parse(open(path).read(), path)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:  # another object's planner: `executor.planner = ...`
+                if (
+                    isinstance(t, ast.Attribute)
+                    and t.attr == "planner"
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                ):
+                    swapped.append(f"{mod}:{node.lineno}")
+    assert not swapped, f"a planner assigned outside the executor: {swapped}"
+    for mod, path in _modules("xgraph").items():
+        if not mod.startswith("xgraph.distributed"):
+            continue
+        tree = ast.parse(open(path).read(), path)
+        staged = _calls_of(tree, "stage") + _calls_of(tree, "plan")
+        assert not staged, f"{mod} stages a step (lines {staged}); it may only decide"
+    assert not any(
+        isinstance(n, ast.ClassDef) and n.name == "AgreedPlanner"
+        for n in ast.walk(ast.parse(open(_modules("xgraph")["xgraph.distributed.lockstep"]).read()))
+    )

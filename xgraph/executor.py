@@ -16,8 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,18 +25,18 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import sleepmode
 from .arena import Arena
-from .attention import InlineRunner, step_context
+from .attention import step_context
 from .buckets import Buckets, Dim, Input
-from .distributed import Parallel, attach
+from .callsite import warn_at_caller
+from .distributed import Lockstep, Parallel, attach
 from .errors import (
     CaptureError,
     ConcurrentStepError,
-    ReplayError,
     VirtualMemoryError,
     XGraphError,
-    XGraphWarning,
 )
 from .interfaces import AttentionRunner, Backend
+from .keycache import KeyCache, Runners
 from .lifetime import Entry, Holdings, Recording, release_when_collected
 from .memory import GraphMemory, Lease, OutsidePoolMeter, settle
 from .metadata import AttentionInputs
@@ -50,7 +48,7 @@ from .pool import SharedPhysicalPool
 from .precapture import PreCapture
 from .release import Release
 from .runners import reference_runners
-from .steps import Step, StepPlanner
+from .steps import Checked, Decision, Staged, StepPlanner
 
 if TYPE_CHECKING:
     from .launchdiff import ParameterizationReport
@@ -63,8 +61,6 @@ DEFAULT_MAX_TOKENS = 512
 @dataclass
 class ExecutorStats:
     captures: int = 0
-    replays: int = 0
-    eager: Counter = field(default_factory=Counter)  # reason -> steps
     capture_seconds: float = 0.0
     failed_keys: dict[tuple, str] = field(default_factory=dict)
 
@@ -125,7 +121,7 @@ class GraphExecutor(PreCapture, Release):
         self._arena = Arena.of(self.backend, name)  # persistent buffers sleep can give back
         self.buckets = Buckets.of(buckets, DEFAULT_MAX_TOKENS)
         self.attention = attention
-        self.decode_runner, self.prefill_runner = self._runners(attention)
+        self.runners = Runners(*self._runners(attention))
         self.planner = StepPlanner(
             name,
             inputs=inputs,
@@ -136,25 +132,23 @@ class GraphExecutor(PreCapture, Release):
             mode=self.mode,
             on_overflow=Fallback.parse(on_overflow, "on_overflow"),
             copier=self.backend.host_copier,
-            decode_runner=self.decode_runner,
+            decode_runner=self.runners.decode,
             allocate=None if self._arena is None else self._arena.empty,
         )
         self._guarded = guarded_storages(attention.kv_tensors if attention else ())
-        self._eager_keys: dict[tuple, str] = {}
-        self._out_bufs: list[torch.Tensor] | None = None
-        self._out_spec: Any = None
-        self._out_views: dict[int, Any] = {}
         self._stats = ExecutorStats()
         self.memory = GraphMemory.of(self.backend, memory)
         self._steps = self.memory.steps  # steps over shared memory run one at a time
         self._outside = OutsidePoolMeter(self.memory)
         self._held = self._holdings(not isinstance(memory, GraphMemory))
         self._busy = self._held.busy  # one step at a time: outputs are shared buffers
-        self._graphs: dict[tuple, Entry] = self._held.graphs
+        self.cache = KeyCache(
+            name, forward, self.runners, self.planner.inputs, self._held.graphs, self.buckets.max
+        )
         self._finalizer = release_when_collected(self, self._held)
-        self.lockstep = attach(parallel, self)  # several ranks: self.planner agrees each step
-        # several ranks: a failure after the agreement stops the executor; one rank: none
-        self._lockstep_run = getattr(self.lockstep, "run", None)
+        self.lockstep = attach(parallel, self)
+        # several ranks: each step's decision is agreed before it is staged; one rank: None
+        self._agreeing: Lockstep | None = self.lockstep if self.lockstep.agrees else None
 
     def _holdings(self, owns_memory: bool) -> Holdings:
         """Graphs and memory live apart from this object: released by close(), or when it is
@@ -182,12 +176,30 @@ class GraphExecutor(PreCapture, Release):
             )
         return decode, prefill
 
+    @property
+    def decode_runner(self) -> AttentionRunner | None:
+        """The runner of full graphs and of eager decode steps (None without attention)."""
+        return self.runners.decode
+
+    @decode_runner.setter
+    def decode_runner(self, runner: AttentionRunner | None) -> None:
+        self.runners.decode = runner
+
+    @property
+    def prefill_runner(self) -> AttentionRunner | None:
+        """The runner of piecewise graphs and of other eager steps (None without attention)."""
+        return self.runners.prefill
+
+    @prefill_runner.setter
+    def prefill_runner(self, runner: AttentionRunner | None) -> None:
+        self.runners.prefill = runner
+
     def persistent_bytes(self) -> int:
         """Bytes of every persistent buffer the executor holds (inputs, attention metadata,
         outputs); 0 once closed, which gives them back."""
         if self.planner.closed:
             return 0
-        return self.planner.persistent_bytes() + sum(b.nbytes for b in self._out_bufs or [])
+        return self.planner.persistent_bytes() + self.cache.output_bytes()
 
     # -- step ------------------------------------------------------------------------------
 
@@ -208,13 +220,17 @@ class GraphExecutor(PreCapture, Release):
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
             if self._held.asleep:
                 raise sleepmode.asleep_error(self.name, self._held.asleep)
-            step = self.planner.plan(inputs, attn)
-            self._steps.acquire(self.name)
-            try:
-                run = self._lockstep_run  # no frame between for one rank: warnings' lines
-                out = self._run(step) if run is None else run(self._run, step)
-            finally:
-                self._steps.release()
+            lock = self._agreeing  # None: one rank, and nothing between the four moves
+            if lock is None:
+                checked = self.planner.check(inputs, attn)
+                step = self.planner.stage(checked, self.planner.decide(checked))
+                self._steps.acquire(self.name)
+                try:
+                    out = self._run(step)
+                finally:
+                    self._steps.release()
+            else:
+                out = self._agreed_step(lock, self.planner.check, inputs, attn)
             if clone:  # inside the lock: the next step may overwrite the buffers right after
                 flat, spec = tree_flatten(out)
                 out = tree_unflatten([t.clone() for t in flat], spec)
@@ -243,110 +259,67 @@ class GraphExecutor(PreCapture, Release):
         finally:
             self._busy.release()
 
-    def _run(self, step: Step) -> Any:
+    def _agreed_step(
+        self, lock: Lockstep, check: Callable[..., Checked], *args: Any, kind: Kind | None = None
+    ) -> Any:
+        """check, decide, agree with the peers, stage and run (a refusal told to them)."""
+        lock.usable()
+        try:
+            checked = check(*args)
+            decision = self.planner.decide(checked, kind)
+        except Exception as exc:
+            lock.refuse(exc)  # every rank learns why; no rank runs the step
+            raise
+        decision = lock.agree(checked, decision)
+        self._steps.acquire(self.name)  # steps over shared memory run one at a time
+        try:
+            return lock.run(self._stage_and_run, checked, decision)
+        finally:
+            self._steps.release()
+
+    def _synthetic_step(self, tensors: dict[str, torch.Tensor], attn: Any, kind: Kind) -> Any:
+        """One of the executor's own steps (pre-capture), on the path of every step."""
+        lock = self._agreeing
+        if lock is not None:
+            return self._agreed_step(lock, self.planner.check, tensors, attn, True, kind=kind)
+        checked = self.planner.check(tensors, attn, True)
+        step = self.planner.stage(checked, self.planner.decide(checked, kind))
+        self._steps.acquire(self.name)  # as a step: one at a time over shared memory
+        try:
+            return self._run(step)
+        finally:
+            self._steps.release()
+
+    def _stage_and_run(self, checked: Checked, decision: Decision) -> Any:
+        return self._run(self.planner.stage(checked, decision))
+
+    def _run(self, step: Staged) -> Any:
+        cache = self.cache
         if step.kind is Kind.EAGER:
-            self._stats.eager[step.reason] += 1
-            views = {k: v.to(self.device) for k, v in step.tensors.items()}
-            decode = step.attn is None or step.attn.is_decode
-            return self._eager_forward(views, step, Kind.FULL if decode else Kind.PIECEWISE)
+            return cache.run_eager(step, self.device)
         assert step.key is not None
-        entry = self._graphs.get(step.key)
+        entry = cache.entries.get(step.key)
         if entry is not None:
-            self._replay(entry, step, hit=True)
-            return self._outputs(step.num_tokens)
-        if step.key in self._eager_keys:
-            return self._run_padded(step, "capture failed earlier")
+            cache.replay(entry, step)
+            return cache.outputs(step.num_tokens)
+        if step.key in cache.eager_keys:
+            return cache.run_padded(step, "capture failed earlier")
         return self._capture(step)
 
-    def _runner(self, kind: Kind) -> AttentionRunner | None:
-        return self.decode_runner if kind is Kind.FULL else self.prefill_runner
-
-    def _replay(self, entry: Entry, step: Step, hit: bool) -> None:
-        entry.hits += hit
-        self._stats.replays += 1
-        if step.metadata is not None and (runner := self._runner(entry.kind)) is not None:
-            runner.plan(step.metadata)
-        try:
-            entry.graph.replay()
-        except ReplayError as exc:  # no cost on the hot path until a replay fails
-            raise self._replay_failed(step, exc) from exc
-
-    def _replay_failed(self, step: Step, exc: ReplayError) -> ReplayError:
-        specs = self.planner.inputs
-        loose = [i.name for i in specs if not i.dtype.is_floating_point and i.bounds is None]
-        hint = (
-            f"Integer inputs without bounds: {', '.join(loose)}; an index outside its table "
-            "(a token id past the vocabulary, a position past the rotary table) fails so. "
-            "Declare Input(..., bounds=(low, high)) (the reference model's inputs() does) so "
-            "such a step is refused before anything runs."
-            if loose
-            else "Check the step's inputs against the model."
-        )
-        return ReplayError(
-            f"{self.name}: {exc} (key {step.key}). {hint} The graph is unchanged and "
-            "replays valid steps; this step's result is not available."
-        )
-
-    def _outputs(self, n: int) -> Any:
-        out = self._out_views.get(n)  # views of the output buffers, made once per size
-        if out is None:
-            assert self._out_bufs is not None
-            out = tree_unflatten([b[:n] for b in self._out_bufs], self._out_spec)
-            self._out_views[n] = out
-        return out
-
-    # -- eager paths -----------------------------------------------------------------------
-
-    def _eager_forward(self, views: Mapping[str, torch.Tensor], step: Step, kind: Kind) -> Any:
-        runner = self._runner(kind)
-        with torch.no_grad():
-            if runner is None or step.metadata is None:
-                return self.forward(**views)
-            runner.plan(step.metadata)
-            with step_context(InlineRunner(runner)):
-                return self.forward(**views)
-
-    def _run_padded(self, step: Step, reason: str) -> Any:
-        """Eager on the padded buffers (a key whose capture failed)."""
-        self._stats.eager[reason] += 1
-        flat, spec = tree_flatten(self._eager_forward(step.views, step, step.kind))
-        return tree_unflatten([t[: step.num_tokens] for t in flat], spec)
-
     # -- capture ---------------------------------------------------------------------------
-
-    def _ensure_out_buffers(self, result: Any, tb: int) -> list[tuple] | None:
-        """Check the outputs; the first time, the (shape, dtype, device) of the buffers."""
-        flat, spec = tree_flatten(result)
-        for t in flat:
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != tb:
-                raise XGraphError(
-                    f"{self.name}: every forward output must be a tensor whose first dim is the "
-                    f"padded number of tokens ({tb}); got {type(t).__name__} "
-                    f"{tuple(getattr(t, 'shape', ()))}."
-                )
-        if self._out_bufs is None:
-            self._out_spec = spec
-            return [(t.shape[1:], t.dtype, t.device) for t in flat]
-        if spec != self._out_spec or any(
-            b.shape[1:] != t.shape[1:] or b.dtype != t.dtype for b, t in zip(self._out_bufs, flat)
-        ):
-            raise XGraphError(
-                f"{self.name}: the forward's outputs changed structure, shape or dtype between "
-                "buckets; they must stay the same."
-            )
-        return None
 
     def _recording(self, kind: Kind, lease: Lease) -> Recording:
         checks = not self.compiled  # per-op checks would make Dynamo run the forward eagerly
         if kind is Kind.FULL:
-            return FullGraph(self.backend, lease.pool, self.decode_runner, checks)
-        return PiecewiseGraph(self.backend, lease.pool, self.prefill_runner, self._guarded, checks)
+            return FullGraph(self.backend, lease.pool, self.runners.decode, checks)
+        return PiecewiseGraph(self.backend, lease.pool, self.runners.prefill, self._guarded, checks)
 
-    def _record(self, step: Step, graph: Recording) -> None:
+    def _record(self, step: Staged, graph: Recording) -> None:
         """Record the forward and the copy of its outputs into the persistent buffers."""
         tb = step.padded["num_tokens"]
-        if step.kind is Kind.PIECEWISE and step.metadata is not None and self.prefill_runner:
-            self.prefill_runner.plan(step.metadata)
+        prefill = self.runners.prefill
+        if step.kind is Kind.PIECEWISE and step.metadata is not None and prefill is not None:
+            prefill.plan(step.metadata)
         graph.begin()
         with torch.no_grad():
             if graph.context is None:
@@ -354,30 +327,25 @@ class GraphExecutor(PreCapture, Release):
             else:
                 with step_context(graph.context):
                     result = self.forward(**step.views)
-            self._ensure_out_buffers(result, tb)
-            assert self._out_bufs is not None
-            for buf, t in zip(self._out_bufs, tree_flatten(result)[0]):
-                buf[:tb].copy_(t)
+            self.cache.write_outputs(result, tb)
             del result
         graph.end()
 
-    def _capture(self, step: Step) -> Any:
+    def _capture(self, step: Staged) -> Any:
         assert step.key is not None
         t0 = time.perf_counter()
         # warm-up: the forward runs eagerly once (lazy init, autotuning, workspaces) and its
         # outputs fix the persistent output buffers
         with self.backend.warmup_context(), self.lockstep.warm_up(step):
-            warm = self._eager_forward(step.views, step, step.kind)
-        layout = self._ensure_out_buffers(warm, step.padded["num_tokens"])
+            runner = self.runners.of_graph(step.kind)
+            warm = self.cache.forward_eagerly(step.views, step.metadata, runner)
+        layout = self.cache.check_outputs(warm, step.padded["num_tokens"])
         del warm
         # the warm-up's activations go back to the device before anything persistent is
         # allocated, so neither the output buffers nor a graph pool pin a warm-up segment
         settle(self.backend)
         if layout is not None:
-            self._out_bufs = [
-                torch.empty((self.buckets.max, *shp), dtype=dt, device=dev)
-                for shp, dt, dev in layout
-            ]
+            self.cache.allocate_outputs(layout)
         self._outside.start()
         lease: Lease | None = None
         graph: Recording | None = None
@@ -398,15 +366,15 @@ class GraphExecutor(PreCapture, Release):
             return self._capture_failed(step, failure or exc)
         seconds = time.perf_counter() - t0
         entry = Entry(step.kind, graph, lease, seconds)
-        self._graphs[step.key] = entry
+        self.cache.store(step.key, entry)
         self._stats.captures += 1
         self._stats.capture_seconds += seconds
         self._outside.stop()
         logger.info("%s: captured %s in %.3f s", self.name, step.key, seconds)
-        self._replay(entry, step, hit=False)  # the capture step's own result
-        return self._outputs(step.num_tokens)
+        self.cache.replay(entry, step, hit=False)  # the capture step's own result
+        return self.cache.outputs(step.num_tokens)
 
-    def _capture_failed(self, step: Step, exc: Exception) -> Any:
+    def _capture_failed(self, step: Staged, exc: Exception) -> Any:
         key = step.key
         assert key is not None
         reason = f"{type(exc).__name__}: {exc}"
@@ -418,25 +386,26 @@ class GraphExecutor(PreCapture, Release):
                 f"{self.name}: capturing {key} failed ({reason}). Nothing was kept; fix the "
                 "model or use on_capture_error='eager'."
             ) from exc
-        self._eager_keys[key] = reason
+        self.cache.mark_eager(key, reason)
         msg = (
             f"{self.name}: capturing {key} failed and was rolled back; this key runs eagerly "
             f"from now on (on_capture_error='eager'). Cause: {reason}"
         )
-        warnings.warn(msg, XGraphWarning, stacklevel=5)  # the engine's step call
+        warn_at_caller(msg)
         logger.warning(msg)
-        return self._run_padded(step, "capture failed")
+        return self.cache.run_padded(step, "capture failed")
 
     def idle_step(self) -> None:
         """Under data parallelism, a step with no tokens on this rank: it runs the step the
         others agree on over dummy tokens, so its collectives meet theirs. Returns nothing."""
         with self._exclusive("idle step"):
-            step = self.lockstep.idle()  # None: no rank has tokens, nothing runs
-            if step is None:
+            agreed = self.lockstep.idle()  # None: no rank has tokens, nothing runs
+            if agreed is None:
                 return
+            assert self._agreeing is not None  # idle() refused one rank already
             self._steps.acquire(self.name)  # as a step: one at a time over shared memory
             try:
-                self.lockstep.run(self._run, step)  # idle() refused one rank already
+                self._agreeing.run(self._stage_and_run, *agreed)
             finally:
                 self._steps.release()
 
@@ -463,18 +432,18 @@ class GraphExecutor(PreCapture, Release):
         s = self._stats
         return {
             "captures": s.captures,
-            "replays": s.replays,
-            "eager": dict(s.eager),
+            "replays": self.cache.replays,
+            "eager": dict(self.cache.eager),
             "capture_seconds": s.capture_seconds,
-            "hits": {k: e.hits for k, e in self._graphs.items()},
-            "eager_keys": dict(self._eager_keys),
+            "hits": self.cache.hits(),
+            "eager_keys": dict(self.cache.eager_keys),
             "failed_keys": dict(s.failed_keys),
             "persistent_bytes": self.persistent_bytes(),
             "outside_pool_bytes": self._outside.bytes,
             "graph_bytes": self.memory.graph_bytes(),
             "memory": self.memory.stats(),
             "asleep": sorted(self._held.asleep),
-            "keys": sorted(self._graphs, key=repr),
+            "keys": self.cache.keys(),
             "parallel": self.lockstep.stats(),  # None for one rank
         }
 
@@ -486,7 +455,7 @@ class GraphExecutor(PreCapture, Release):
 
     def graph(self, key: tuple) -> Recording | None:
         """The cached recording of a key (describe() lists its pieces), or None."""
-        e = self._graphs.get(key)
+        e = self.cache.lookup(key)
         return e.graph if e else None
 
     def __enter__(self) -> GraphExecutor:

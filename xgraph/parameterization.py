@@ -127,7 +127,7 @@ def record(ex: GraphExecutor, step: Step, root: Any) -> list[Site]:
     """Warm up, capture the step on a pool of its own, read its launches, release it all."""
     backend = ex.backend
     with backend.warmup_context():
-        warm = ex._eager_forward(step.views, step, step.kind)
+        warm = ex.cache.forward_eagerly(step.views, step.metadata, ex.runners.of_graph(step.kind))
     del warm
     backend.synchronize()
     pool = backend.new_pool()

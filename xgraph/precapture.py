@@ -16,8 +16,7 @@ from .progress import progress as show_progress
 
 if TYPE_CHECKING:
     from .buckets import Buckets
-    from .steplock import StepLock
-    from .steps import Step, StepPlanner
+    from .steps import StepPlanner
 
 
 class PreCapture:
@@ -26,12 +25,11 @@ class PreCapture:
     name: str
     buckets: Buckets
     planner: StepPlanner
-    _steps: StepLock
 
     if TYPE_CHECKING:  # GraphExecutor's
 
         def _exclusive(self, what: str) -> Any: ...
-        def _run(self, step: Step) -> Any: ...
+        def _synthetic_step(self, tensors: Any, attn: Any, kind: Kind) -> Any: ...
 
     def capture(
         self,
@@ -89,12 +87,7 @@ class PreCapture:
         for n in show_progress(todo, what, progress):
             tensors, attn = self.planner.synthetic(n, layout, key_dims, query_len)
             with self._exclusive("capture"):
-                step = self.planner.plan(tensors, attn, kind=run, synthetic=True)
-                self._steps.acquire(self.name)  # as a step: one at a time over shared memory
-                try:
-                    self._run(step)
-                finally:
-                    self._steps.release()
+                self._synthetic_step(tensors, attn, run)
 
     def _sizes(self, sizes: Iterable[int] | None, what: str) -> list[int]:
         """The sizes to pre-capture, every one checked before any runs."""

@@ -10,8 +10,7 @@ from . import sleepmode
 if TYPE_CHECKING:
     import weakref
 
-    import torch
-
+    from .keycache import KeyCache
     from .lifetime import Holdings
     from .steps import StepPlanner
 
@@ -22,8 +21,7 @@ class Release:
     planner: StepPlanner
     _held: Holdings
     _finalizer: weakref.finalize
-    _out_bufs: list[torch.Tensor] | None
-    _out_views: dict[int, Any]
+    cache: KeyCache
 
     if TYPE_CHECKING:  # GraphExecutor's
 
@@ -58,5 +56,5 @@ class Release:
             self._finalizer.detach()
             self.planner.close()  # first: nothing plans into the buffers that go below
             # output buffers: their memory goes with the caller's last view of them
-            self._out_bufs, self._out_views = None, {}
+            self.cache.drop_outputs()
             self._held.release(buffers=True)

@@ -106,14 +106,15 @@ def agreement_us(ex: Any, step: Any, iters: int) -> float:
     rank runs as many. A group of one exchanges nothing per step: its number is the same
     exchange on a one-rank side group, the mechanism's own host cost."""
     lock = ex.lockstep
-    local = lock.planner.plan(_inputs(step), step.attn)
+    checked = lock.planner.check(_inputs(step), step.attn)
+    local = lock.planner.decide(checked)
     if lock.channel is not None:
-        return host_time(ex.backend, lambda: lock._agree(local, OK, None), iters) * 1e6
+        return host_time(ex.backend, lambda: lock.agree(checked, local), iters) * 1e6
     ch = Channel(lock.parallel.ranks, lock.parallel.timeout)
     dims, comm = lock.dims, lock.comm
 
     def agree() -> None:
-        msg = message(local, OK, dims, (0, 0), -1)
+        msg = message(OK, checked, local, dims, (0, 0), -1)
         decide(ch.exchange(msg, "step agreement"), dims, comm)
 
     return host_time(ex.backend, agree, iters) * 1e6

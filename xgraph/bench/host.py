@@ -57,26 +57,22 @@ def _calls(ex: GraphExecutor, step: Step) -> dict[str, Callable[[], Any]]:
     inputs = {"input_ids": step.input_ids, "positions": step.positions}
     attn = step.attn
     planned = p.plan(inputs, attn)
-    entry = ex._graphs[planned.key]
+    entry = ex.cache.entries[planned.key]
     n, key = planned.num_tokens, planned.key
     raw = entry.graph.graph._replay  # type: ignore[attr-defined]  # a FullGraph's backend graph
     # the raw replay first: like the replay inside `step`, it follows the previous step
     calls: dict[str, Callable[[], Any]] = {"raw_replay": raw, "plan": lambda: p.plan(inputs, attn)}
-    tokens, check = p.tokens, p.attn_check
-    assert check is not None
-    checked, h = tokens.check(inputs), check.check(attn, n)
-    seqs = planned.padded["num_tokens"] if planned.kind.value == "full" else h.num_seqs
+    checked = p.check(inputs, attn)
+    decision = p.decide(checked)
     calls.update(
-        validate=lambda: (tokens.check(inputs), check.check(attn, n)),
-        classify=lambda: p._classify(planned, None, None, False),
-        stage=lambda: p.staging.stage(
-            key, planned.padded, checked.tensors, checked.arrays, h, seqs
-        ),
+        validate=lambda: p.check(inputs, attn),
+        classify=lambda: p.decide(checked),
+        stage=lambda: p.stage(checked, decision),
     )
     calls.update(
-        lookup=lambda: ex._graphs.get(key),
-        replay=lambda: ex._replay(entry, planned, hit=True),
-        output=lambda: ex._outputs(n),
+        lookup=lambda: ex.cache.lookup(key),
+        replay=lambda: ex.cache.replay(entry, planned),
+        output=lambda: ex.cache.outputs(n),
         step=lambda: ex(**step.kwargs()),
         engine_step=as_step(_engine_send(ex, step), raw),
     )

@@ -1,7 +1,8 @@
 """What the ranks agree on each step: one fixed-size message per rank, one rule for all.
 
-Each rank sends what its own plan chose (kind, padded key sizes, or why it runs eagerly),
-its real token count, the size of its graph cache and its tensor-parallel group; every rank
+Each rank sends what its own decision chose (kind, padded key sizes, or why it runs
+eagerly), its real token count, the size of its graph cache and its tensor-parallel group
+(nothing is staged before the ranks agree: xgraph.steps); every rank
 then applies the same rule to the same table, so all reach the same decision without a
 second round:
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ..buckets import Buckets
 from ..options import Kind
-from ..steps import Step
+from ..steps import Checked, Decision
 from .channel import STEP
 
 # message fields
@@ -58,15 +59,20 @@ class Agreed:
 
 
 def message(
-    step: Step | None, status: int, dims: Sequence[str], cache: tuple[int, int], tp: int
+    status: int,
+    checked: Checked | None,
+    decision: Decision | None,
+    dims: Sequence[str],
+    cache: tuple[int, int],
+    tp: int,
 ) -> list[int]:
-    """This rank's message (`step` None: refused or idle)."""
+    """This rank's message (`decision` None: refused or idle)."""
     out = [STEP, status, 3, 0, 0, cache[0], cache[1], tp] + [-1] * len(dims)
-    if step is not None:
-        out[F_KIND] = KIND_CODE[step.kind]
-        out[F_REASON] = reason_code(step.reason)
-        out[F_TOKENS] = step.num_tokens
-        sizes = step.padded if step.kind is not Kind.EAGER else step.sizes
+    if checked is not None and decision is not None:
+        out[F_KIND] = KIND_CODE[decision.kind]
+        out[F_REASON] = reason_code(decision.reason)
+        out[F_TOKENS] = checked.num_tokens
+        sizes = decision.padded if decision.kind is not Kind.EAGER else checked.sizes
         for i, d in enumerate(dims):
             out[F_DIMS + i] = sizes.get(d, -1)
     return out

@@ -296,14 +296,16 @@ class GraphExecutor(PreCapture, Release):
     def _run(self, step: Staged) -> Any:
         cache = self.cache
         if step.kind is Kind.EAGER:
-            return cache.run_eager(step, self.device)
+            with self.lockstep.eager(step):  # several ranks: its collectives checked
+                return cache.run_eager(step, self.device)
         assert step.key is not None
         entry = cache.entries.get(step.key)
         if entry is not None:
             cache.replay(entry, step)
             return cache.outputs(step.num_tokens)
         if step.key in cache.eager_keys:
-            return cache.run_padded(step, "capture failed earlier")
+            with self.lockstep.eager(step):
+                return cache.run_padded(step, "capture failed earlier")
         return self._capture(step)
 
     # -- capture ---------------------------------------------------------------------------
@@ -393,7 +395,8 @@ class GraphExecutor(PreCapture, Release):
         )
         warn_at_caller(msg)
         logger.warning(msg)
-        return self.cache.run_padded(step, "capture failed")
+        with self.lockstep.eager(step):
+            return self.cache.run_padded(step, "capture failed")
 
     def idle_step(self) -> None:
         """Under data parallelism, a step with no tokens on this rank: it runs the step the

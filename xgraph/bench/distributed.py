@@ -33,7 +33,7 @@ import torch.distributed as dist
 from .. import distributed as xdist
 from ..attention import step_context
 from ..buckets import Buckets
-from ..distributed.agreement import OK, decide, message
+from ..distributed.agreement import OK, Stamp, decide, message
 from ..distributed.channel import Channel
 from ..interfaces import Backend
 from ..models import Qwen3Model, Workload
@@ -114,7 +114,7 @@ def agreement_us(ex: Any, step: Any, iters: int) -> float:
     dims, comm = lock.dims, lock.comm
 
     def agree() -> None:
-        msg = message(OK, checked, local, dims, (0, 0), -1)
+        msg = message(OK, checked, local, dims, Stamp())
         decide(ch.exchange(msg, "step agreement"), dims, comm)
 
     return host_time(ex.backend, agree, iters) * 1e6

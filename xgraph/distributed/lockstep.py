@@ -25,10 +25,30 @@ from ..errors import XGraphError
 from ..options import Kind
 from ..steps import Checked, Decision, Staged
 from ..validation import NUM_TOKENS
-from .agreement import IDLE, OK, REFUSED, Agreed, decide, divergence, message, tp_mismatch
-from .capture import CaptureCheck, CheckedRecording, is_agreed, mark_agreed, warm_up_scope
+from .agreement import (
+    IDLE,
+    OK,
+    REFUSED,
+    Agreed,
+    Stamp,
+    configured_alike,
+    decide,
+    divergence,
+    message,
+    sequence_mismatch,
+    tp_mismatch,
+)
+from .capture import (
+    CaptureCheck,
+    CheckedRecording,
+    eager_scope,
+    is_agreed,
+    mark_agreed,
+    warm_up_scope,
+)
 from .channel import STEP
-from .errors import DistributedError, PeerStepError
+from .errors import DistributedError, OutOfStepError, PeerStepError
+from .identity import config_of, differences, digest, inputs_digest
 from .parallel import Parallel
 
 _local = threading.local()
@@ -69,6 +89,9 @@ class SingleRank:
 
     def checked(self, step: Staged, recording: Any) -> Any:
         return recording
+
+    def eager(self, step: Staged) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def idle(self) -> tuple[Checked, Decision] | None:
         raise XGraphError(
@@ -118,6 +141,9 @@ class Lockstep:
             self.comm[d] = planner.key_buckets[d]
         if len(self.dims) > 8:
             raise XGraphError(f"{self.name}: at most 8 key dims can be agreed across ranks.")
+        self.config = config_of(executor)  # the settings every rank must share
+        self.stamp = Stamp(tp=parallel.tp_leader, config=digest(self.config))
+        self.seq = 0  # agreements made: the ordinal of the next step
         self.capture: CaptureCheck | None = None
         self.manifests: dict[tuple, dict[str, list]] = {}  # key -> pass -> collectives
         self.counts = {"agreements": 0, "idle_steps": 0, "eager_agreed": 0}
@@ -193,27 +219,55 @@ class Lockstep:
         decision: Decision | None,
         exc: Exception | None,
     ) -> Agreed:
+        stamp = replace(self.stamp, cache=self.cache.sizes(), seq=self.seq)
         if self.channel is None:  # one rank: its own decision, communication dims from its tokens
-            one = [message(status, checked, decision, self.dims, self.cache.sizes(), -1)]
-            return self._settle(decide(one, [], self.comm))
-        mine = message(
-            status, checked, decision, self.dims, self.cache.sizes(), self.parallel.tp_leader
+            return self._settle(
+                decide([message(status, checked, decision, [], stamp)], [], self.comm)
+            )
+        if stamp.tp >= 0 and checked is not None:  # a TP group runs one batch: its inputs too
+            stamp = replace(stamp, inputs=inputs_digest(checked))
+        table = self.channel.exchange(
+            message(status, checked, decision, self.dims, stamp), "step agreement"
         )
-        table = self.channel.exchange(mine, "step agreement")
+        self.seq += 1
         if any(m[0] != STEP for m in table):
             raise self._break_with(self.channel.out_of_step(table, "step agreement"))
+        self._alike(table)
         self.counts["agreements"] += 1
         refused = [r for r, m in enumerate(table) if m[1] == REFUSED]
         if refused:
             self._refused(refused, exc)
             return Agreed(None)  # this rank refused: its caller raises its own error
-        wrong = divergence(table)
-        if wrong is not None:
-            raise self._break_with(DistributedError(f"{self.name}: {wrong}."))
-        wrong = tp_mismatch(table)
-        if wrong is not None:
-            raise PeerStepError(f"{self.name}: {wrong}. No rank ran this step.")
+        self._out_of_step(sequence_mismatch(table) or divergence(table) or tp_mismatch(table))
         return self._settle(decide(table, self.dims, self.comm))
+
+    def _alike(self, table: list[list[int]]) -> None:
+        """Raise on every rank (and stop) where the ranks' executors are set up differently."""
+        assert self.channel is not None
+        if not configured_alike(table):
+            configs = self.channel.gather_objects(self.config, "the executors' settings")
+            raise self._break_with(
+                DistributedError(
+                    f"{self.name}: the ranks' executors are configured differently: "
+                    f"{differences(configs)}. The ranks decide every step's kind, key and "
+                    "padding by one rule, which needs the same settings on every rank: build "
+                    "each rank's executor with the same arguments, then close these executors "
+                    "and restart the process group."
+                )
+            )
+        self._out_of_step(sequence_mismatch(table))
+
+    def _out_of_step(self, wrong: str | None) -> None:
+        """Raise on every rank (and stop) where the table shows the ranks at other steps."""
+        if wrong is not None:
+            raise self._break_with(
+                OutOfStepError(
+                    f"{self.name}: {wrong}. No rank ran this step, and every later one would "
+                    "pair the ranks' steps wrongly, so this executor stops here: close it, "
+                    "restart the process group, and make every rank call its executor with "
+                    "the same steps in the same order."
+                )
+            )
 
     def _settle(self, agreed: Agreed) -> Agreed:
         self.last, self.capture = agreed, None
@@ -242,8 +296,8 @@ class Lockstep:
         try:
             return run(checked, d)
         except Exception as exc:
-            check = self.capture
-            agreed = check is not None and check.key == d.key and check.failed_everywhere
+            check = self.capture  # this step's capture or eager check, if it made one
+            agreed = check is not None and check.failed_everywhere
             if (
                 self.channel is None
                 or agreed
@@ -260,6 +314,17 @@ class Lockstep:
         labels, record = self.parallel.labels, not self.compiled
         self.capture = CaptureCheck(self.channel, labels, step.key, record)
         return warm_up_scope(self.capture)
+
+    def eager(self, step: Staged) -> contextlib.AbstractContextManager[None]:
+        """An eager step's forward with its collectives checked as a capture's are, its end
+        agreed (xgraph.distributed.capture); nothing to check on a group of one rank."""
+        if self.channel is None:
+            return contextlib.nullcontext()
+        tokens = step.padded.get(NUM_TOKENS, step.num_tokens)
+        key = step.key if step.key is not None else ("eager",)
+        labels, record = self.parallel.labels, not self.compiled
+        self.capture = CaptureCheck(self.channel, labels, key, record, eager=tokens)
+        return eager_scope(self.capture)
 
     def checked(self, step: Staged, recording: Any) -> CheckedRecording:
         check = self.capture

@@ -22,10 +22,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .attention import InlineRunner, step_context
 from .buckets import Input
 from .errors import ReplayError, XGraphError
-from .interfaces import AttentionRunner
+from .interfaces import AttentionRunner, Backend
 from .lifetime import Entry
 from .metadata import AttentionMetadata
-from .options import Kind
+from .options import Kind, Mode
+from .paging import PagedAttention
+from .runners import reference_runners
 
 if TYPE_CHECKING:
     from .steps import Staged
@@ -38,6 +40,23 @@ class Runners:
 
     decode: AttentionRunner | None
     prefill: AttentionRunner | None
+
+    @classmethod
+    def pick(cls, attention: PagedAttention | None, backend: Backend, mode: Mode) -> Runners:
+        """The attention's own runners, else the backend's, else the reference ones; a
+        decode runner that is not graph-safe is refused where decode runs as full graphs."""
+        if attention is None:
+            return cls(None, None)
+        runners = {**reference_runners(), **backend.kernels().attention}
+        decode = attention.decode_runner or runners["decode"]
+        prefill = attention.prefill_runner or runners["prefill"]
+        if mode in (Mode.AUTO, Mode.FULL) and not decode.graph_safe:
+            raise XGraphError(
+                f"{type(decode).__name__} is not graph-safe, so decode cannot run as a full "
+                f"graph (mode={mode.value!r}). Pass a graph-safe decode_runner, or use "
+                "mode='piecewise'."
+            )
+        return cls(decode, prefill)
 
     def of_graph(self, kind: Kind) -> AttentionRunner | None:
         """The runner a recording of this kind plans on each step."""
@@ -98,6 +117,10 @@ class KeyCache:
         """Plan the entry's runner on the step's metadata and replay its recording."""
         entry.hits += hit
         self.replays += 1
+        check = step.device_check
+        if check is not None:  # device metadata: the key's first piece, its check
+            entry.graph.run_check()  # type: ignore[attr-defined]
+            check.sent()
         md = step.metadata
         if md is not None:
             runner = self.runners.decode if entry.kind is Kind.FULL else self.runners.prefill
@@ -145,6 +168,11 @@ class KeyCache:
     def run_padded(self, step: Staged, reason: str) -> Any:
         """Eager over the staged buffers (a key whose capture failed), sliced to the step."""
         self.eager[reason] += 1
+        check = step.device_check
+        if check is not None:  # device metadata: checked by the same ops, issued eagerly
+            with torch.no_grad():
+                check()
+            check.sent()
         out = self.forward_eagerly(step.views, step.metadata, self.runners.of_graph(step.kind))
         flat, spec = tree_flatten(out)
         return tree_unflatten([t[: step.num_tokens] for t in flat], spec)
@@ -203,6 +231,16 @@ class KeyCache:
     def sizes(self) -> tuple[int, int]:
         """(graphs, eager keys): equal on ranks in step."""
         return len(self.entries), len(self.eager_keys)
+
+    def checks(self) -> list[tuple[tuple[int, int], Any]]:
+        """((padded sequences, query length), its graph, None where its ops run eagerly) of
+        each key whose device check is part of its recording."""
+        out = []
+        for e in self.entries.values():
+            ops = getattr(e.graph, "device_check", None)
+            if ops is not None:
+                out.append(((ops.seqs, ops.query_len), e.graph.check_graph))  # type: ignore[attr-defined]
+        return out
 
     def hits(self) -> dict[tuple, int]:
         return {k: e.hits for k, e in self.entries.items()}

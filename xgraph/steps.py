@@ -10,6 +10,9 @@
 the kind and key chosen here, and the step written into the persistent buffers by
 `xgraph.staging` (padded by `xgraph.padding`). Nothing is written before the step is known
 good, and nothing is written twice: ranks agree on the decision, not on staged buffers.
+The planner never touches a graph: device-resident metadata is staged into the check's raw
+buffers, and the check itself is the first piece of the key's recording, which the
+executor's capture transaction records and its key cache replays (xgraph.device_check).
 
 Deciding: decode steps (one token per sequence, or no attention) run as full graphs,
 other steps piecewise, as the mode allows. Every shape-determining dim is padded to its
@@ -23,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +34,7 @@ import torch
 from .buckets import Buckets, Dim, Input
 from .buffers import BufferSpec, CopierFactory, StagedBuffers
 from .callsite import warn_at_caller
-from .device_check import COUNTS, DeviceCheck
+from .device_check import COUNTS, CheckOps, DeviceCheck
 from .errors import BucketOverflowError, InputError, XGraphError
 from .interfaces import AttentionRunner
 from .metadata import AttentionInputs, AttentionMetadata
@@ -41,9 +44,6 @@ from .staging import StepStaging
 from .step_attention import AttentionCheck, StepAttention
 from .synthetic import SyntheticSteps
 from .validation import NUM_TOKENS, TokenCheck
-
-if TYPE_CHECKING:
-    from .lifetime import Holdings
 
 logger = logging.getLogger("xgraph")
 
@@ -91,6 +91,7 @@ class Staged:
     attn: StepAttention | None
     views: dict[str, torch.Tensor]
     metadata: AttentionMetadata | None
+    device_check: CheckOps | None = None  # device metadata: the check to run before replay
 
 
 def declare_dims(name: str, buckets: Buckets, dims: Sequence[Dim]) -> dict[str, Dim]:
@@ -139,7 +140,11 @@ class _Overflow(Exception):
 
 
 class StepPlanner:
-    """Turns a step call into a staged step over the executor's persistent buffers."""
+    """Turns a step call into a staged step over the executor's persistent buffers.
+
+    The planner never touches a graph: it checks, decides and writes buffers; recording
+    and replaying (the device check's graph included) are the executor's capture
+    transaction's and key cache's."""
 
     def __init__(
         self,
@@ -290,7 +295,7 @@ class StepPlanner:
         if h is not None:  # a full graph sees the padded sequence count
             padded_tokens = decision.padded[NUM_TOKENS]
             seqs = padded_tokens // h.query_len if kind is Kind.FULL else h.num_seqs
-        views, md = self.staging.stage(
+        views, md, check = self.staging.stage(
             decision.key, decision.padded, checked.tensors, checked.arrays, h, seqs
         )
         return Staged(
@@ -303,6 +308,7 @@ class StepPlanner:
             h,
             views,
             md,
+            check,
         )
 
     def plan(
@@ -322,12 +328,10 @@ class StepPlanner:
         if self.device_check is not None:
             self.device_check.raise_pending(wait)
 
-    def attach(self, held: Holdings) -> None:
-        """The executor's holdings: the device check captures on its backend and graph
-        memory, and its graphs are reset when they are released."""
-        if self.device_check is not None:
-            self.device_check.attach(held.backend, held.memory)
-            held.closers.append(self.device_check.release)
+    def pending_error(self) -> Exception | None:
+        """What the device-side check of an earlier step found and no call raised yet,
+        waited for and taken (close() raises it), or None."""
+        return None if self.device_check is None else self.device_check.pending_error(True)
 
     def persistent_bytes(self) -> int:
         """Bytes of the staged buffers and of the device check's raw buffers."""

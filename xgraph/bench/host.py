@@ -5,9 +5,10 @@ each call made with an idle device (synchronized before it, outside the timed wi
 phases timed in turn within each iteration so that noise falls on all of them alike:
 
 - `plan`: `StepPlanner.plan`, the whole planning of the step (the copy to the device issued);
-- `validate`, `classify`, `stage`: its three phases, called on their own (validate: the
-  token inputs, then the attention inputs normalized and checked against the cache;
-  classify: the kind, bucket and key; stage: the host twin written, the one copy issued);
+- `validate`, `classify`, `stage`: its three moves, called on their own (validate:
+  `check`, the token inputs, then the attention inputs normalized and checked against the
+  cache; classify: `decide`, the kind, bucket and key; stage: the host twin written, the
+  one copy issued);
 - `lookup`: the graph cache lookup; `output`: the output views;
 - `replay`: the executor's replay call (runner planning, the graph's state checks) minus
   `raw_replay`, the backend's own replay of the same graph (its driver call alone);
@@ -22,8 +23,9 @@ phases timed in turn within each iteration so that noise falls on all of them al
 The forward is `trivial` by default (two ops: a replay costs little, so the subtraction adds
 no noise) or the reference `model`. The workload is the one `bench decode` uses on an
 accelerator: block tables 512 tokens wide (tensors, as engines keep them), contexts up to
-256. The planner's phases are reached through private attributes: this is a measurement of
-the internals, not an example of the API.
+256. The phases are the planner's moves (`check`, `decide`, `stage`) and the key cache's
+(`lookup`, `replay`, `outputs`) called on their own: a measurement of the internals, not
+an example of the API.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from ...buckets import Buckets, Input, default_sizes
+from ...compile_cache import CompileCache
 from ...compiled import DYNAMIC_INDUCTOR_CONFIG, TokenCompiled
 from ...errors import XGraphError
 from ...executor import GraphExecutor
@@ -134,6 +136,11 @@ class GraphModel:
             graphs of its own), or a torch.compile backend name ("aot_eager", "eager": CPU
             tests). One compile serves every bucket (the token count dynamic), one more the
             single-token bucket; `compile_dynamic=False` compiles once per bucket instead.
+        compile_cache: where the compiled decoder is kept for the next process on this
+            machine (xgraph.compile_cache): None (default: $XGRAPH_COMPILE_CACHE, else
+            ~/.cache/xgraph/compile), a folder, or False (off). Keyed by the model's class and
+            config, dtype, device, compile settings and versions: a stale artifact is never
+            loaded.
         linear: the projections through xgraph.linear (the backend's kernel where it
             serves; linears.py): None (default) where the backend has a kernel, True, False.
             Where there is a kernel, q/k/v and gate/up projections share one merged call.
@@ -152,6 +159,7 @@ class GraphModel:
         name: str = "transformers",
         compile: Any = False,
         compile_dynamic: bool = True,
+        compile_cache: str | os.PathLike[str] | bool | None = None,
         linear: bool | None = None,
         limits: Limits | None = None,
         **limit_fields: int,
@@ -197,22 +205,42 @@ class GraphModel:
         except BaseException:  # refused: the model keeps its own attention
             _release_model(model)
             raise
-        self.compiled = self._compile(compiler, compile_dynamic, name)
+        self.compiled = self._compile(compiler, compile_dynamic, name, compile_cache)
         self._finalizer = weakref.finalize(self, _release, self.executor, model, name)
 
-    def _compile(self, compiler: Any, dynamic: bool, name: str) -> TokenCompiled | None:
+    def _compile(
+        self, compiler: Any, dynamic: bool, name: str, where: str | os.PathLike[str] | bool | None
+    ) -> TokenCompiled | None:
         """The decoder under torch.compile, one compile for every bucket (or per bucket)."""
         if compiler is None:
             return None
         for t in self.cache.tensors():  # fixed sizes: never unified with the token count
             torch._dynamo.mark_static(t)
+        inductor = DYNAMIC_INDUCTOR_CONFIG if dynamic else None
+        settings = {
+            "backend": compiler if isinstance(compiler, str) else getattr(compiler, "__name__", ""),
+            "dynamic": dynamic,
+            "max_tokens": self.executor.buckets.max,
+            "inductor": inductor,
+            "linears": sorted({type(m).__name__ for m in self.model.modules()}),
+            "limits": dataclasses.asdict(self.limits),
+        }
+        cache = CompileCache.for_model(
+            model_class=f"{type(self.model).__module__}.{type(self.model).__qualname__}",
+            config=self.model.config.to_dict(),
+            dtype=self.model.dtype,
+            device=self.device,
+            settings=settings,
+            directory=where,
+        )
         compiled = TokenCompiled(
             self._forward.body,
             self.executor.buckets.max,
             backend=compiler,
             dynamic=dynamic,
             name=name,
-            inductor_config=DYNAMIC_INDUCTOR_CONFIG if dynamic else None,
+            inductor_config=inductor,
+            cache=cache,
         )
         self._forward.compiled = compiled
         return compiled

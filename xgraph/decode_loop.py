@@ -1,7 +1,6 @@
 """DecodeLoop: K decode steps per launch, the loop kept on the device.
 
-    loop = xgraph.DecodeLoop(model.forward_logits, attention=attn, steps=8,
-                             vocab_size=cfg.vocab_size, inputs=model.inputs())
+    loop = DecodeLoop(model.forward_logits, attention=attn, steps=8, inputs=model.inputs())
     out = loop(input_ids, positions, attn_inputs, budget=[32, 32], stop_ids=[[eos], [eos]],
                free_blocks=[7, 8, 9])
     out.tokens        # up to 8 new tokens per sequence, as one host read
@@ -104,7 +103,7 @@ class _Loop:
             logits = o.step(input_ids=buf.input_ids, positions=buf.positions)
             if self.sampled:
                 params = (x["temperature"], x["top_k"], x["top_p"], x["seeds"])
-                chosen = sample(logits, *params, buf.positions + 1, o.vocab(logits.device))
+                chosen = sample(logits, *params, buf.positions + 1, o.vocab(logits))
             else:
                 chosen = greedy(logits)
             outs.append(fb.advance(chosen))
@@ -121,7 +120,6 @@ class DecodeLoop:
         attention: the cache's paging layout (PagedAttention.for_cache); its decode runner
             (or the backend's) must be graph-safe.
         steps: K, the decode steps per launch (>= 1).
-        vocab_size: V, the logits' width.
         backend, buckets, memory, compiled, name: as GraphExecutor's (`memory` may be another
             executor's GraphMemory: the loop's graphs then share its physical memory).
         inputs: the model's declared inputs, for the bounds of input_ids and positions
@@ -137,7 +135,6 @@ class DecodeLoop:
         *,
         attention: PagedAttention,
         steps: int,
-        vocab_size: int,
         backend: str | Backend | None = None,
         buckets: Buckets | Sequence[int] | None = None,
         memory: GraphMemory | str | None = None,
@@ -154,7 +151,7 @@ class DecodeLoop:
                 "DecodeLoop: decode steps carry one token per sequence: give a "
                 "PagedAttention with max_query_len=1."
             )
-        self.step, self.steps, self.vocab_size, self.name = step, steps, vocab_size, name
+        self.step, self.steps, self.name = step, steps, name
         self.backend = get_backend(backend)
         self.buckets = Buckets.of(buckets, 256)
         inner = (
@@ -173,11 +170,13 @@ class DecodeLoop:
         self._executors: dict[bool, GraphExecutor] = {}
         self._vocab: torch.Tensor | None = None
 
-    def vocab(self, device: torch.device) -> torch.Tensor:
-        """arange(V) on the device (token ids for the sampler's noise), made once."""
-        if self._vocab is None or self._vocab.device != device:
-            self._vocab = torch.arange(self.vocab_size, device=device)
-        return self._vocab
+    def vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """arange(V) for logits of width V on their device (the sampler's token ids), made
+        at the first launch's eager run, never inside a capture."""
+        v = self._vocab
+        if v is None or v.device != logits.device or v.shape[0] != logits.shape[-1]:
+            v = self._vocab = torch.arange(logits.shape[-1], device=logits.device)
+        return v
 
     def _inputs(self, sampled: bool) -> list[Input]:
         i64 = torch.int64

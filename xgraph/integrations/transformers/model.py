@@ -32,6 +32,7 @@ import torch
 from ...buckets import Buckets, Input, default_sizes
 from ...compile_cache import CompileCache
 from ...compiled import DYNAMIC_INDUCTOR_CONFIG, TokenCompiled
+from ...decode_loop import DecodeLoop
 from ...errors import XGraphError
 from ...executor import GraphExecutor
 from ...interfaces import Backend
@@ -44,7 +45,7 @@ from ...pool import SharedPhysicalPool
 from . import registration
 from .attention import Binding, bound
 from .cache import PagedCache
-from .engine import Engine, TokenEvent
+from .engine import LOOP_STOP_IDS, Engine, TokenEvent
 from .forward import ModelForward
 from .generate import GenerationResult, generate, stream
 from .head import Head, split_head
@@ -57,11 +58,15 @@ from .spec import ModelSpec, inspect_model
 logger = logging.getLogger("xgraph")
 
 
-def _release(executor: GraphExecutor, model: Any, name: str) -> None:
-    """Close in order: the executor (waits for queued work, resets its graphs, frees graph
-    memory), then the model's attention. Runs once, from close() or from the garbage
-    collector, so it reports a failure and never raises."""
+def _release(executor: GraphExecutor, loops: dict[int, DecodeLoop], model: Any, name: str) -> None:
+    """Close in order: the multi-step loops (their graphs share the executor's memory), the
+    executor (waits for queued work, resets its graphs, frees graph memory), then the
+    model's attention. Runs once, from close() or from the garbage collector, so it
+    reports a failure and never raises."""
     try:
+        for loop in loops.values():
+            loop.close()
+        loops.clear()
         executor.close()
     except Exception:
         logger.exception("%s: closing its executor failed", name)
@@ -121,6 +126,18 @@ def _release_model(model: Any) -> None:
     registration.release(model)
     if registration.holders(model) == 0:
         restore_linears([m for m in model.modules() if type(m) is XLinear])
+
+
+class _LoopStep:
+    """A decode step as the multi-step loop calls it: the forward, then the LM head."""
+
+    def __init__(self, forward: ModelForward) -> None:
+        self.forward = forward
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.forward(input_ids, positions)
+        head = self.forward.head
+        return out if head is None else head(out)
 
 
 class GraphModel:
@@ -206,7 +223,8 @@ class GraphModel:
             _release_model(model)
             raise
         self.compiled = self._compile(compiler, compile_dynamic, name, compile_cache)
-        self._finalizer = weakref.finalize(self, _release, self.executor, model, name)
+        self._loops: dict[int, DecodeLoop] = {}
+        self._finalizer = weakref.finalize(self, _release, self.executor, self._loops, model, name)
 
     def _compile(
         self, compiler: Any, dynamic: bool, name: str, where: str | os.PathLike[str] | bool | None
@@ -345,6 +363,31 @@ class GraphModel:
     ) -> Iterator[TokenEvent]:
         """generate's tokens as they are chosen (generate.stream)."""
         return stream(self, prompts, max_new_tokens, **kwargs)
+
+    def decode_loop(self, steps: int) -> DecodeLoop:
+        """The loop that runs `steps` decode steps per launch over this model (xgraph.
+        decode_loop), made at its first use: its graphs share the executor's memory, its
+        sequences are the executor's up to max_seqs. The LM head and the token choice run
+        inside the launch."""
+        loop = self._loops.get(steps)
+        if loop is None:
+            lim = self.limits
+            top = self.executor.buckets.pad(lim.max_seqs) or self.executor.buckets.max
+            loop = self._loops[steps] = DecodeLoop(
+                _LoopStep(self._forward),
+                attention=PagedAttention.for_cache(
+                    self.cache, lim.max_seqs, lim.max_blocks_per_seq
+                ),
+                steps=steps,
+                backend=self.backend,
+                buckets=[b for b in self.executor.buckets.sizes if b <= top],
+                memory=self.executor.memory,
+                inputs=self.inputs(),
+                max_stop_ids=LOOP_STOP_IDS,
+                compiled=self.compiled is not None,
+                name=f"{self.executor.name}-loop{steps}",
+            )
+        return loop
 
     def engine(self, **kwargs: Any) -> Engine:
         """A generation loop over this model that takes requests while it runs (engine.py)."""

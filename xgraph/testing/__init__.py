@@ -26,6 +26,7 @@ _SUITE = {
     "ExecutorTests": "executor",
     "GraphTests": "graph",
     "KernelTests": "kernels",
+    "MultiStepTests": "multistep",
     "ParameterizationTests": "parameterization",
     "PiecewiseTests": "piecewise",
     "PoolTests": "pool",

@@ -18,6 +18,7 @@ from .discovery import PluginTests
 from .executor import ExecutorTests
 from .graph import GraphTests
 from .kernels import KernelTests
+from .multistep import MultiStepTests
 from .parameterization import ParameterizationTests
 from .piecewise import PiecewiseTests
 from .pool import PoolTests
@@ -37,5 +38,6 @@ class ConformanceSuite(
     ReliabilityTests,
     SleepTests,
     ParameterizationTests,
+    MultiStepTests,
 ):
     """Every conformance test; subclass it once per backend."""

@@ -209,7 +209,7 @@ def test_profile_step_refuses_what_it_cannot_run():
 def test_profile_step_measures_the_peak_on_cuda():
     """On a GPU: the backend's own prefill runner (Triton or SDPA), a peak that grows with the
     batch and includes the scratch, and outputs close to an executor's over the real cache."""
-    w = Workload.tiny(device="cuda")
+    w = Workload.tiny(device="cuda", num_blocks=256, max_blocks=32)  # rows of 64 tokens
     peaks = []
     for lens in ([16], [64, 64, 64, 64]):
         step = _prefill(w, lens)

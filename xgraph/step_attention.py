@@ -449,9 +449,9 @@ def _convert(name: str, value: Any, field: str, ndim: int, dtype: torch.dtype | 
     want = np.int32 if dtype is torch.int32 else np.int64
     if isinstance(value, torch.Tensor):
         if dtype is not None and value.dtype is not dtype and not _widens(value.dtype, dtype):
-            want = " or torch.int32" if dtype is torch.int64 else ""
+            also = " or torch.int32" if dtype is torch.int64 else ""
             raise InputError(
-                f"{name}: {field} must be {dtype}{want}; got {value.dtype}. Pass "
+                f"{name}: {field} must be {dtype}{also}; got {value.dtype}. Pass "
                 f"{field}.to({dtype})."
             )
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype is torch.bool:

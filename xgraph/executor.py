@@ -49,7 +49,7 @@ from .plugins import get_backend
 from .pool import SharedPhysicalPool
 from .precapture import PreCapture
 from .release import Release
-from .runners import reference_runners
+from .runners import runners_for
 from .steps import Step, StepPlanner
 
 if TYPE_CHECKING:
@@ -171,9 +171,7 @@ class GraphExecutor(PreCapture, Release):
     ) -> tuple[AttentionRunner | None, AttentionRunner | None]:
         if attention is None:
             return None, None
-        runners = {**reference_runners(), **self.backend.kernels().attention}
-        decode = attention.decode_runner or runners["decode"]
-        prefill = attention.prefill_runner or runners["prefill"]
+        decode, prefill = runners_for(self.backend, attention)
         if self.mode in (Mode.AUTO, Mode.FULL) and not decode.graph_safe:
             raise XGraphError(
                 f"{type(decode).__name__} is not graph-safe, so decode cannot run as a full "

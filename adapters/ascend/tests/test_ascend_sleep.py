@@ -8,9 +8,11 @@ import random
 
 import pytest
 import torch
+from xgraph_ascend.sim.libacl import GRAN
 
 import xgraph
 from xgraph import PagedKVCache, VirtualMemoryError, XGraphError
+from xgraph.arena import buffer_memory
 from xgraph.errors import AsleepError
 from xgraph.models import Qwen3Model, Workload
 
@@ -34,15 +36,22 @@ def test_sleep_gives_every_handle_back_and_keeps_every_range(sim) -> None:  # ty
     for s in steps:
         ex(**s.kwargs())  # replays queued, no synchronize: sleep must wait for them
     awake = rt.books()
+    vms = (sim.virtual_memory(), buffer_memory(sim))  # graph memory and regions; buffers
+    mapped = sum(vm.mapped_bytes() for vm in vms)
     kv, weights = [t.clone() for t in w.cache.tensors()], [p.clone() for p in w.model.parameters()]
     used = rt.mem_get_info()[1] - rt.mem_get_info()[0]
     report = xgraph.sleep(ex, offload=("weights", "kv_cache"))
     asleep = rt.books()
-    assert asleep["handles"] == 0 and asleep["mappings"] == 0
+    # what is left: one scratch handle of one granule per VirtualMemory, mapped at every
+    # granule of every range that was mapped
+    assert asleep["handles"] == len(vms) and asleep["mappings"] == mapped // GRAN
+    assert sum(vm.covered_bytes() for vm in vms) == mapped > 0
     assert asleep["reservations"] == awake["reservations"]  # every address kept
-    assert rt.mem_get_info()[0] == rt.lib.capacity and report.released_bytes == used
+    assert rt.mem_get_info()[0] == rt.lib.capacity - len(vms) * GRAN
+    assert report.released_bytes == used
     xgraph.wake(ex)
     assert rt.books() == awake and rt.lib.violations == []
+    assert all(vm.covered_bytes() == 0 and vm.covers() == 0 for vm in vms)
     assert all(torch.equal(a, b) for a, b in zip(w.cache.tensors(), kv))
     assert all(torch.equal(a, b) for a, b in zip(w.model.parameters(), weights))
     ex.close()

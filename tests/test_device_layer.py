@@ -186,13 +186,16 @@ def test_a_pool_closed_before_its_graph_is_parked_until_the_reset(backend) -> No
     _clean(backend)
 
 
-def _capture_in_thread(backend, started, release):  # type: ignore[no-untyped-def]
-    """A second thread that begins a capture and holds it until `release` is set."""
+def _capture_in_thread(backend, started, release, go=None):  # type: ignore[no-untyped-def]
+    """A second thread that begins a capture (`started`) and holds it until `release` is
+    set; returned once it began, or at once with `go` (the thread begins once `go` is set)."""
     out = {}
 
     def run() -> None:
         x, pool = torch.randn(16), backend.new_pool()
         graph = backend.new_graph()
+        if go is not None:
+            go.wait(10)
         graph.capture_begin(pool)
         y = x + 1
         started.set()
@@ -202,7 +205,8 @@ def _capture_in_thread(backend, started, release):  # type: ignore[no-untyped-de
 
     th = threading.Thread(target=run)
     th.start()
-    assert started.wait(10)
+    if go is None:
+        assert started.wait(10)
     return th, out
 
 
@@ -231,5 +235,35 @@ def test_other_threads_synchronize_close_and_drop_pools_while_a_capture_runs(bac
     out["graph"].reset()
     out["pool"].close()
     del y, out
+    rt.empty_cache()
+    _clean(backend)
+
+
+def test_a_capture_begun_during_a_device_synchronize_waits_for_it(backend) -> None:  # type: ignore[no-untyped-def]
+    """The check for other threads' captures and the device synchronize are one step: a
+    capture another thread begins in between waits for the synchronize instead of making it
+    fail (a device synchronize fails while any stream captures: ACL 107027)."""
+    rt, main = backend.runtime, threading.current_thread()
+    device_sync, inside, began, release = rt.synchronize, *(threading.Event() for _ in range(3))
+
+    def synchronize() -> None:  # the main thread's first device synchronize lingers
+        if threading.current_thread() is main and not inside.is_set():
+            inside.set()
+            began.wait(0.5)  # the other thread's capture begins now, unless it must wait
+        device_sync()
+
+    rt.synchronize = synchronize
+    th, out = _capture_in_thread(backend, began, release, go=inside)
+    backend.synchronize()  # the check passed: nothing captures yet
+    assert began.wait(10)  # then the other thread's capture began
+    release.set()
+    th.join(10)
+    out["x"].fill_(1)
+    out["graph"].replay()
+    backend.synchronize()
+    assert torch.equal(out["y"], torch.full((16,), 2.0))
+    out["graph"].reset()
+    out["pool"].close()
+    del out
     rt.empty_cache()
     _clean(backend)

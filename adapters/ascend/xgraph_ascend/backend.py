@@ -49,6 +49,10 @@ class AscendBackend(TorchBackend):
         super().__init__(runtime)
         self._update: Any = None
         self._lock = threading.Lock()
+        # held across each graph's update sequence: ACL takes one update at a time on a
+        # stream (107033 for a second begin) and the task-update guide rules out concurrent
+        # updates from several threads or streams, so threads replaying at once take turns
+        self.update_lock = threading.Lock()
 
     @classmethod
     def default_runtime(cls) -> TorchRuntime:
@@ -64,7 +68,8 @@ class AscendBackend(TorchBackend):
         return probe.availability()
 
     def update_stream(self) -> Any:
-        """The stream graph task updates are issued on (never a capturing one)."""
+        """The stream graph task updates are issued on (never a capturing one), by one
+        thread at a time (`update_lock`)."""
         with self._lock:
             if self._update is None:
                 self._update = self.runtime.new_stream()

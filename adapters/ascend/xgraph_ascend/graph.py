@@ -75,7 +75,7 @@ class AscendGraph(StreamGraph):
         if self._task_updates is None:
             backend = self.backend
             self._task_updates = TaskUpdates(
-                self.runtime, backend.update_stream(), backend.synchronize
+                self.runtime, backend.update_stream(), backend.synchronize, backend.update_lock
             )
             self.add_update(self._task_updates)
         return self._task_updates

@@ -12,10 +12,11 @@ from .caching import SimCachingAllocator, SimMemPool, SimPluggableAllocator
 from .faults import Faults
 from .graph import SimGraph, SimRecorder
 from .runtime import SimDeviceMemory, SimError, SimRuntime
-from .streams import SimStream, SimStreams
+from .streams import Queued, SimStream, SimStreams
 
 __all__ = [
     "Faults",
+    "Queued",
     "SimCachingAllocator",
     "SimDeviceMemory",
     "SimError",

@@ -10,7 +10,7 @@
   allocator's routing of the id. A capture_end that failed must not be called again (on
   torch_npu master that asserts `num_active_captures_ > 0`): the simulator records it.
 - replay: re-runs the recorded ops; they count as queued on the current stream until it
-  synchronizes.
+  synchronizes (the recording's `replayed` says whether its last replay may still run).
 - reset: gives back the pool use and the host use of a completed capture, and only of one.
 - a readable graph (`keep`, made by SimRuntime.readable_graph) describes what it records:
   `launches()` after capture_end (the parameterization check).
@@ -37,7 +37,7 @@ from .caching import PoolId, PrivatePool, graph_pool_id
 
 if TYPE_CHECKING:
     from .runtime import SimRuntime
-    from .streams import SimStream
+    from .streams import Queued, SimStream
 
 MODES = ("global", "thread_local", "relaxed")
 
@@ -54,6 +54,7 @@ class SimRecorder(TorchDispatchMode):
         self.keep_launches = self.tape.keep_launches
         self.attached = False  # its dispatch mode is on the capturing thread's stack
         self.invalid: int = 0  # the code that invalidated the capture, if any
+        self.replayed: Queued | None = None  # its last replay (it may still run)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -175,7 +176,7 @@ class SimGraph:
         try:
             self._recording.replay()
         finally:
-            rt.mark_busy()
+            self._recording.replayed = rt.mark_busy()  # its work may run until a synchronize
 
     def _destroy(self) -> None:
         """Give back what the runtime made for a completed capture (nothing here)."""

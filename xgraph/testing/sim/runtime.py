@@ -32,7 +32,7 @@ from xgraph.interfaces import Launch, PhysicalChunk
 from .caching import SimCachingAllocator, SimMemPool, SimPluggableAllocator
 from .faults import Faults
 from .graph import SimGraph
-from .streams import SimStream, SimStreams
+from .streams import Queued, SimStream, SimStreams
 
 DEFAULT_CAPACITY = 32 << 30  # the simulated device's memory (mem_get_info total)
 GRANULARITY = 64 << 10
@@ -106,9 +106,12 @@ class SimRuntime(TorchRuntime):
         """Replays issued since their stream last synchronized (the VMM refuses to unmap)."""
         return self.streams.queued()
 
-    def mark_busy(self) -> None:
-        """Work was issued on the current stream (a replay)."""
-        self.streams.current().queued += 1
+    def mark_busy(self) -> Queued:
+        """Work was issued on the current stream (a replay); it may run until that stream
+        synchronizes."""
+        stream = self.streams.current()
+        stream.queued += 1
+        return Queued(stream)
 
     def _refuse_while_capturing(self, call: str) -> None:
         capturing = self.streams.capturing()
@@ -122,12 +125,12 @@ class SimRuntime(TorchRuntime):
     def synchronize(self) -> None:
         self._refuse_while_capturing("synchronize")
         for s in self.streams.all():
-            s.queued = 0
+            s.settle()
 
     def stream_synchronize(self, stream: SimStream) -> None:
         if stream.capture is not None:
             raise self.error(self.STREAM_CAPTURED, "stream synchronize", "the stream captures")
-        stream.queued = 0
+        stream.settle()
 
     def new_stream(self) -> SimStream:
         return self.streams.new()

@@ -40,6 +40,8 @@ from xgraph.launches import current_layer, describe
 from ..errors import AclRuntimeError
 
 if TYPE_CHECKING:
+    from xgraph.testing.sim import Queued
+
     from .caching import PrivatePool
     from .streams import SimStream, SimStreams
 
@@ -114,6 +116,7 @@ class SimCapture(TorchDispatchMode):
         self.group: list[Task] | None = None
         self.invalid: tuple[int, str] | None = None
         self.state = "capturing"  # -> "captured" | "failed" -> "reset"
+        self.replayed: Queued | None = None  # its last replay (it may still run)
 
     def _new_tape(self) -> OpTape:
         tape = OpTape()

@@ -124,10 +124,11 @@ class SimRuntime(sim.SimRuntime, NpuRuntime):
             raise AclRuntimeError(TASK_GROUP_STATUS, call, "an update is already open")
         if not isinstance(handle, TaskGroupHandle) or handle.capture.state != "captured":
             raise AclRuntimeError(107000, call, "the task group's graph is not captured (reset?)")
-        if self.queued:  # the runtime does not check (silent on an NPU): recorded instead
+        replayed = handle.capture.replayed
+        if replayed is not None and not replayed.done():  # silent on an NPU: recorded here
             self.lib.violations.append(
-                f"{call} while a replay may still be running and reading the parameters this "
-                "update replaces (synchronize before updating)"
+                f"{call} while a replay of its graph may still be running and reading the "
+                "parameters this update replaces (synchronize before updating)"
             )
         stream.update = UpdateSession(handle)
 

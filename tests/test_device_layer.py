@@ -71,16 +71,21 @@ def test_a_failed_begin_gives_back_the_routing_and_poisons_the_pool(backend) -> 
     _clean(backend)
 
 
-def test_a_failed_end_is_ended_by_the_driver_once_and_the_stream_replaced(backend) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("fault, by_driver", [("capture_end", 0), ("capture_end_refused", 1)])
+def test_a_failed_end_leaves_no_stream_capturing_and_the_stream_replaced(  # type: ignore[no-untyped-def]
+    backend, fault, by_driver
+) -> None:
+    """A failed end takes the stream out of capture (ACL, CUDA); an end refused before it ran
+    leaves the stream capturing, and the layer ends that through the driver, once."""
     rt, x = backend.runtime, torch.randn(16)
     old = backend.capture_stream()
     pool = backend.new_pool()  # its keeper is a capture too
-    calls = rt.faults.calls["capture_end"]
-    rt.faults.inject("capture_end", 9)
+    calls = rt.faults.calls["capture_end_refused"]  # counted at every capture_end
+    rt.faults.inject(fault, 9)
     with pytest.raises(xgraph.CaptureError, match="capture_end refused"):
         _capture(backend, pool, torch.exp, x)
-    assert rt.faults.calls["capture_end"] - calls == 1  # the runtime's capture_end ran once
-    assert rt.faults.calls["end_capture"] == 1 and not rt.is_capturing(old)
+    assert rt.faults.calls["capture_end_refused"] - calls == 1  # capture_end ran once
+    assert rt.faults.calls["end_capture"] == by_driver and not rt.is_capturing(old)
     assert backend.capture_stream() is not old and pool.poisoned
     assert rt.caching.routes() == 0 and book(rt).parked() == 0
     rt.synchronize()  # no stream is left capturing: the device synchronizes again
@@ -90,9 +95,11 @@ def test_a_failed_end_is_ended_by_the_driver_once_and_the_stream_replaced(backen
 
 
 def test_a_capture_that_cannot_be_ended_leaves_a_working_device(backend) -> None:  # type: ignore[no-untyped-def]
+    """The end refused before it ran and the driver refusing too: no runtime the sources
+    show leaves a stream capturing once its end ran, but the layer copes with one."""
     rt, x = backend.runtime, torch.randn(16)
     old, pool = backend.capture_stream(), backend.new_pool()
-    rt.faults.inject("capture_end", 9)
+    rt.faults.inject("capture_end_refused", 9)
     rt.faults.inject("end_capture", 9, times=1000)  # the driver cannot end it either, for now
     with pytest.raises(xgraph.CaptureError):
         _capture(backend, pool, torch.exp, x)

@@ -7,8 +7,13 @@
   leaves both behind, as torch does.
 - capture_end: ends the runtime's capture first and raises on failure before anything else
   (the release branches' order), keeping the pool's use, the thread's routing and the host
-  allocator's routing of the id. A capture_end that failed must not be called again (on
-  torch_npu master that asserts `num_active_captures_ > 0`): the simulator records it.
+  allocator's routing of the id. A failed end takes the stream out of capture all the same
+  (ACL: on every failure after its status checks; CUDA: an invalidated capture); only a
+  refusal before the end runs (fault "capture_end_refused": torch's "Capture must end on
+  the same stream it began on", CUDA's wrong-thread check) leaves the stream capturing, to
+  be ended through the driver (`end_capture`). A capture_end that failed must not be called
+  again (on torch_npu master that asserts `num_active_captures_ > 0`): the simulator
+  records it.
 - replay: re-runs the recorded ops; they count as queued on the current stream until it
   synchronizes (the recording's `replayed` says whether its last replay may still run).
 - reset: gives back the pool use and the host use of a completed capture, and only of one.
@@ -102,6 +107,7 @@ class SimGraph:
     """One torch graph instance (see the module docstring for its rules)."""
 
     BEGIN, END, REPLAY = "capture_begin", "capture_end", "replay"  # fault names of the calls
+    END_REFUSED = "capture_end_refused"  # a refusal before the end runs (see the docstring)
 
     def __init__(self, runtime: SimRuntime) -> None:
         self._rt = runtime
@@ -141,13 +147,12 @@ class SimGraph:
         return SimRecorder(self._rt, stream, pool)
 
     def _end_recording(self) -> int:
-        """End the runtime's capture: 0, or the code it failed with (the stream may go on
-        capturing)."""
+        """End the runtime's capture: 0, or the code it failed with. A failed end still
+        takes the stream out of capture (what it recorded is dropped), as ACL and CUDA do
+        once their end runs."""
         code = self._rt.faults.check(self.END)
-        if code:
-            self._recording.detach()  # nothing ended the capture: its stream still captures
-            return code
-        return int(self._recording.stop())
+        stopped = int(self._recording.stop())
+        return code or stopped
 
     def _end_error(self, code: int) -> Exception:
         return self._rt.error(code, self.END, "the capture could not be ended")
@@ -159,6 +164,10 @@ class SimGraph:
         if self._end_failed:
             rt.violation("capture_end was called again after it failed on the same capture")
             raise RuntimeError("capture_end: this capture's end already failed")
+        refused = rt.faults.check(self.END_REFUSED)
+        if refused:  # before the runtime's end ran: the stream keeps capturing
+            self._end_failed = True
+            raise rt.error(refused, self.END, "refused before the capture was ended")
         code = self._end_recording()
         if code:
             self._end_failed = True

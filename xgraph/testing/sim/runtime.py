@@ -12,8 +12,10 @@ device layer's failure paths run in CI:
   of a capture on a pool every graph released, routing left behind by a failed begin/end;
 - dropping a MemPool while any stream captures is recorded as a violation (torch_npu's
   destructor throws there and aborts the process);
-- faults: `faults.inject(call, code)` makes "capture_begin", "capture_end", "end_capture"
-  (the driver's own end of a capture), "replay" or "malloc" fail.
+- faults: `faults.inject(call, code)` makes "capture_begin", "capture_end" (the stream
+  leaves capture all the same), "capture_end_refused" (refused before the end runs: the
+  stream keeps capturing), "end_capture" (the driver's own end of a capture), "replay" or
+  "malloc" fail.
 `books()` counts what must go back (routes, pools, memory); `violations` lists broken rules.
 """
 

@@ -6,7 +6,9 @@ and device tasks (kernels of the simulated torch_npu, ExternalEvent waits, reset
 records) as Task items between tape segments. Replay runs the program in order.
 
 Rules kept here (CANN "single-stream capture" rules): an op on the default stream while
-capturing invalidates the capture (107031); a task group must open and close on a capturing
+capturing invalidates the capture (107031); an end from another thread than the begin's
+returns 107038 and takes the stream out of capture (hicann/runtime capture_model_utils.cc,
+context_aclgraph.cc), as every failed end does; a task group must open and close on a capturing
 stream, not nested (107029 / 107033); a graph task update must re-issue, on a stream that is
 not capturing, exactly the group's tasks in count and kernel type, and it replaces their
 parameters. A mismatch fails as the runtime reports it: RT_ERROR_STREAM_TASKGRP_UPDATE
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
 STREAM_NOT_CAPTURED = 107029
 CAPTURE_IMPLICIT = 107031
 TASK_GROUP_STATUS = 107033
+WRONG_THREAD = 107038  # ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD
 INTERNAL_ERROR = 507000  # what a task update that does not match its group fails with
 
 
@@ -117,6 +120,7 @@ class SimCapture(TorchDispatchMode):
         self.invalid: tuple[int, str] | None = None
         self.state = "capturing"  # -> "captured" | "failed" -> "reset"
         self.replayed: Queued | None = None  # its last replay (it may still run)
+        self.attached = False  # on the capturing thread's dispatch stack
 
     def _new_tape(self) -> OpTape:
         tape = OpTape()
@@ -144,6 +148,8 @@ class SimCapture(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.stream.capture is not self:
+            return out  # taken out of capture (an end from another thread): runs, not recorded
         current = self.streams.current()
         if current is not self.stream:
             if current.is_default:
@@ -178,18 +184,37 @@ class SimCapture(TorchDispatchMode):
 
     def start(self) -> None:
         self.__enter__()
+        self.attached = True
         self.stream.capture = self
 
-    def stop(self) -> int:
-        """End the capture (from its own thread); 0 or the code that invalidated it."""
-        if threading.get_ident() != self.thread:
-            return 107038  # ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD
+    def detach(self) -> None:
+        """Leave the capturing thread's dispatch stack (only that thread can); idempotent."""
+        if not self.attached or threading.get_ident() != self.thread:
+            return
         if _get_current_dispatch_mode() is not self:
             raise RuntimeError(
                 "simulated capture end: another TorchDispatchMode is still active above the "
                 "capture's recorder; modes entered during a capture must be left before it ends"
             )
         self.__exit__(None, None, None)
+        self.attached = False
+
+    def abandon(self) -> None:
+        """Take the stream out of capture, dropping what it recorded (a failed end, from any
+        thread: ACL ends the capture and destroys its model on every failure after its
+        status checks). The capturing thread leaves the recorder at its own next end."""
+        if self.stream.capture is self:
+            self.stream.capture = None
+        self.state = "failed"
+        self.detach()
+
+    def stop(self) -> int:
+        """End the capture; 0 or the code that invalidated it. From another thread than the
+        one that began it: 107038, and the stream leaves capture all the same."""
+        if threading.get_ident() != self.thread:
+            self.abandon()
+            return WRONG_THREAD
+        self.detach()
         self.stream.capture = None
         self._seal()
         self.program.append(self.tape)
@@ -207,6 +232,7 @@ class SimCapture(TorchDispatchMode):
                     item.replay()
 
     def drop(self) -> None:
+        self.detach()
         self.state = "reset"
         for item in self.program:
             if isinstance(item, OpTape):

@@ -44,6 +44,8 @@ DRV_INTERNAL = 507899
 # aclrtReserveMemAddress's flags: 0, or 1 "kept for the early API's compatibility"
 # (memory.cpp:1052-1053); torch_npu passes 1, vllm-ascend and xgraph 0
 RESERVE_FLAGS = (0, 1)
+# calls that check their injected faults themselves (a failed capture end still ends it)
+_OWN_FAULTS = frozenset({"aclmdlRICaptureEnd"})
 MISALIGN = 64 << 10  # where a deliberately misaligned reservation starts past the boundary
 # location types aclrtMallocPhysical takes (UNREGISTERED and MANAGED are refused)
 _LOCATIONS = (
@@ -92,6 +94,7 @@ class SimAcl:
         self.misaligned_reserves = 0  # next reservations returned off a 2 MiB boundary
         self.busy: Callable[[], bool] = lambda: False  # queued device work (set by runtime)
         self.end_capture: Callable[[int], int] = lambda stream: 107029
+        self.abort_capture: Callable[[int], None] = lambda stream: None
         self._lock = threading.RLock()
         self._reservations: dict[int, tuple[int, int]] = {}  # va -> (host base, size)
         self._handles: dict[int, _Handle] = {}
@@ -112,7 +115,7 @@ class SimAcl:
             return lambda: ctypes.addressof(self._msg)
 
         def call(*args: Any) -> int:
-            code = self.faults.check(name)
+            code = self.faults.check(name) if name not in _OWN_FAULTS else 0
             if code:
                 return self._fail(name, code, "injected failure")
             try:
@@ -290,6 +293,10 @@ class SimAcl:
 
     def _aclmdlRICaptureEnd(self, stream, ri_out) -> int:
         _rule(bool(ri_out), INVALID_PARAM, "modelRI is NULL")
+        injected = self.faults.check("aclmdlRICaptureEnd")
+        if injected:  # past the status checks, a failure ends the capture all the same
+            self.abort_capture(stream or 0)
+            return self._fail("aclmdlRICaptureEnd", injected, "injected failure")
         code = self.end_capture(stream or 0)
         if code:
             return self._fail("aclmdlRICaptureEnd", code, "the stream could not end capture")

@@ -55,6 +55,7 @@ class SimRuntime(sim.SimRuntime, NpuRuntime):
         self.caching = NpuCachingAllocator(self)
         self.lib.busy = lambda: self.queued > 0
         self.lib.end_capture = self._end_capture_of
+        self.lib.abort_capture = self._abort_capture_of
 
     # -- device and streams ----------------------------------------------------------------
 
@@ -70,6 +71,12 @@ class SimRuntime(sim.SimRuntime, NpuRuntime):
         if stream is None or stream.capture is None:
             return STREAM_NOT_CAPTURED
         return stream.capture.stop()
+
+    def _abort_capture_of(self, handle: int) -> None:
+        """A failed aclmdlRICaptureEnd: the stream leaves capture, its model is not made."""
+        stream = self.streams.by_handle(handle)
+        if stream is not None and stream.capture is not None:
+            stream.capture.abandon()
 
     end_capture = NpuRuntime.end_capture  # through the simulated aclmdlRICaptureEnd
 

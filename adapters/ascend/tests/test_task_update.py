@@ -90,14 +90,29 @@ def _captured_decode(backend, batch: int = 4):  # type: ignore[no-untyped-def]
     return graph, pool, (w, md, q, k, out, runner)
 
 
-def test_a_replay_whose_update_was_skipped_is_detected(sim) -> None:  # type: ignore[no-untyped-def]
-    graph, pool, _ = _captured_decode(sim)
+def test_a_replay_whose_update_was_skipped_blocks_its_stream(sim) -> None:  # type: ignore[no-untyped-def]
+    """What an NPU does: the replay returns, its stream blocks at the captured ExternalEvent
+    wait (the fused op never runs on stale lengths) and a synchronize would hang; the
+    simulator's fails with the stream-synchronize timeout instead, naming the wait. A
+    record of the event releases the stream: the rest of the graph runs then."""
+    graph, pool, (_w, _md, _q, _k, out, _runner) = _captured_decode(sim)
     graph.replay()  # the update runs first: fine
-    graph.replay()
-    with pytest.raises(XGraphError, match="ACL_ERROR_RT_WAIT_TIMEOUT") as info:
-        graph._replay()  # the driver's replay without the update callbacks
-    assert "update before this replay was skipped" in str(info.value)
+    sim.synchronize()
+    expect = out.clone()
+    out.zero_()
+    graph._replay()  # the driver's replay without the update callbacks: returns
+    assert torch.equal(out, torch.zeros_like(out))  # blocked before the op
+    for _ in range(2):  # still blocked: every synchronize of it times out
+        with pytest.raises(XGraphError, match="ACL_ERROR_RT_STREAM_SYNC_TIMEOUT") as info:
+            sim.synchronize()
+        assert "ran without the graph task update" in str(info.value)
+        assert "synchronize timed out" in str(info.value)  # the adapter's advice
+    (update,) = graph._task_updates.items
+    update.event.record(sim.update_stream())  # what the skipped update would have done
+    assert torch.equal(out, expect)  # the rest ran: the op, on the last update's lengths
+    sim.synchronize()
     graph.replay()  # updates run again: the graph is usable
+    sim.synchronize()
     graph.reset()
     pool.close()
 

@@ -21,7 +21,7 @@ from xgraph.errors import BackendUnavailableError
 
 from . import probe
 from .acl import VMM_CALLS
-from .errors import CAPTURE_CODES, acl_code, capture_error
+from .errors import CAPTURE_CODES, SYNC_TIMEOUT_CODES, acl_code, capture_error, runtime_error
 from .graph import AscendGraph
 from .runtime import NpuRuntime, PoolEra, TorchNpuRuntime
 from .sim.runtime import SimRuntime
@@ -89,8 +89,11 @@ class AscendBackend(TorchBackend):
         try:
             super().synchronize()
         except Exception as exc:
-            if acl_code(exc) in CAPTURE_CODES:  # a synchronize inside a capture
+            code = acl_code(exc)
+            if code in CAPTURE_CODES:  # a synchronize inside a capture
                 raise capture_error(exc, "synchronize") from exc
+            if code in SYNC_TIMEOUT_CODES:  # a stream blocked on a wait (a skipped update)
+                raise runtime_error(exc, "synchronize") from exc
             raise
 
     # -- benchmark hooks (xgraph.interfaces.BenchmarkHooks) -----------------------------------

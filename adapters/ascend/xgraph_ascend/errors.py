@@ -76,6 +76,8 @@ OOM_CODES = {207001, 207018}
 # the stream and model resources every captured graph holds, an invalidated capture
 CAPTURE_CODES = {c for c in ACL_ERROR_NAMES if 107024 <= c <= 107045} | {207008, 207010, 507903}
 
+SYNC_TIMEOUT_CODES = {507046, 507047}  # a stream or event synchronize that timed out
+
 _RESOURCES = (
     "capture fewer sizes (fewer buckets), prefer full graphs to piecewise ones (each piece "
     "holds streams), or upgrade the HDK (>= 25.5.1 if the log says 'alloc sq cq fail')."

@@ -224,12 +224,9 @@ class SimCapture(TorchDispatchMode):
         return self.invalid[0] if self.invalid else 0
 
     def replay(self) -> None:
-        with torch.no_grad():
-            for item in self.program:
-                if isinstance(item, Task):
-                    item.run()
-                else:
-                    item.replay()
+        """aclmdlRIExecuteAsync: the program runs on the current stream (up to a wait that
+        cannot pass: the stream blocks there, see `run_on`)."""
+        run_on(self.streams.current(), self.program)
 
     def drop(self) -> None:
         self.detach()
@@ -240,9 +237,43 @@ class SimCapture(TorchDispatchMode):
         self.program = []
 
 
+class StreamBlocked(Exception):
+    """Raised by a task that cannot run yet: a wait on an ExternalEvent nothing recorded."""
+
+    def __init__(self, event: Any) -> None:
+        super().__init__(f"a wait on ExternalEvent #{event.id}")
+        self.event = event
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A blocked stream: the event its wait needs, and the work queued behind the wait."""
+
+    event: Any
+    rest: list[OpTape | Task]
+
+
+def run_on(stream: Any, items: list[OpTape | Task]) -> None:
+    """Run program items in order on `stream`, as the NPU runs a stream's tasks: at a wait
+    that cannot pass the stream blocks, and the rest (and any task or replay issued on the
+    stream later) runs once the event is recorded (SimExternalEvent.record). Eager aten ops
+    issued on a blocked stream run at once here: the simulator has no queue for them."""
+    if stream.waiting is not None:
+        stream.waiting.rest.extend(items)
+        return
+    with torch.no_grad():
+        for i, item in enumerate(items):
+            try:
+                item.run() if isinstance(item, Task) else item.replay()
+            except StreamBlocked as blocked:
+                stream.waiting = Waiting(blocked.event, list(items[i + 1 :]))
+                blocked.event.waiters.append(stream)
+                return
+
+
 def route_task(streams: SimStreams, stream: Any, task: Task, run_at_capture: bool) -> None:
     """Issue a device task on `stream` (None: current): record it, collect it for an update,
-    or run it now."""
+    or run it now (behind a wait its stream is blocked on)."""
     s = stream if stream is not None else streams.current()
     if s.capture is not None:
         s.capture.add_task(task)
@@ -251,4 +282,4 @@ def route_task(streams: SimStreams, stream: Any, task: Task, run_at_capture: boo
     elif s.update is not None:
         s.update.issued.append(task)
     else:
-        task.run()
+        run_on(s, [task])

@@ -34,6 +34,7 @@ from .npugraph import SimNPUGraph
 from .streams import SimStreams
 
 DEFAULT_CAPACITY = 32 << 30  # the simulated device's memory (mem_get_info total)
+SYNC_TIMEOUT = 507046  # ACL_ERROR_RT_STREAM_SYNC_TIMEOUT
 
 
 class SimRuntime(sim.SimRuntime, NpuRuntime):
@@ -64,6 +65,36 @@ class SimRuntime(sim.SimRuntime, NpuRuntime):
 
     def stream_handle(self, stream: Any) -> int:
         return int(stream.npu_stream)
+
+    def synchronize(self) -> None:
+        self._refuse_while_capturing("synchronize")  # refused at entry (context.cc)
+        self._timed_out(self.streams.all(), "aclrtSynchronizeDeviceWithTimeout")
+        super().synchronize()
+
+    def stream_synchronize(self, stream: Any) -> None:
+        if stream.capture is None:
+            self._timed_out([stream], "aclrtSynchronizeStreamWithTimeout")
+        super().stream_synchronize(stream)
+
+    def empty_cache(self) -> None:
+        self._refuse_while_capturing("empty_cache")
+        self._timed_out(self.streams.all(), "aclrtSynchronizeDevice (empty_cache)")
+        super().empty_cache()
+
+    def _timed_out(self, streams: list[Any], call: str) -> None:
+        """A synchronize of a stream blocked on a wait nothing released: an NPU hangs (or
+        times out, with a timeout set); the simulator fails now, naming the wait."""
+        blocked = [s for s in streams if s.waiting is not None]
+        if blocked:
+            waits = ", ".join(f"ExternalEvent #{s.waiting.event.id}" for s in blocked)
+            raise AclRuntimeError(
+                SYNC_TIMEOUT,
+                call,
+                f"{len(blocked)} stream(s) wait on {waits}, which nothing recorded since its "
+                "last reset: a replay ran without the graph task update before it. On an NPU "
+                "this synchronize would block until its timeout (forever without one); "
+                "replay through Graph.replay, which runs the updates first",
+            )
 
     def _end_capture_of(self, handle: int) -> int:
         """aclmdlRICaptureEnd's work: end the capture recording on that stream."""

@@ -95,7 +95,7 @@ def undo_pool_capture(
         logger.exception("releasing pool %s after a failed capture failed", pool_id)
 
 
-def _keeper_kit(runtime: TorchRuntime) -> threading.local:
+def _thread_kits(runtime: TorchRuntime) -> threading.local:
     """This thread's keeper stream and scratch of `runtime` (`.kit`, None until made)."""
     with _lock:
         kits = _keeper_kits.get(runtime)
@@ -107,10 +107,12 @@ def _keeper_kit(runtime: TorchRuntime) -> threading.local:
 def keeper_graph(runtime: TorchRuntime, mempool: Any) -> Any:
     """A one-op graph captured on the pool (see the module docstring), on a stream of this
     thread's own: never one another thread's keeper captures on."""
-    kits = _keeper_kit(runtime)
+    kits = _thread_kits(runtime)
     kit = getattr(kits, "kit", None)
     if kit is None:
-        kit = kits.kit = (runtime.new_stream(), torch.zeros(1, device=runtime.device))
+        with torch.inference_mode(False):  # kept for good: add_ works in every mode
+            scratch = torch.zeros(1, device=runtime.device)
+        kit = kits.kit = (runtime.new_stream(), scratch)
     stream, scratch = kit
     pool_id: PoolId = tuple(mempool.id)  # type: ignore[assignment]
     base = mempool_use_count(mempool)

@@ -129,3 +129,9 @@ def book(runtime: TorchRuntime) -> CaptureBook:
         if found is None:
             found = _books[runtime] = CaptureBook(runtime)
         return found
+
+
+def when_no_capture(runtime: TorchRuntime, fn: Callable[[], Any]) -> bool:
+    """Run `fn()` if no capture runs on `runtime`'s device (none begins meanwhile, see
+    CaptureBook); whether it ran. For calls that fail during any capture (empty_cache)."""
+    return book(runtime).when_quiet(fn)

@@ -29,10 +29,15 @@ from typing import Any
 
 import torch
 
-from xgraph.errors import InputError, XGraphError
-from xgraph.graphs import capturing_graph
-from xgraph.metadata import AttentionMetadata, KVCache
-from xgraph.runners import PlannedRunner, store_kv
+from xgraph.adapter import (
+    AttentionMetadata,
+    InputError,
+    KVCache,
+    PlannedRunner,
+    XGraphError,
+    capturing_graph,
+    store_kv,
+)
 
 from .graph import AscendGraph
 from .runtime import NpuRuntime

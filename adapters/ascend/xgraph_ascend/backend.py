@@ -16,8 +16,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from xgraph.adapter import Availability, TorchBackend, TorchRuntime, VirtualMemory
-from xgraph.errors import BackendUnavailableError
+from xgraph.adapter import (
+    Availability,
+    BackendUnavailableError,
+    TorchBackend,
+    TorchRuntime,
+    VirtualMemory,
+)
 
 from . import probe
 from .acl import VMM_CALLS

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import threading
 
-from xgraph.errors import CaptureError, VirtualMemoryError, XGraphError
+from xgraph.adapter import CaptureError, VirtualMemoryError, XGraphError
 
 # rt_error_codes.h / acl_base_rt.h (hicann/runtime)
 ACL_ERROR_NAMES: dict[int, str] = {

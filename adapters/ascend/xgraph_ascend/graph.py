@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from xgraph.adapter import StreamGraph
-from xgraph.errors import XGraphError
+from xgraph.adapter import StreamGraph, XGraphError
 
 from .errors import capture_error, runtime_error, take_vmm_failure, translate_op_error
 from .runtime import NpuRuntime

@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from xgraph.errors import XGraphError
+from xgraph.adapter import XGraphError
 
 from .errors import acl_code, advice, error_name
 from .runtime import NpuRuntime

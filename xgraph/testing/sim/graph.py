@@ -47,6 +47,16 @@ if TYPE_CHECKING:
 MODES = ("global", "thread_local", "relaxed")
 
 
+def leave_recorder(recorder: TorchDispatchMode) -> None:
+    """Take a capture's recorder off this thread's dispatch stack, where it must be on top."""
+    if _get_current_dispatch_mode() is not recorder:
+        raise RuntimeError(
+            "simulated capture end: another TorchDispatchMode is still active above the "
+            "capture's recorder; modes entered during a capture must be left before it ends"
+        )
+    recorder.__exit__(None, None, None)
+
+
 class SimRecorder(TorchDispatchMode):
     """One capture's recording; entered in the capturing thread by `start`."""
 
@@ -75,15 +85,9 @@ class SimRecorder(TorchDispatchMode):
 
     def detach(self) -> None:
         """Leave the capturing thread (the stream may go on capturing, recording nothing)."""
-        if not self.attached:
-            return
-        if _get_current_dispatch_mode() is not self:
-            raise RuntimeError(
-                "simulated capture end: another TorchDispatchMode is still active above the "
-                "capture's recorder; modes entered during a capture must be left before it ends"
-            )
-        self.__exit__(None, None, None)
-        self.attached = False
+        if self.attached:
+            leave_recorder(self)
+            self.attached = False
 
     def stop(self) -> int:
         """End the capture on its stream; 0, or the code that invalidated it."""

@@ -32,12 +32,10 @@ import torch
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,
-    _get_current_dispatch_mode,
 )
 
-from xgraph.backends.cpu import OpTape
-from xgraph.interfaces import Launch
-from xgraph.launches import current_layer, describe
+from xgraph.adapter import Launch
+from xgraph.testing.sim import OpTape, current_layer, describe, leave_recorder
 
 from ..errors import AclRuntimeError
 
@@ -189,15 +187,9 @@ class SimCapture(TorchDispatchMode):
 
     def detach(self) -> None:
         """Leave the capturing thread's dispatch stack (only that thread can); idempotent."""
-        if not self.attached or threading.get_ident() != self.thread:
-            return
-        if _get_current_dispatch_mode() is not self:
-            raise RuntimeError(
-                "simulated capture end: another TorchDispatchMode is still active above the "
-                "capture's recorder; modes entered during a capture must be left before it ends"
-            )
-        self.__exit__(None, None, None)
-        self.attached = False
+        if self.attached and threading.get_ident() == self.thread:
+            leave_recorder(self)
+            self.attached = False
 
     def abandon(self) -> None:
         """Take the stream out of capture, dropping what it recorded (a failed end, from any

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from xgraph.backends.cpu import HostVirtualMemory
-from xgraph.interfaces import PhysicalChunk
+from xgraph.adapter import PhysicalChunk
+from xgraph.testing.sim import HostVirtualMemory
 
 from .. import acl
 from ..errors import error_name

@@ -23,8 +23,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from xgraph.errors import VirtualMemoryError
-from xgraph.vmm import CheckedVirtualMemory
+from xgraph.adapter import CheckedVirtualMemory, VirtualMemoryError
 
 from . import acl
 from .errors import vmm_error

@@ -30,8 +30,7 @@ import ctypes
 import re
 from typing import Any
 
-from xgraph.adapter import Launch
-from xgraph.errors import XGraphError
+from xgraph.adapter import Launch, XGraphError
 
 _BUFFER_POINTER = 1  # CU_LAUNCH_PARAM_BUFFER_POINTER (0 ends the list)
 MAX_PARAMS = 4096  # a kernel's parameters fit in 32 KiB: no more can follow

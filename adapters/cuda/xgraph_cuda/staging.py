@@ -18,9 +18,7 @@ import os
 import torch
 from cuda.bindings import driver as cu
 
-from xgraph.buffers import TorchCopier
-from xgraph.errors import XGraphError
-from xgraph.interfaces import HostCopier
+from xgraph.adapter import HostCopier, TorchCopier, XGraphError
 
 from .vmm import error_name
 

@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from cuda.bindings import driver as cu
 
-from xgraph.errors import VirtualMemoryError
-from xgraph.vmm import CheckedVirtualMemory
+from xgraph.adapter import CheckedVirtualMemory, VirtualMemoryError
 
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 

@@ -476,6 +476,9 @@ def test_multi_token_graphs_are_checked_and_a_clean_model_passes():
             ex.check_parameterization(query_lens=[5])
         with pytest.raises(InputError, match=r"16 sequences \(a bucket\) of 4 tokens"):
             ex.check_parameterization(sizes=[9], query_lens=[4])
+        # by default a size that cannot hold the longest query length checks q = 1 only
+        keys = [k.key for k in ex.check_parameterization(sizes=[9], kind="full").keys]
+        assert keys == [("full", 16)]
         with pytest.raises(InputError, match="name full graphs"):
             ex.check_parameterization(kind="piecewise", query_lens=[4])
 

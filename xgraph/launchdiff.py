@@ -95,7 +95,7 @@ def _label(s: Site) -> str:
 def _parted(a: Site, b: Site) -> Branch | None:
     """Where two aligned launches' stacks part, if they were issued from different lines."""
     fa, fb = frames(a.launch), frames(b.launch)
-    if fa and fb and fa != fb and fa[-1][:2] != fb[-1][:2]:
+    if fa and fb and fa[-1][:2] != fb[-1][:2]:
         return branch(None, a.launch, b.launch, None)
     return None
 

@@ -197,31 +197,42 @@ def _query_lens(ex: GraphExecutor, query_lens: Iterable[int] | None) -> list[int
     return sorted(set(out))
 
 
+def _sequences(ex: GraphExecutor, sizes: Iterable[int] | None, q: int, strict: bool) -> list[int]:
+    """Sequence counts to check full graphs of q > 1 tokens per sequence at: the given sizes
+    padded to buckets (those past the largest bucket at q tokens each refused when `strict`,
+    else left out), or one bucket of 4 or more that fits, or the largest that does."""
+    top = ex.buckets.max
+    if sizes is None:
+        fit = [s for s in ex.buckets.sizes if s * q <= top]
+        big = [s for s in fit if s >= 4]
+        return [min(big) if big else max(fit)] if fit else []
+    padded = _sizes(ex, sizes)
+    over = [n for n in padded if n * q > top]
+    if over and strict:
+        raise InputError(
+            f"{ex.name}: check_parameterization: {over[0]} sequences (a bucket) of {q} "
+            f"tokens are above the largest bucket ({top}); give at most {top // q} sequences."
+        )
+    return [n for n in padded if n * q <= top]
+
+
 def _keys(
-    ex: GraphExecutor, kinds: list[Kind], sizes: Iterable[int] | None, qs: list[int]
+    ex: GraphExecutor,
+    kinds: list[Kind],
+    sizes: Iterable[int] | None,
+    qs: list[int],
+    strict: bool,
 ) -> list[tuple[Kind, int, int]]:
     """(kind, size, query length) of every key to check; for q > 1 sizes count sequences of
-    q tokens, padded to buckets as tokens are, within the largest bucket."""
+    q tokens (`strict`: the query lengths were given, so a size that cannot hold them is
+    refused rather than left out)."""
     out: list[tuple[Kind, int, int]] = []
-    top = ex.buckets.max
     for k in kinds:
         for q in qs if k is Kind.FULL else [1]:
             if q == 1:
                 out += [(k, n, 1) for n in _sizes(ex, sizes)]
-                continue
-            fit = [s for s in ex.buckets.sizes if s * q <= top]
-            if sizes is None:
-                big = [s for s in fit if s >= 4]
-                out += [(k, min(big) if big else max(fit), q)] if fit else []
-                continue
-            over = [n for n in _sizes(ex, sizes) if n * q > top]
-            if over:
-                raise InputError(
-                    f"{ex.name}: check_parameterization: {over[0]} sequences (a bucket) of {q} "
-                    f"tokens are above the largest bucket ({top}); give at most {top // q} "
-                    "sequences."
-                )
-            out += [(k, n, q) for n in _sizes(ex, sizes)]
+            else:
+                out += [(k, n, q) for n in _sequences(ex, sizes, q, strict)]
     return out
 
 
@@ -297,7 +308,7 @@ def check_parameterization(
     qs = _query_lens(ex, query_lens)
     if max(qs) > 1 and Kind.FULL not in kinds and steps is None:
         raise InputError(f"{ex.name}: query_lens={qs} name full graphs; this check has none.")
-    todo = _keys(ex, kinds, sizes, qs) if steps is None else []
+    todo = _keys(ex, kinds, sizes, qs, query_lens is not None) if steps is None else []
     if not supported(ex.backend):
         raise unsupported(ex.backend)
     _as_library(ex.backend)

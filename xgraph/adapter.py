@@ -6,7 +6,8 @@ tests/test_architecture.py holds adapters to that):
 
 - the contract (`xgraph.interfaces`): `Backend`, `CapturePool`, `AttentionRunner`,
   `HostCopier`, `Kernels`, `BenchmarkHooks`, `SegmentAllocator`, `Availability`,
-  `PhysicalChunk`, `Launch` (what a readable recording launches), and the raw `Graph` /
+  `PhysicalChunk`, `Launch` (what a readable recording launches; `Unchecked`, `ADDRESS` and
+  `by_value` mark the fields a backend cannot compare), and the raw `Graph` /
   `VirtualMemory` ABCs that document the templates;
 - the templates that implement the public halves once: `CheckedGraph`,
   `CheckedVirtualMemory`, and `TorchCopier` (a host copier over a torch copy and an event,
@@ -63,11 +64,13 @@ from .interfaces import (
     SegmentAllocator,
     VirtualMemory,
 )
+from .launches import ADDRESS, Unchecked, by_value
 from .metadata import AttentionMetadata, KVCache
 from .runners import PlannedRunner, SeqSpan, context_kv, sequence_spans, store_kv
 from .vmm import CheckedVirtualMemory
 
 __all__ = [
+    "ADDRESS",
     "AttentionMetadata",
     "AttentionRunner",
     "Availability",
@@ -96,10 +99,12 @@ __all__ = [
     "TorchBackend",
     "TorchCopier",
     "TorchRuntime",
+    "Unchecked",
     "VirtualMemory",
     "VirtualMemoryError",
     "XGraphError",
     "XGraphWarning",
+    "by_value",
     "capturing_graph",
     "check_backend_class",
     "context_kv",

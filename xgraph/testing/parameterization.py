@@ -37,6 +37,18 @@ class LongestSequenceLeak(PagedDecodeRunner):
         out.add_(torch.zeros(longest * 1024, device=q.device).sum())
 
 
+class PerCallLeak(PagedDecodeRunner):
+    """Graph-safe by its claim, but the size of two ops follows how often it ran."""
+
+    graph_safe = True
+    calls = 0
+
+    def run(self, q, k, v, out, kv_cache, scale):  # type: ignore[no-untyped-def]
+        super().run(q, k, v, out, kv_cache, scale)
+        self.calls += 1
+        out.add_(torch.zeros(self.calls * 1024, device=q.device).sum())  # the planted leak
+
+
 def _books(backend: Backend) -> Any:
     vm = backend.virtual_memory()
     return vm.live() if vm is not None else None
@@ -93,3 +105,19 @@ class ParameterizationTests(BackendTests):
         assert "(sequence lengths changed)" in text and "What to do (full graphs)" in text
         named = [d.site.launch.layer for d in report.differences if d.site.launch.layer]
         assert all("self_attn" in layer for layer in named)  # where the backend names layers
+
+    def test_a_launch_that_follows_a_count_of_calls_is_a_per_call_leak(
+        self, backend: Backend, reads_launches: bool
+    ) -> None:
+        if not reads_launches:
+            pytest.skip("the backend cannot read its recordings (checked by the first test)")
+        w = tiny_workload(backend)
+        ex = w.executor(
+            backend=backend, buckets=BUCKETS, attention=w.attention(decode_runner=PerCallLeak())
+        )
+        try:
+            report = ex.check_parameterization(kind="full")
+        finally:
+            ex.close()
+        assert report.differences and report.unstable == report.differences, str(report)
+        assert "per call: two captures of the same step differ" in str(report)

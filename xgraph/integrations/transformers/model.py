@@ -205,19 +205,8 @@ class GraphModel:
                 self.spec, lim.num_blocks, lim.block_size, self.device, calls=self.calls
             )
             self.binding = self._forward.binding = Binding(self.spec, self.cache, self.calls)
-            self.executor = GraphExecutor(
-                self._forward,
-                inputs=self.inputs(),
-                backend=self.backend,
-                buckets=buckets if buckets is not None else default_sizes(lim.max_num_tokens),
-                attention=PagedAttention.for_cache(
-                    self.cache, lim.max_seqs, lim.max_blocks_per_seq
-                ),
-                memory=memory,
-                mode=mode,
-                on_capture_error=on_capture_error,
-                name=name,
-                compiled=compiler is not None,
+            self.executor = self._executor(
+                buckets, memory, mode, on_capture_error, name, compiler is not None
             )
         except BaseException:  # refused: the model keeps its own attention
             _release_model(model)
@@ -225,6 +214,30 @@ class GraphModel:
         self.compiled = self._compile(compiler, compile_dynamic, name, compile_cache)
         self._loops: dict[int, DecodeLoop] = {}
         self._finalizer = weakref.finalize(self, _release, self.executor, self._loops, model, name)
+
+    def _executor(
+        self,
+        buckets: Buckets | list[int] | None,
+        memory: str | GraphMemory | SharedPhysicalPool | None,
+        mode: Mode | str,
+        on_capture_error: Fallback | str,
+        name: str,
+        compiled: bool,
+    ) -> GraphExecutor:
+        """The executor over the model's forward, its paged cache and its limits."""
+        lim = self.limits
+        return GraphExecutor(
+            self._forward,
+            inputs=self.inputs(),
+            backend=self.backend,
+            buckets=buckets if buckets is not None else default_sizes(lim.max_num_tokens),
+            attention=PagedAttention.for_cache(self.cache, lim.max_seqs, lim.max_blocks_per_seq),
+            memory=memory,
+            mode=mode,
+            on_capture_error=on_capture_error,
+            name=name,
+            compiled=compiled,
+        )
 
     def _compile(
         self, compiler: Any, dynamic: bool, name: str, where: str | os.PathLike[str] | bool | None

@@ -67,7 +67,7 @@ def test_a_capture_begun_during_a_device_synchronize_waits_for_it(sim) -> None: 
     in another thread in between waits instead of failing the synchronize with 107027."""
     rt, main = sim.runtime, threading.current_thread()
     pool = sim.new_pool()
-    device_sync, inside, began = rt.synchronize, threading.Event(), threading.Event()
+    device_sync, inside, began, release = rt.synchronize, *(threading.Event() for _ in range(3))
 
     def synchronize() -> None:  # the main thread's first device synchronize lingers
         if threading.current_thread() is main and not inside.is_set():
@@ -81,6 +81,7 @@ def test_a_capture_begun_during_a_device_synchronize_waits_for_it(sim) -> None: 
         graph.capture_begin(pool)
         began.set()
         y = x + 1
+        release.wait(BOUND)  # held open until the main thread's synchronize returned
         graph.capture_end()
         return graph, x, y
 
@@ -88,7 +89,10 @@ def test_a_capture_begun_during_a_device_synchronize_waits_for_it(sim) -> None: 
     out: dict[str, Any] = {}
     other = threading.Thread(target=lambda: out.update(value=capture()))
     other.start()
-    sim.synchronize()  # the check passes: nothing captures yet
+    try:
+        sim.synchronize()  # the check passes: nothing captures yet
+    finally:
+        release.set()
     other.join(BOUND)
     graph, x, y = out["value"]
     x.fill_(2)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import xgraph
+from xgraph.testing import capture
 
 MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
 
@@ -121,5 +123,42 @@ def test_a_graph_captured_under_inference_mode_replays_in_any_mode(cpu, mode):
     with MODES.get(mode, torch.enable_grad)():
         graph.replay()
     assert torch.equal(y, (2 * w).relu().expand(8, 16) + 1)
+    graph.reset()
+    pool.close()
+
+
+class CountingMode(TorchFunctionMode):
+    """A TorchFunctionMode, as `torch.set_default_device` installs one, that counts calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_replay_runs_outside_every_torch_function_mode(cpu):
+    """A function mode made each replayed op a Python call (about 3x the replay's cost)."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.SiLU()).eval()
+    x = torch.randn(4, 16)
+    graph, pool = cpu.new_graph(), cpu.new_pool()
+    y = capture(graph, pool, mlp, x)
+    x.copy_(torch.randn(4, 16))
+    mode = CountingMode()
+    with mode:
+        graph.replay()
+    assert mode.calls == 0
+    with torch.no_grad():
+        assert torch.equal(y, mlp(x))
+    torch.set_default_device("cpu")  # installs a mode for the rest of the test: restored
+    try:
+        x.copy_(torch.randn(4, 16))
+        graph.replay()
+        with torch.no_grad():
+            assert torch.equal(y, mlp(x))
+    finally:
+        torch.set_default_device(None)
     graph.reset()
     pool.close()

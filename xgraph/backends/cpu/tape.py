@@ -157,9 +157,11 @@ class OpTape:
         replay with a ReplayError naming it. The tape itself is unchanged and replays again.
         It runs under inference mode whatever the caller's mode, as a GPU graph replays: in
         place writes to inference tensors (a capture under inference mode makes them) are
-        allowed only there, and to normal tensors there too."""
+        allowed only there, and to normal tensors there too. The tape holds aten ops, below
+        `__torch_function__`: replay runs with every TorchFunctionMode off (what
+        `torch.set_default_device` installs would make each op a Python call, about 2x)."""
         func = None
-        with torch.inference_mode():
+        with torch.inference_mode(), torch._C.DisableTorchFunction():
             try:
                 for func, args, kwargs, outs, multi, wait in self._program:
                     res = func(*args, **kwargs)

@@ -201,7 +201,9 @@ class OpTape:
             pst.copy_(st)
             if moved is not None:
                 moved[st.data_ptr()] = pst
-        return torch.empty(0, dtype=t.dtype).set_(pst, t.storage_offset(), t.shape, t.stride())
+        return torch.empty(0, dtype=t.dtype, device="cpu").set_(
+            pst, t.storage_offset(), t.shape, t.stride()
+        )
 
     def _leaf(self, x: Any) -> Any:
         if type(x).__name__ == "AsyncCollectiveTensor":  # a functional collective's result,
@@ -288,7 +290,7 @@ class OpTape:
             st = storages.get(key)
             if st is None:
                 st = storages[key] = host_tensor(r.address, r.nbytes).untyped_storage()
-            return torch.empty(0, dtype=r.dtype).set_(st, r.offset, r.size, r.stride)
+            return torch.empty(0, dtype=r.dtype, device="cpu").set_(st, r.offset, r.size, r.stride)
 
         program = []
         for e in self._tape:

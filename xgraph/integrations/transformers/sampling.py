@@ -123,7 +123,7 @@ def check_params(params: object) -> SamplingParams:
 def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
     """Row indices on `device` without a host sync: a pinned copy, sent non-blocking (a
     pageable one would wait for the device to finish everything queued before it)."""
-    index = torch.tensor(rows, dtype=torch.int64)
+    index = torch.tensor(rows, dtype=torch.int64, device="cpu")
     if device.type != "cuda":
         return index.to(device)
     return index.pin_memory().to(device, non_blocking=True)
@@ -136,7 +136,9 @@ class HostTokens:
     def __init__(self, tokens: torch.Tensor) -> None:
         self._event: torch.cuda.Event | None = None
         if tokens.device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host = torch.empty(
+                tokens.shape, dtype=tokens.dtype, device="cpu", pin_memory=True
+            )
             self._host.copy_(tokens, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()

@@ -100,10 +100,9 @@ def keeper_graph(runtime: TorchRuntime, mempool: Any) -> Any:
     with _lock:
         kit = _keeper_kits.get(runtime)
         if kit is None:
-            kit = _keeper_kits[runtime] = (
-                runtime.new_stream(),
-                torch.zeros(1, device=runtime.device),
-            )
+            with torch.inference_mode(False):  # kept for good: add_ works in every mode
+                scratch = torch.zeros(1, device=runtime.device)
+            kit = _keeper_kits[runtime] = (runtime.new_stream(), scratch)
     stream, scratch = kit
     pool_id: PoolId = tuple(mempool.id)  # type: ignore[assignment]
     base = mempool_use_count(mempool)

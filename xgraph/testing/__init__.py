@@ -23,6 +23,7 @@ _SUITE = {
     "capture": "base",
     "small_mlp": "base",
     "PluginTests": "discovery",
+    "RunnerCase": "device_metadata",
     "ExecutorTests": "executor",
     "GraphTests": "graph",
     "KernelTests": "kernels",
@@ -31,7 +32,10 @@ _SUITE = {
     "PoolTests": "pool",
     "ReliabilityTests": "reliability",
     "SleepTests": "sleep",
+    "ThreadTests": "threads",
     "ConformanceSuite": "suite",
+    "DeviceMetadataTests": "device_metadata",
+    "EngineConditionTests": "conditions",
     "VirtualMemoryTests": "vmm",
 }
 

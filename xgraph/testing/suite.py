@@ -14,6 +14,8 @@ is not available here makes the tests skip with its reason.
 
 from __future__ import annotations
 
+from .conditions import EngineConditionTests
+from .device_metadata import DeviceMetadataTests
 from .discovery import PluginTests
 from .executor import ExecutorTests
 from .graph import GraphTests
@@ -23,6 +25,7 @@ from .piecewise import PiecewiseTests
 from .pool import PoolTests
 from .reliability import ReliabilityTests
 from .sleep import SleepTests
+from .threads import ThreadTests
 from .vmm import VirtualMemoryTests
 
 
@@ -37,5 +40,8 @@ class ConformanceSuite(
     ReliabilityTests,
     SleepTests,
     ParameterizationTests,
+    EngineConditionTests,
+    DeviceMetadataTests,
+    ThreadTests,
 ):
     """Every conformance test; subclass it once per backend."""

@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from xgraph.testing import ConformanceSuite
+from xgraph.testing import ConformanceSuite, RunnerCase
 
 ACL_CALLS = {
     "create": "aclrtMallocPhysical",
@@ -20,6 +21,19 @@ ACL_CALLS = {
 
 class TestAscendSimConformance(ConformanceSuite):
     backend_name = "ascend-sim"
+
+    def attention_runners(self, backend):  # type: ignore[no-untyped-def]
+        """The opt-in FusedDecodeRunner too, in what the fused op takes (bfloat16, blocks
+        of 16)."""
+        from xgraph_ascend.attention import FusedDecodeRunner
+
+        fused = RunnerCase(
+            "FusedDecodeRunner",
+            "decode",
+            FusedDecodeRunner,
+            {"dtype": torch.bfloat16, "block_size": 16, "num_blocks": 200},
+        )
+        return [*super().attention_runners(backend), fused]
 
     @pytest.fixture
     def inject_driver_failure(self, backend):  # type: ignore[no-untyped-def]

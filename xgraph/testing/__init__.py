@@ -20,6 +20,7 @@ from ..safety import register_model_path
 
 _SUITE = {
     "BackendTests": "base",
+    "Capabilities": "capabilities",
     "capture": "base",
     "small_mlp": "base",
     "PluginTests": "discovery",

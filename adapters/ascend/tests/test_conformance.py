@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from xgraph.testing import ConformanceSuite, RunnerCase
+from xgraph.testing import Capabilities, ConformanceSuite, RunnerCase
 
 ACL_CALLS = {
     "create": "aclrtMallocPhysical",
@@ -19,8 +19,20 @@ ACL_CALLS = {
 }
 
 
+# what the adapter lacks of a torch-style device: a linear kernel of its own, and in the
+# MemoryPoolContext era of torch_npu, pools that take their segments from xgraph
+LACKS = ["linear_kernel"]
+CONTEXT_ERA_LACKS = [*LACKS, "routes_segments"]
+
+
+def lacks() -> list[str]:
+    context = os.environ.get("XGRAPH_ASCEND_SIM_ERA", "owner") == "context"
+    return CONTEXT_ERA_LACKS if context else LACKS
+
+
 class TestAscendSimConformance(ConformanceSuite):
     backend_name = "ascend-sim"
+    capabilities = Capabilities().lowered(*lacks())
 
     def attention_runners(self, backend):  # type: ignore[no-untyped-def]
         """The opt-in FusedDecodeRunner too, in what the fused op takes (bfloat16, blocks
@@ -63,6 +75,8 @@ def _cli_conformance(era: str, *pytest_args: str) -> str:
             "ascend-sim",
             "--",
             "-q",
+            "--xgraph-capabilities",
+            ",".join(f"{name}=no" for name in (CONTEXT_ERA_LACKS if era == "context" else LACKS)),
             *pytest_args,
         ],
         capture_output=True,

@@ -10,6 +10,13 @@ tensors and writes its result into the recorded output: results follow new input
 while the op sequence and every address stay fixed. Python control flow, host scalars and
 host reads are frozen at capture, which is what makes this a faithful stand-in for a GPU graph.
 
+What is fresh is decided by storage, not schema: an output over no input's storage is moved
+into the pool and replayed, whatever its schema says (under inference mode `to`,
+`contiguous`, `reshape` arrive undecomposed and may copy where their schema allows an
+alias), and one over an input's storage stays that input's view. Replay runs under
+inference mode with every TorchFunctionMode off, so neither the caller's grad mode nor a
+`torch.set_default_device` changes it.
+
 Collectives (torch.distributed's c10d ops and functional collectives, on gloo) are recorded
 like any op and issued again on replay, so every rank must replay together, as with NCCL in
 a CUDA graph. They run asynchronously, so replay waits for each one before the next op, as

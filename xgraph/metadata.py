@@ -32,12 +32,14 @@ def ragged_rows(
         out = torch.full((t.shape[0], width), fill, dtype=torch.int32, device=t.device)
         out[:, : t.shape[1]] = t[:, :width]
         return out
-    lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.int64, device="cpu")
     w = width if width is not None else (int(lens.max()) if len(rows) else 0)
-    out = torch.full((len(rows), w), fill, dtype=torch.int32)
+    out = torch.full((len(rows), w), fill, dtype=torch.int32, device="cpu")
     if w and len(rows):
-        flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int32)
-        out[torch.arange(w)[None, :] < lens[:, None]] = flat
+        flat = torch.tensor(
+            list(itertools.chain.from_iterable(rows)), dtype=torch.int32, device="cpu"
+        )
+        out[torch.arange(w, device="cpu")[None, :] < lens[:, None]] = flat
     return out
 
 

@@ -48,10 +48,10 @@ def host_buffer(backend: Backend, nbytes: int) -> torch.Tensor:
     asynchronous copies), plain on a backend whose device is the host."""
     if backend.device.type != "cpu":
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
         except RuntimeError:  # no pinned memory on this platform: pageable still works
             pass
-    return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
 
 class RestorableSegments:

@@ -20,9 +20,11 @@ from ..safety import register_model_path
 
 _SUITE = {
     "BackendTests": "base",
+    "Capabilities": "capabilities",
     "capture": "base",
     "small_mlp": "base",
     "PluginTests": "discovery",
+    "RunnerCase": "device_metadata",
     "ExecutorTests": "executor",
     "GraphTests": "graph",
     "KernelTests": "kernels",
@@ -32,7 +34,10 @@ _SUITE = {
     "PoolTests": "pool",
     "ReliabilityTests": "reliability",
     "SleepTests": "sleep",
+    "ThreadTests": "threads",
     "ConformanceSuite": "suite",
+    "DeviceMetadataTests": "device_metadata",
+    "EngineConditionTests": "conditions",
     "VirtualMemoryTests": "vmm",
 }
 

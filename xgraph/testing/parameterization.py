@@ -6,7 +6,7 @@ whose op sizes follow a Python int of the longest sequence: on CUDA the grid and
 element count of its kernels, on a host recorder the op's shape) under changed sequence
 lengths alone, and keep nothing: the executor's stats and the books of its virtual memory
 are unchanged. A backend that cannot read its recordings refuses the check with the
-documented error (`reads_launches`, overridable, pins which it is).
+documented error (`reads_launches`, declared in `capabilities`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from xgraph.interfaces import Backend
 from xgraph.runners import PagedDecodeRunner
 
 from .base import BackendTests, tiny_workload
+from .capabilities import Capabilities, require
 
 BUCKETS = [1, 2, 4, 8]
 
@@ -58,11 +59,9 @@ class ParameterizationTests(BackendTests):
     """The check on this backend: the reference model passes, a planted leak is flagged."""
 
     @pytest.fixture
-    def reads_launches(self, backend: Backend) -> bool:
-        """Whether the backend's graphs describe what they record (override to pin it)."""
-        from xgraph.parameterization import supported
-
-        return supported(backend)
+    def reads_launches(self, backend: Backend, declared: Capabilities) -> bool:
+        """Whether the backend's graphs describe what they record (declared)."""
+        return require(backend, declared, "reads_launches")
 
     def test_the_reference_model_passes_and_nothing_is_kept(
         self, backend: Backend, reads_launches: bool

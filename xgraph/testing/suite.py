@@ -14,6 +14,8 @@ is not available here makes the tests skip with its reason.
 
 from __future__ import annotations
 
+from .conditions import EngineConditionTests
+from .device_metadata import DeviceMetadataTests
 from .discovery import PluginTests
 from .executor import ExecutorTests
 from .graph import GraphTests
@@ -24,6 +26,7 @@ from .piecewise import PiecewiseTests
 from .pool import PoolTests
 from .reliability import ReliabilityTests
 from .sleep import SleepTests
+from .threads import ThreadTests
 from .vmm import VirtualMemoryTests
 
 
@@ -39,5 +42,8 @@ class ConformanceSuite(
     SleepTests,
     ParameterizationTests,
     MultiStepTests,
+    EngineConditionTests,
+    DeviceMetadataTests,
+    ThreadTests,
 ):
     """Every conformance test; subclass it once per backend."""

@@ -132,7 +132,9 @@ class HostTokens:
     def __init__(self, tokens: torch.Tensor) -> None:
         self._event: torch.cuda.Event | None = None
         if tokens.device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host = torch.empty(
+                tokens.shape, dtype=tokens.dtype, device="cpu", pin_memory=True
+            )
             self._host.copy_(tokens, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()

@@ -220,7 +220,7 @@ class SimRuntime(sim.SimRuntime, NpuRuntime):
         *,
         scale: float,
     ) -> torch.Tensor | None:
-        return torch.empty(kernels.WORKSPACE_BYTES, dtype=torch.uint8)
+        return torch.empty(kernels.WORKSPACE_BYTES, dtype=torch.uint8, device=query.device)
 
     # -- reporting -------------------------------------------------------------------------
 

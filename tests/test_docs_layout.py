@@ -138,3 +138,60 @@ def test_no_package_imports_from_scripts():
             if any(m == "scripts" or m.startswith("scripts.") for m in modules):
                 importers.append(f"{name}:{node.lineno}")
     assert not importers, f"product code imports from scripts/: {importers}"
+
+
+# -- the names that left xgraph's top namespace: each in the CHANGELOG with where it went --
+
+
+def _changelog_moves() -> dict[str, str]:
+    """name -> module, from the `### Removed` section of CHANGELOG.md's unreleased part:
+    lines `- \\`module\\` ...: \\`Name\\`, \\`Name\\`;`."""
+    unreleased = _read("CHANGELOG.md").split("\n## [", 2)[1]
+    removed = unreleased.partition("### Removed")[2].split("\n### ")[0]
+    moves = {}
+    for module, names in re.findall(
+        r"^\s+- `(xgraph[\w.]*)`[^:\n]*: (.+(?:\n\s{4}\S.*)*)", removed, re.M
+    ):
+        moves.update({name: module for name in re.findall(r"`(\w+)`", names)})
+    return moves
+
+
+def _public_imports(source: str) -> set[str]:
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names if not a.name.startswith("_")}
+    return names
+
+
+def test_every_name_that_left_xgraph_is_importable_where_the_changelog_says():
+    import importlib
+
+    import xgraph
+
+    moves = _changelog_moves()
+    assert moves, "CHANGELOG.md's unreleased section lists no names under ### Removed"
+    wrong = [
+        f"{module}.{name}"
+        for name, module in moves.items()
+        if hasattr(xgraph, name) or not hasattr(importlib.import_module(module), name)
+    ]
+    assert not wrong, f"still in xgraph, or not where the CHANGELOG sends them: {wrong}"
+
+
+def test_the_changelog_names_every_name_that_ever_left_xgraph():
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", ROOT, *args], capture_output=True, text=True, check=True
+        ).stdout
+
+    try:
+        if git("rev-parse", "--is-shallow-repository").strip() != "false":
+            pytest.skip("a shallow clone: the history of xgraph/__init__.py is not all here")
+        commits = git("log", "--format=%H", "--", "xgraph/__init__.py").split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    ever = set().union(*(_public_imports(git("show", f"{c}:xgraph/__init__.py")) for c in commits))
+    gone = ever - _public_imports(_read("xgraph/__init__.py"))
+    missing = sorted(gone - set(_changelog_moves()))
+    assert not missing, f"names that left xgraph, missing from the CHANGELOG: {missing}"

@@ -64,6 +64,14 @@ def add_parser(sub: Any) -> None:
         help="weights and cache dtype (auto: float32 on the CPU backend, the "
         "checkpoint's elsewhere)",
     )
+    _add_sampling_options(p)
+    _add_engine_options(p)
+    _add_output_options(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_sampling_options(p: Any) -> None:
+    """How the next token is chosen: greedy, or sampled from a seeded generator."""
     p.add_argument(
         "--temperature",
         type=non_negative_float,
@@ -84,9 +92,6 @@ def add_parser(sub: Any) -> None:
         "most 1 (1: all)",
     )
     p.add_argument("--seed", type=seed, default=0, help="seed of the sampler (0 to 2**64 - 1)")
-    _add_engine_options(p)
-    _add_output_options(p)
-    p.set_defaults(func=cmd_generate)
 
 
 def _add_output_options(p: Any) -> None:

@@ -10,7 +10,18 @@ from typing import Any
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..cli_types import PIECEWISE_MIN, piecewise_max, positive_float, positive_int, sizes
 from ..interfaces import Backend
-from . import decode, distributed, host, memory, memory_plot, pipeline, prefill, sleep, soak
+from . import (
+    decode,
+    distributed,
+    host,
+    memory,
+    memory_plot,
+    pipeline,
+    prefill,
+    sleep,
+    soak,
+    target_families,
+)
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
@@ -37,14 +48,18 @@ def _compile_sizes(text: str) -> list[int]:
     return sizes(text)
 
 
-def _names(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
-    """A comma-separated list of names from `allowed`, as an argparse type."""
+def _names(
+    allowed: tuple[str, ...] | Callable[[], tuple[str, ...]],
+) -> Callable[[str], tuple[str, ...]]:
+    """A comma-separated list of names from `allowed` (or from what it returns when the line
+    is parsed: the families registered by then), as an argparse type."""
 
     def parse(text: str) -> tuple[str, ...]:
         names = tuple(n.strip() for n in text.split(",") if n.strip())
-        bad = [n for n in names if n not in allowed]
+        choices = allowed() if callable(allowed) else allowed
+        bad = [n for n in names if n not in choices]
         if bad or not names:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
         return names
 
     return parse
@@ -76,11 +91,11 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--models",
-        default="reference,hf-llama",
-        type=_names(memory.targets.FAMILIES),
-        help="memory: model families, comma-separated (reference: the reference model; "
-        "hf-llama: transformers' LlamaForCausalLM through the integration, skipped without "
-        "transformers)",
+        default=None,
+        type=_names(target_families),
+        help="memory: model families, comma-separated (default: every registered one; "
+        "reference: the reference model; hf-llama, which the transformers integration "
+        "registers: transformers' LlamaForCausalLM through it, skipped without transformers)",
     )
     p.add_argument(
         "--kinds",

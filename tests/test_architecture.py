@@ -220,6 +220,29 @@ def test_core_imports_no_device_runtime():
     assert not offenders, offenders
 
 
+INTEGRATIONS = "xgraph.integrations"
+
+
+def test_bench_imports_no_integration():
+    """`xgraph.bench` imports no integration (not even inside a function, nor by name through
+    importlib): an integration registers its bench targets (`xgraph.bench.register_target`)."""
+    modules = _modules("xgraph")
+    known = set(modules)
+    found = []
+    for mod, path in modules.items():
+        if mod != "xgraph.bench" and not mod.startswith("xgraph.bench."):
+            continue
+        imported = _imports(mod, path, known)
+        found += [f"{mod} imports {m}" for m in sorted(imported) if m.startswith(INTEGRATIONS)]
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Call) and any(
+                isinstance(a, ast.Constant) and str(a.value).startswith(INTEGRATIONS)
+                for a in node.args
+            ):
+                found.append(f"{mod}:{node.lineno} imports an integration by name")
+    assert not found, "\n".join(found)
+
+
 @pytest.mark.parametrize("package", ["xgraph", "xgraph_cuda", "xgraph_ascend"])
 def test_formatter_runs_unhindered(package):
     """`# fmt: skip` / `# fmt: off` are for the few places a formatter would harm (packed

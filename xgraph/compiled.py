@@ -91,6 +91,8 @@ class _Counted:
         self.backend = backend
         self.inductor_config = dict(inductor_config or {})
         self.graphs = 0
+        # torch names a backend by its __name__ in its errors (else this object's repr)
+        self.__name__ = backend if isinstance(backend, str) else getattr(backend, "__name__", "?")
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.graphs += 1

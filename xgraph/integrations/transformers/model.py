@@ -103,10 +103,13 @@ def _compile_backend(compile: Any) -> Any:
         return None
     if callable(compile):
         return compile
-    if not isinstance(compile, str) or not compile:
+    from torch._dynamo import list_backends
+
+    if not isinstance(compile, str) or compile not in list_backends(exclude_tags=()):
         raise XGraphError(
             f"GraphModel: compile={compile!r}; give True (Inductor), False, or a "
-            "torch.compile backend name such as 'inductor', 'aot_eager' or 'eager'."
+            "torch.compile backend name such as 'inductor', 'aot_eager' or 'eager' "
+            "(torch._dynamo.list_backends(exclude_tags=()) lists them all)."
         )
     return compile
 

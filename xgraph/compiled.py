@@ -178,9 +178,11 @@ class TokenCompiled:
         self.graph_breaks: str | None = None  # why the graph may break, if it may
         self.per_size: str | None = None  # why a dynamic compile became per-size, if it did
         self.sizes: set[int] = set()  # token counts the compiled code has run
-        self.cache = cache
-        if cache is not None:
-            cache.load()  # before any compile: the compiler's caches then hold its results
+        # only Inductor's artifacts are what the cache keeps; another backend compiles nothing
+        # of its own, and saving would write whatever else this process compiled
+        self.cache = cache if backend == "inductor" else None
+        if self.cache is not None:
+            self.cache.load()  # before any compile: the compiler's caches then hold its results
         self._saved_at = 0  # graphs compiled when the cache was last written
         self._compile(fullgraph)
 

@@ -7,8 +7,8 @@ For each batch size: decode tokens per second of GraphModel.generate with one st
 engine step (the host samples between steps) and with K steps per launch, the same prompts
 and model, greedy; whether the tokens are equal; the per-token time against the device
 time of one decode step (one graph replay of the single-step executor) and of one step
-inside a launch (the launch's device time / K). Rows as docs/results/h200/multistep.json
-keeps them: {batch, k, tokens_per_s, single_step_tokens_per_s, speedup, tokens_equal, ...}.
+inside a launch (the launch's device time / K). The JSON has one row per (batch, K):
+{batch, k, tokens_per_s, single_step_tokens_per_s, speedup, tokens_equal, ...}.
 """
 
 from __future__ import annotations

@@ -63,3 +63,39 @@ def test_multi_step_stops_at_a_stop_token_and_admits_between_launches(gm):
     want = one.run().tokens
     assert got == want
     assert got[0] == free[0][: free[0].index(stop) + 1]  # ended at its stop token
+
+
+def test_xgraph_generate_steps_per_launch_prints_the_same_tokens(tmp_path, capsys):
+    from xgraph.cli import main
+
+    tiny("qwen3", seed=2).save_pretrained(tmp_path)
+    base = ["generate", "--model", str(tmp_path), "--prompt", "1 2 3", "--prompt", "4 5"]
+    base += ["--max-new-tokens", "6", "--backend", "cpu", "--ignore-eos", "--seed", "5"]
+    base += ["--temperature", "1.2"]
+    runs = []
+    for k in ("1", "4"):
+        assert main([*base, "--steps-per-launch", k]) == 0
+        out = capsys.readouterr().out
+        runs.append([line for line in out.splitlines() if line.startswith("[")])
+    assert len(runs[0]) == 2 and runs[0] == runs[1]
+    with pytest.raises(SystemExit) as exc:
+        main([*base, "--steps-per-launch", "0"])
+    assert exc.value.code == 2 and "--steps-per-launch" in capsys.readouterr().err
+
+
+def test_bench_multistep_rows_on_cpu(tmp_path):
+    import json
+
+    from xgraph.integrations.transformers import bench_multistep
+
+    path = tmp_path / "multistep.json"
+    argv = ["--backend", "cpu", "--model", "tiny", "--dtype", "float32", "--batches", "1,2"]
+    argv += ["--k", "4", "--prompt-len", "8", "--new-tokens", "8", "--iters", "1"]
+    assert bench_multistep.main([*argv, "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert [(r["batch"], r["k"]) for r in data["rows"]] == [(1, 4), (2, 4)]
+    for r in data["rows"]:
+        assert r["tokens_equal"] is True  # greedy: K steps per launch change no token
+        assert r["tokens_per_s"] > 0 and r["single_step_tokens_per_s"] > 0
+        assert r["speedup"] == r["tokens_per_s"] / r["single_step_tokens_per_s"]
+        assert r["graph_step_ms"] > 0 and r["launch_step_ms"] > 0

@@ -134,6 +134,13 @@ def _add_engine_options(p: Any) -> None:
         help="executor mode (auto: decode full graphs, prefill piecewise)",
     )
     p.add_argument(
+        "--steps-per-launch",
+        type=positive_int,
+        default=1,
+        help="K > 1: decode K steps per launch with sampling and feedback on the device "
+        "(docs/multistep.md); the host sees K tokens per sequence at a time",
+    )
+    p.add_argument(
         "--ignore-eos",
         action="store_true",
         help="always generate --max-new-tokens tokens, even past end-of-sequence",
@@ -247,6 +254,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sampling=sampling,
             on_token=_printer(args, tokenizer),
             progress=args.progress or len(prompts) * args.max_new_tokens > 4096,
+            steps_per_launch=args.steps_per_launch,
         )
     if not args.stream:
         for i, tokens in enumerate(result.tokens):

@@ -379,14 +379,15 @@ class GraphExecutor:
         *,
         steps: Sequence[Mapping[str, Any]] | None = None,
         vary: Sequence[str] = ("seq_lens", "block_tables", "batch"),
+        query_lens: Iterable[int] | None = None,
         **key_dims: int,
     ) -> ParameterizationReport:
         """Capture keys under changed per-step metadata, compare the recordings launch by
-        launch and report every launch that follows it; nothing is kept (see
-        xgraph.parameterization and docs/executor.md)."""
+        launch and report every launch that follows it or a per-call value; nothing is kept
+        (see xgraph.parameterization and docs/executor.md)."""
         from .parameterization import check_parameterization
 
-        return check_parameterization(self, sizes, kind, steps, vary, key_dims)
+        return check_parameterization(self, sizes, kind, steps, vary, key_dims, query_lens)
 
     # -- reporting -------------------------------------------------------------------------
 

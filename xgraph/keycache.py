@@ -27,7 +27,7 @@ from .lifetime import Entry
 from .metadata import AttentionMetadata
 from .options import Kind, Mode
 from .paging import PagedAttention
-from .runners import reference_runners
+from .runners import runners_for
 
 if TYPE_CHECKING:
     from .steps import Staged
@@ -47,9 +47,7 @@ class Runners:
         decode runner that is not graph-safe is refused where decode runs as full graphs."""
         if attention is None:
             return cls(None, None)
-        runners = {**reference_runners(), **backend.kernels().attention}
-        decode = attention.decode_runner or runners["decode"]
-        prefill = attention.prefill_runner or runners["prefill"]
+        decode, prefill = runners_for(backend, attention)
         if mode in (Mode.AUTO, Mode.FULL) and not decode.graph_safe:
             raise XGraphError(
                 f"{type(decode).__name__} is not graph-safe, so decode cannot run as a full "

@@ -62,6 +62,7 @@ class SyntheticSteps:
                 [s if isinstance(s, int) else sizes[s] for s in spec.shape],
                 spec.fill,
                 dtype=spec.dtype,  # type: ignore[arg-type]
+                device="cpu",  # host values, staged like a caller's
             )
             for spec in self.inputs
         }

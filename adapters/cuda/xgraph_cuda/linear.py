@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from xgraph.errors import XGraphError
+from xgraph.adapter import XGraphError
 
 LINEAR_ENV = "XGRAPH_CUDA_LINEAR"
 CHOICES = ("auto", "triton", "torch")

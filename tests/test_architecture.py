@@ -513,3 +513,32 @@ def test_adapters_import_the_core_only_through_their_faces():
                 simulator = package == "xgraph_dummy" or os.path.join(base, "sim") in path
                 offenders += _past_the_faces(open(path).read(), rel, simulator)
     assert not offenders, "\n".join(offenders)
+
+
+def test_a_miss_costs_one_synchronize_and_no_empty_cache(monkeypatch):
+    """After the first capture (whose warm-up's cached memory goes back before the output
+    buffers are allocated, for good), a miss synchronizes the device at most once (the
+    backend's, at capture begin; the CPU backend's needs none) and never empties the
+    allocator's cache; a hit does neither."""
+    import random
+
+    import xgraph
+    from xgraph.models import Workload
+
+    backend = xgraph.get_backend("cpu")
+    calls: list[str] = []
+    cls = type(backend)
+    sync, empty = cls.synchronize, cls.empty_cache
+    monkeypatch.setattr(cls, "synchronize", lambda b: calls.append("sync") or sync(b))
+    monkeypatch.setattr(cls, "empty_cache", lambda b: calls.append("empty") or empty(b))
+    w = Workload.tiny(num_blocks=64, max_blocks=6, max_seqs=8)
+    ex = w.executor(backend=backend, buckets=[1, 2, 4, 8])
+    rng = random.Random(5)
+    ex(**w.decode_step(rng, 1).kwargs())  # the first capture
+    assert calls.count("empty") == 1, calls
+    for n, misses in ((2, 1), (3, 1), (4, 0), (7, 1), (8, 0)):  # 4 and 8: hits
+        calls.clear()
+        ex(**w.decode_step(rng, n).kwargs())
+        assert calls.count("sync") <= misses and "empty" not in calls, (n, calls)
+    assert ex.stats()["captures"] == 4
+    ex.close()

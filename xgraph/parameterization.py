@@ -41,7 +41,7 @@ logger = logging.getLogger("xgraph")
 if TYPE_CHECKING:
     from .executor import GraphExecutor
     from .lifetime import Recording
-    from .steps import Staged as Step
+    from .steps import Staged
 
 
 class _Readable:
@@ -96,7 +96,7 @@ def _sites(rec: Recording) -> list[Site]:
     return out
 
 
-def record(ex: GraphExecutor, step: Step, root: Any) -> list[Site]:
+def record(ex: GraphExecutor, step: Staged, root: Any) -> list[Site]:
     """Warm up, capture the step on a pool of its own, read its launches, release it all
     (the executor's capture transaction records it and keeps nothing)."""
     # module hooks name the layers; a compiled forward would recompile under them
@@ -211,7 +211,7 @@ class _Check:
         self.root = root_module(ex.forward)
         self.report = ParameterizationReport(ex.backend.name)
 
-    def plan(self, v: Variant, kind: Kind | None, synthetic: bool) -> Step:
+    def plan(self, v: Variant, kind: Kind | None, synthetic: bool) -> Staged:
         step = self.ex.planner.plan(v.tensors, v.attn, kind=kind, synthetic=synthetic)
         if step.kind is Kind.EAGER or step.key is None:
             raise XGraphError(

@@ -13,8 +13,9 @@ key then follows `on_capture_error`: raised, or run eagerly from then on (warned
 ranks the lockstep checks both passes' collectives (xgraph.distributed.capture).
 
 A miss costs the backend's own synchronize at capture begin and none of the executor's, and
-no `empty_cache` but once, before the first capture allocates the output buffers (the
-warm-up's cached memory is returned first, so the buffers pin none of it). The
+no `empty_cache` but before the first capture allocates the output buffers (the
+warm-up's cached memory is returned first, so the buffers pin none of it) and at the first
+miss after a rollback (the rolled-back pool's segments go back). The
 outside-pool meter reads the backend's memory around each capture: the default
 allocator's cache is untouched in between, so it cancels out.
 """
@@ -70,6 +71,7 @@ class CaptureTransaction:
         self.captures = 0
         self.seconds = 0.0
         self.failed_keys: dict[tuple, str] = {}
+        self.rolled_back = False  # a pool parked by a rollback, its segments not back yet
 
     def recording(self, kind: Kind, pool: CapturePool, backend: Backend | None = None) -> Recording:
         """A fresh recording of a key of this kind on `pool` (graphs of `backend`)."""
@@ -86,8 +88,13 @@ class CaptureTransaction:
         assert step.key is not None
         t0 = time.perf_counter()
         layout = self.warm_up(step)
-        if layout is not None:  # the first capture: the output buffers, for good
-            self.backend.empty_cache()  # the warm-up's cached memory, back first
+        if layout is not None or self.rolled_back:
+            # the warm-up's cached memory goes back before the output buffers are made for
+            # good; after a rollback, the parked pool's segments go back while its memory
+            # is there (the memory's books count them until then)
+            self.backend.empty_cache()
+            self.rolled_back = False
+        if layout is not None:  # the first capture: the output buffers
             self.cache.allocate_outputs(layout)
         self.outside.start()
         lease: Lease | None = None
@@ -154,6 +161,7 @@ class CaptureTransaction:
         graph.end()
 
     def _roll_back(self, graph: Recording | None, lease: Lease | None) -> None:
+        self.rolled_back = True
         try:
             if graph is not None:
                 graph.abort()
@@ -202,6 +210,7 @@ class CaptureTransaction:
             except BaseException as exc:
                 if lease is not None:
                     self.memory.rollback(lease)
+                    self.rolled_back = True
                 if not isinstance(exc, Exception):
                     raise
                 failure = exc

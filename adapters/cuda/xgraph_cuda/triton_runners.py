@@ -19,7 +19,7 @@ from xgraph.errors import XGraphError
 from xgraph.metadata import AttentionMetadata, KVCache
 from xgraph.runners import PlannedRunner
 
-from .kernels import interpreting
+from .kernels import interpreting, sm_count
 from .kernels.decode import paged_decode
 from .kernels.prefill import varlen_prefill
 from .kernels.store import store_kv
@@ -74,18 +74,6 @@ def _stored_rows(runner: str, md: AttentionMetadata, k: torch.Tensor, n: int) ->
             f"{md.slot_mapping.shape[0]} slots. Plan the runner on this step's metadata."
         )
     return n
-
-
-_SM_COUNT: dict[torch.device, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of the device (a small fixed number in the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
 
 
 def auto_splits(programs: int, max_context: int, sms: int, block_n: int) -> int:

@@ -10,6 +10,7 @@ every layer's single attention launch. Both store the step's k/v with one fused 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,8 @@ from xgraph.errors import XGraphError
 from xgraph.metadata import AttentionMetadata, KVCache
 from xgraph.runners import PlannedRunner
 
-from .kernels import interpreting, sm_count
+from . import pdl
+from .kernels import arena, interpreting, sm_count
 from .kernels.decode import paged_decode
 from .kernels.prefill import varlen_prefill
 from .kernels.store import store_kv
@@ -27,6 +29,20 @@ from .kernels.tiles import block_m_for, tile_table
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SPLITS = 32
+DECODE_ENV = "XGRAPH_CUDA_DECODE"
+DECODE_CHOICES = ("auto", "fused", "split")
+
+
+def decode_fused() -> bool:
+    """Whether XGRAPH_CUDA_DECODE asks for the one-launch decode (auto, fused) or for the
+    store, split attention and merge launches (split)."""
+    asked = os.environ.get(DECODE_ENV, "auto").strip().lower() or "auto"
+    if asked not in DECODE_CHOICES:
+        raise XGraphError(
+            f"{DECODE_ENV}={asked!r}; use one of {', '.join(DECODE_CHOICES)} (auto, fused: "
+            "one launch stores, attends and merges; split: three launches)."
+        )
+    return asked != "split"
 
 
 class AttentionKernelError(XGraphError, ValueError):
@@ -94,12 +110,14 @@ class TritonPagedDecodeRunner(PlannedRunner):
     tokens, causal inside the step), grid fixed by shapes.
 
     `num_splits` fixes the split-KV factor (None: chosen from the shapes and the device).
+    `fused`: one launch per decode step's layer (store, attention, merge) where the step has
+    one query token per sequence (None: XGRAPH_CUDA_DECODE decides).
     """
 
     graph_safe = True
     max_query_len = 8
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, fused: bool | None = None) -> None:
         super().__init__()
         if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
             raise AttentionKernelError(
@@ -107,6 +125,7 @@ class TritonPagedDecodeRunner(PlannedRunner):
                 "None (chosen from the shapes)."
             )
         self.num_splits = num_splits
+        self.fused = decode_fused() if fused is None else fused
 
     def run(
         self,
@@ -120,8 +139,6 @@ class TritonPagedDecodeRunner(PlannedRunner):
         md = self.planned()
         name = type(self).__name__
         check_inputs(name, q, k, out, kv_cache)
-        # like the reference decode runner: every row (padding too, to the dummy slot)
-        store_kv(k, v, kv_cache, md.slot_mapping, _stored_rows(name, md, k, k.shape[0]))
         k_cache = kv_cache[0]
         t, b = q.shape[0], md.num_seqs
         if not b or t % b:
@@ -129,13 +146,36 @@ class TritonPagedDecodeRunner(PlannedRunner):
                 f"{name}: {t} query tokens for {b} sequences; a decode step has the same "
                 "number of tokens for every sequence. Plan the runner on this step's metadata."
             )
+        # like the reference decode runner: every row (padding too, to the dummy slot)
+        n = _stored_rows(name, md, k, k.shape[0])
+        one = self.fused and t == b == n and k.stride(-1) == 1 and v.stride(-1) == 1
+        if not one:
+            store_kv(k, v, kv_cache, md.slot_mapping, n)
         block_n = 32 if k_cache.dtype == torch.float32 else 64
         splits = self.num_splits
         if splits is None:
             context = md.block_tables.shape[1] * k_cache.shape[1]
             splits = auto_splits(t * k_cache.shape[2], context, sm_count(q.device), block_n)
+        counts = None
+        if self.fused and splits > 1 and t * k_cache.shape[2] <= arena.SIZE:
+            counts = arena.counts(q.device)  # None inside a process's first capture
         tables, seq_lens = md.block_tables[:b], md.seq_lens[:b]
-        paged_decode(q, kv_cache, seq_lens, tables, out, scale, splits, block_n, query_len=t // b)
+        store = (k, v, md.slot_mapping) if one else None
+        on = pdl.enabled() and q.is_cuda
+        paged_decode(
+            q,
+            kv_cache,
+            seq_lens,
+            tables,
+            out,
+            scale,
+            splits,
+            block_n,
+            query_len=t // b,
+            store=store,
+            counts=counts,
+            pdl=on,
+        )
 
 
 @dataclass(frozen=True)

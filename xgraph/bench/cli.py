@@ -75,6 +75,13 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
         "token count dynamic), once per batch size (per-size: static shapes), or both rows",
     )
     p.add_argument(
+        "--anchor-kernels",
+        default="torch",
+        choices=list(decode.ANCHOR_KERNELS),
+        help="decode: the reduce-overhead anchor's kernels (torch: torch's own, what "
+        "torch.compile gives a model without xgraph; xgraph: the backend's kernels)",
+    )
+    p.add_argument(
         "--models",
         default="reference,hf-llama",
         type=_names(memory.targets.FAMILIES),
@@ -123,7 +130,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--model",
         default="tiny",
-        choices=["tiny", "qwen3-0.6b"],
+        choices=["tiny", "qwen3-0.6b", "qwen3-8b"],
         help="reference model shape (random weights)",
     )
     p.add_argument(
@@ -250,6 +257,7 @@ def _decode(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
         checkpoint=Checkpoint(_json_path(args, "decode")),
         compile_scope=args.compile_scope,
         compile_buckets=args.compile_buckets,
+        anchor_kernels=args.anchor_kernels,
     )
     return data, decode.summarize(data)
 

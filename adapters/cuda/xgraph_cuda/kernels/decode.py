@@ -189,6 +189,33 @@ def _merge_kernel(Part, Lse, Out, s_ob, s_oh, s_od,
 # fmt: on
 
 
+def pdl_options(on: bool) -> dict:
+    """The launch's PDL flag and option: the kernel's wait compiled in, the attribute set."""
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+def _partials(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split's normalized output and log-sum-exp (unused with one split)."""
+    if splits == 1:
+        return out, out
+    b, hq, dim = out.shape
+    part = torch.empty((b, hq, splits, dim), dtype=torch.float32, device=out.device)
+    return part, torch.empty((b, hq, splits), dtype=torch.float32, device=out.device)
+
+
+def _store_args(
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    k_cache: torch.Tensor,
+    q: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple:
+    """The kernel's store arguments: new k, v, slots, the cache's slot count, k's and v's
+    token and head strides (stand-ins without a store)."""
+    knew, vnew, slots = store if store is not None else (q, q, seq_lens)
+    slots_total = k_cache.shape[0] * k_cache.shape[1]
+    return (knew, vnew, slots, slots_total, *knew.stride()[:2], *vnew.stride()[:2])
+
+
 def paged_decode(
     q: torch.Tensor,
     kv_cache: KVCache,
@@ -205,21 +232,14 @@ def paged_decode(
     counts: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> None:
-    """out[t] = attention of q[t] [hq, dim], token t = sequence s, query j (t = s *
-    query_len + j), over the first seq_lens[s] - query_len + 1 + j positions of sequence s's
-    pages; `splits` programs share each (token, kv head). `store` = (k, v, slots): write
-    token t's k[t], v[t] [kv heads, dim] at slots[t] first (query_len 1 only). `counts`
-    (the arena): the splits merge themselves instead of a second kernel."""
+    """out[t] = attention of q[t] [hq, dim] (token t = s * query_len + j) over the first
+    seq_lens[s] - query_len + 1 + j positions of sequence s, `splits` programs per (token, kv
+    head); `store` = (k, v, slots): k[t], v[t] written at slots[t] first (query_len 1);
+    `counts` (the arena): the splits merge themselves, no second kernel."""
     k_cache, v_cache = kv_cache
-    b, hq, dim = q.shape
-    hkv = k_cache.shape[2]
-    group = hq // hkv
-    block_d = triton.next_power_of_2(dim)
-    part = lse = out  # unused with one split
-    knew, vnew, slots = store if store is not None else (q, q, seq_lens)
-    if splits > 1:
-        part = torch.empty((b, hq, splits, dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    (b, hq, dim), hkv = q.shape, k_cache.shape[2]
+    group, block_d = hq // hkv, triton.next_power_of_2(dim)
+    part, lse = _partials(out, splits)
     _decode_kernel[(b, hkv, splits)](
         q,
         k_cache,
@@ -236,14 +256,7 @@ def paged_decode(
         *k_cache.stride()[:4],
         *v_cache.stride()[:4],
         block_tables.stride(0),
-        knew,
-        vnew,
-        slots,
-        k_cache.shape[0] * k_cache.shape[1],
-        knew.stride(0),
-        knew.stride(1),
-        vnew.stride(0),
-        vnew.stride(1),
+        *_store_args(store, k_cache, q, seq_lens),
         counts if counts is not None else seq_lens,
         GROUP=group,
         PAGE=k_cache.shape[1],
@@ -259,8 +272,7 @@ def paged_decode(
         QLEN=query_len,
         STORE=store is not None,
         FIXUP=counts is not None,
-        PDL=pdl,
-        **({"launch_pdl": True} if pdl else {}),
+        **pdl_options(pdl),
     )
     if splits > 1 and counts is None:
         _merge(part, lse, out, splits, block_d, dim)

@@ -5,9 +5,11 @@ Each duty is optional: the core runs its own reference where a backend leaves on
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +19,19 @@ if TYPE_CHECKING:
 
 LinearKernel = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 FusedLinearKernel = Callable[[torch.Tensor, torch.Tensor, "Fusion"], "torch.Tensor | None"]
+
+
+class ProgrammaticLaunch(ABC):
+    """Programmatic dependent launch in captured graphs (`xgraph.pdl`)."""
+
+    @abstractmethod
+    def capture(self, kind: str, enabled: bool) -> AbstractContextManager[Any]:
+        """The context to warm up and record a graph of `kind` in; with `enabled`, kernels
+        recorded in a full graph overlap their predecessor's tail (a no-op elsewhere)."""
+
+    @abstractmethod
+    def programmatic_edges(self, graph: Any) -> int | None:
+        """How many edges of a captured graph are programmatic (None: not readable)."""
 
 
 @dataclass(frozen=True)
@@ -29,8 +44,10 @@ class Kernels:
     projection with the ops around it (`xgraph.fusion.Fusion`: RMSNorm or SiLU-mul before,
     residual add or per-head QK-norm + rotary after) in one kernel, answering None for
     calls it does not serve (`fusion.reference` runs those: the unfused ops around `linear`).
+    `pdl`: programmatic dependent launch in captured graphs, where the device has it.
     """
 
     attention: dict[str, AttentionRunner] = field(default_factory=dict)
     linear: LinearKernel | None = None
     fused_linear: FusedLinearKernel | None = None
+    pdl: ProgrammaticLaunch | None = None

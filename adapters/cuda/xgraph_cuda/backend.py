@@ -16,7 +16,7 @@ from xgraph.adapter import Availability, HostCopier, TorchBackend, TorchRuntime
 from xgraph.errors import BackendUnavailableError
 from xgraph.interfaces import Kernels
 
-from . import attention, linear, probe, staging
+from . import attention, linear, pdl, probe, staging
 from .runtime import CUDARuntime
 from .timing import LeadTimer
 from .vmm import CUDAVirtualMemory
@@ -49,8 +49,14 @@ class CUDABackend(TorchBackend):
         """Triton decode and prefill runners when triton imports, else SDPA prefill and the
         core's graph-safe reference decode (XGRAPH_CUDA_ATTENTION=triton|torch forces one);
         the Triton decode projection kernels for 1 to 64 rows, plain and fused with the ops
-        around them (XGRAPH_CUDA_LINEAR, XGRAPH_CUDA_FUSED choose; `linear`)."""
-        return Kernels(attention.attention_runners(), linear.linear_kernel(), linear.fused_kernel())
+        around them (XGRAPH_CUDA_LINEAR, XGRAPH_CUDA_FUSED choose; `linear`); programmatic
+        dependent launch in full graphs on Hopper and later (`pdl`)."""
+        return Kernels(
+            attention.attention_runners(),
+            linear.linear_kernel(),
+            linear.fused_kernel(),
+            pdl.CUDAProgrammaticLaunch(self.device),
+        )
 
     def host_copier(self, device: torch.Tensor, host: torch.Tensor) -> HostCopier | None:
         """cuMemcpyHtoDAsync and an event on the current stream, without torch's copy path

@@ -93,3 +93,20 @@ def test_each_kernel_variant_checks_out_against_float32_math() -> None:
             bench.check(row, fn, inp)
             assert row.repeat, name
             assert name == "cublas" or row.err < bench.TOL, (name, row.err)
+
+
+@without_cuda
+def test_the_pdl_race_tool_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert tool("pdl_race").main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+@needs_cuda
+def test_the_pdl_race_tool_checks_a_tiny_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("triton")
+    path = tmp_path / "race.json"
+    args = ["--model", "tiny", "--buckets", "1,2", "--replays", "5", "--json", str(path)]
+    assert tool("pdl_race").main(args) == 0
+    data = json.loads(path.read_text())
+    assert data["mismatches"] == 0 and data["buckets"] == [1, 2]
+    assert all(r["clean"] and r["pdl_us"] > 0 for r in data["rows"])

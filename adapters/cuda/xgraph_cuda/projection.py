@@ -7,7 +7,7 @@ answer None for anything else (F.linear, or the fusion's reference ops, run thos
 that needs a split K and finds no arrival counts (the first call of a process made inside a
 capture, `kernels.arena`) runs unsplit. Launches made while a capture asked for
 programmatic dependent launch (`pdl`) wait for their predecessor in the kernel and let
-their successor start early.
+their successor start early. Importing this module loads no Triton (its kernels do).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from xgraph.fusion import Fusion, HeadNorm
 
 from . import pdl
-from .kernels import arena, gemv, interpreting, qkv, sm_count
+from .kernels import arena, interpreting, sm_count
 from .kernels.tuning import MAX_ROWS, Config, pick
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -86,6 +86,8 @@ def config(x: torch.Tensor, w: torch.Tensor, f: Fusion | None = None) -> Config:
 
 def run(x: torch.Tensor, w: torch.Tensor, f: Fusion, c: Config) -> torch.Tensor:
     """The call with configuration `c` (it must be served: `serves`)."""
+    from .kernels import gemv, qkv  # Triton: imported where it is known to be there
+
     counts = arena.counts(x.device)
     on = pdl.enabled() and x.is_cuda  # the interpreter has no grid dependency control
     h = f.heads

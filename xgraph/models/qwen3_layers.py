@@ -102,7 +102,17 @@ class Attention(nn.Module):
         self.scale = c.head_dim**-0.5
         _merge_on_load(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: KVCache,
+        norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """Attention of x (already normed); with `norm`, x is the residual stream and the
+        result the stream after attention (`fused`)."""
+        if norm is not None:
+            return self.fused(x, norm, cos_sin, kv_cache)
         t, hq, hkv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qkv = linear(x, self.qkv_proj.weight).view(t, hq + 2 * hkv, d)
         # per-head norm weights: q's for the first hq heads, k's for the next hkv
@@ -136,7 +146,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
         _merge_on_load(self, "gate_up_proj", ("gate_proj", "up_proj"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """The MLP of x (already normed); with `norm`, x is the residual stream and the
+        result the stream after the MLP (`fused`)."""
+        if norm is not None:
+            return self.fused(x, norm)
         gate, up = linear(x, self.gate_up_proj.weight).chunk(2, -1)
         return linear(F.silu(gate) * up, self.down_proj.weight)
 
@@ -171,8 +185,9 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if residual is None:  # the stream form
-            h = self.self_attn.fused(x, self.input_layernorm, cos_sin, kv_cache)
-            return self.mlp.fused(h, self.post_attention_layernorm), None
+            # through the modules' calls, so hooks and launch sites see self_attn and mlp
+            h = self.self_attn(x, cos_sin, kv_cache, norm=self.input_layernorm)
+            return self.mlp(h, norm=self.post_attention_layernorm), None
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos_sin, kv_cache)
         h, residual = self.post_attention_layernorm(h, residual)

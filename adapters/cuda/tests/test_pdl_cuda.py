@@ -16,6 +16,15 @@ needs_hopper = pytest.mark.skipif(
 )
 
 
+def test_launch_options_follow_the_mode_and_stay_off_the_interpreter() -> None:
+    assert pdl.launch_options(True) == {"PDL": False}
+    with pdl.enabled_for(True):
+        assert pdl.launch_options(True) == {"PDL": True, "launch_pdl": True}
+        assert pdl.launch_options(False) == {"PDL": False}  # CPU tensors: the interpreter
+    with pdl.enabled_for(False, waits_only=True):
+        assert pdl.launch_options(True) == {"PDL": True}  # the wait compiled in, no attribute
+
+
 def test_pdl_is_on_only_in_a_full_graph_capture_where_the_gpu_has_it() -> None:
     on = pdl.CUDAProgrammaticLaunch(torch.device("cpu"), available=True)
     off = pdl.CUDAProgrammaticLaunch(torch.device("cpu"), available=False)
@@ -62,7 +71,9 @@ def test_a_captured_chain_has_programmatic_edges_and_no_race(backend) -> None:  
     kernels = backend.kernels()
     replays, edges = [], []
     for on in (True, False):
-        with capture_options(kernels, "full", on):
+        # the baseline runs the same binaries without the launch attribute
+        baseline = pdl.enabled_for(False, waits_only=True)
+        with capture_options(kernels, "full", True) if on else baseline:
             _chain(x, weights)  # warm-up: compiles the variant the capture launches
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph(keep_graph=True)

@@ -79,10 +79,10 @@ def test_the_reference_model_decodes_the_same_with_and_without_the_kernel(backen
     backend installs it) and agree with cuBLAS's within bf16 rounding."""
     import random
 
+    from xgraph_cuda import projection
+
     import xgraph.linear as core_linear
     from xgraph.models import Workload
-
-    from xgraph_cuda import projection
 
     backend.activate()
     assert core_linear.installed("cuda") is projection.plain

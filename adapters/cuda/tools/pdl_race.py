@@ -5,11 +5,15 @@ edges of its graph, its replay time with and without, and the race check.
         --replays 200 --json out/pdl-race.json
 
 For each bucket, the forward (eager, the backend's kernels installed, one decode step on
-static inputs) is captured twice with torch.cuda.CUDAGraph(keep_graph=True): inside the
-backend's PDL capture option (`xgraph.pdl.capture_options(kernels, "full", True)`, the
-warm-up too) and without it. It records each graph's programmatic edges, the device time
-of a replay of each (events over 50 replays), then `xgraph.pdl.race_check`: `--replays`
-pairs of replays, new token ids before each pair, the hidden states compared bit for bit.
+static inputs) is captured three times with torch.cuda.CUDAGraph(keep_graph=True): inside
+the backend's PDL capture option (`xgraph.pdl.capture_options(kernels, "full", True)`, the
+warm-up too: `pdl`), with the same kernel binaries launched without the PDL attribute
+(`waits`: the race check's baseline, differing from `pdl` by the launch attribute alone),
+and as the backend launches them without PDL (`plain`). It records each graph's
+programmatic edges and the device time of a replay of each (events over 50 replays), then
+`xgraph.pdl.race_check` of `pdl` against `waits`: `--replays` pairs of replays, new token
+ids before each pair, the hidden states compared bit for bit; and whether `waits` and
+`plain` agree bit for bit over 5 replays (the compiled-in wait changes no arithmetic).
 The JSON's `buckets`, `replays` and `mismatches` are what docs/results/h200/
 decode-limit.json keeps as `pdl_race_check` (python -m xgraph.bench.limit --race).
 """
@@ -46,9 +50,18 @@ def replay_us(graph: torch.cuda.CUDAGraph) -> float:
     return a.elapsed_time(b) * 1e3 / REPS
 
 
-def capture(forward: Any, kernels: Any, on: bool) -> tuple[torch.cuda.CUDAGraph, Any, Any]:
-    """The forward captured with PDL (`on`) or without: (graph, its output, its edges)."""
-    with capture_options(kernels, "full", on):
+def mode(kernels: Any, name: str) -> Any:
+    """The capture context of a mode: pdl (the core's option), waits, plain."""
+    from xgraph_cuda import pdl
+
+    if name == "pdl":
+        return capture_options(kernels, "full", True)
+    return pdl.enabled_for(False, waits_only=name == "waits")
+
+
+def capture(forward: Any, kernels: Any, name: str) -> tuple[torch.cuda.CUDAGraph, Any, Any]:
+    """The forward captured in a mode: (graph, its output, its programmatic edges)."""
+    with mode(kernels, name):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -73,10 +86,10 @@ def bucket(backend: Any, w: Any, b: int, replays: int, seed: int) -> dict[str, A
         with torch.no_grad(), step_context(ctx):
             return w.model.forward(ids, pos)
 
-    on_graph, on_out, on_edges = capture(forward, kernels, True)
-    off_graph, off_out, off_edges = capture(forward, kernels, False)
-    out: dict[str, Any] = {"bucket": b, "edges_pdl": on_edges, "edges_plain": off_edges}
-    out["pdl_us"], out["plain_us"] = replay_us(on_graph), replay_us(off_graph)
+    graphs = {name: capture(forward, kernels, name) for name in ("pdl", "waits", "plain")}
+    out: dict[str, Any] = {"bucket": b}
+    for name, (graph, _, edges) in graphs.items():
+        out[f"edges_{name}"], out[f"{name}_us"] = edges, replay_us(graph)
     g = torch.Generator(device="cuda").manual_seed(seed)
     vocab = w.model.config.vocab_size
 
@@ -86,8 +99,10 @@ def bucket(backend: Any, w: Any, b: int, replays: int, seed: int) -> dict[str, A
     def run(graph: torch.cuda.CUDAGraph, result: torch.Tensor) -> Any:
         return lambda: (graph.replay(), torch.cuda.synchronize(), [result])[2]
 
-    report = race_check(run(on_graph, on_out), run(off_graph, off_out), feed, replays, b)
+    on, base, plain = (run(*graphs[n][:2]) for n in ("pdl", "waits", "plain"))
+    report = race_check(on, base, feed, replays, b)
     out.update(mismatches=report.mismatches, clean=report.clean, verdict=report.describe())
+    out["waits_change_no_bits"] = race_check(base, plain, feed, 5, b).clean
     return out
 
 
@@ -124,11 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(data, f, indent=2)
-    print("| bucket | edges (PDL) | edges (plain) | PDL us | plain us | mismatches |")
-    print("|---|---|---|---|---|---|")
+    cols = ["bucket", "edges_pdl", "edges_plain", "pdl_us", "waits_us", "plain_us"]
+    cols += ["mismatches", "waits_change_no_bits"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
     for r in rows:
-        cells = [r.get(k, r.get("error", "")) for k in ("bucket", "edges_pdl", "edges_plain")]
-        cells += [r.get("pdl_us"), r.get("plain_us"), r.get("mismatches", r.get("error"))]
+        cells = [r.get(k, r.get("error", "")) for k in cols]
         print(
             "| " + " | ".join(f"{c:.4g}" if isinstance(c, float) else str(c) for c in cells) + " |"
         )

@@ -25,6 +25,8 @@ import torch
 
 from xgraph.kernels import ProgrammaticLaunch
 
+from .kernels import pdl_options
+
 _local = threading.local()
 
 
@@ -33,15 +35,28 @@ def enabled() -> bool:
     return bool(getattr(_local, "on", False))
 
 
+def waits() -> bool:
+    """Whether launches in this thread compile the predecessor wait in without PDL."""
+    return bool(getattr(_local, "waits", False))
+
+
 @contextmanager
-def enabled_for(on: bool) -> Iterator[None]:
-    """Launch the adapter's kernels in this thread with PDL (`on`) until the block ends."""
-    before = enabled()
-    _local.on = on
+def enabled_for(on: bool, waits_only: bool = False) -> Iterator[None]:
+    """Launch the adapter's kernels in this thread with PDL (`on`) until the block ends;
+    `waits_only`: without the attribute, but the same binaries PDL launches (the race
+    check's baseline: two graphs that differ by the launch attribute alone)."""
+    before = enabled(), waits()
+    _local.on, _local.waits = on, waits_only
     try:
         yield
     finally:
-        _local.on = before
+        _local.on, _local.waits = before
+
+
+def launch_options(is_cuda: bool) -> dict:
+    """The PDL constexpr and launch option of a kernel launched now (none off the GPU: the
+    interpreter has no grid dependency control)."""
+    return pdl_options(enabled() and is_cuda, waits() and is_cuda)
 
 
 def supported(device: torch.device) -> bool:

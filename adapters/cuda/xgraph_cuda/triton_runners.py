@@ -161,7 +161,7 @@ class TritonPagedDecodeRunner(PlannedRunner):
             counts = arena.counts(q.device)  # None inside a process's first capture
         tables, seq_lens = md.block_tables[:b], md.seq_lens[:b]
         store = (k, v, md.slot_mapping) if one else None
-        on = pdl.enabled() and q.is_cuda
+        on = pdl.launch_options(q.is_cuda)
         paged_decode(
             q,
             kv_cache,

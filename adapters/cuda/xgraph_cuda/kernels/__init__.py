@@ -31,6 +31,16 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[device]
 
 
+def pdl_options(launch: bool = False, waits: bool = False) -> dict:
+    """A launch's PDL constexpr and launch option: the predecessor wait compiled in with the
+    launch attribute (`launch`), or compiled in alone (`waits`: the same binary launched
+    without PDL, to compare launches that differ by the attribute only)."""
+    opts: dict = {"PDL": launch or waits}
+    if launch:
+        opts["launch_pdl"] = True
+    return opts
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET set)."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE

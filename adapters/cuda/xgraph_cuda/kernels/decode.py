@@ -25,7 +25,7 @@ import triton.language as tl
 
 from xgraph.metadata import KVCache
 
-from . import dot_precision, dot_upcast
+from . import dot_precision, dot_upcast, pdl_options
 from .fixup import arrive
 from .online import load_rows, page_slots, softmax_step
 
@@ -189,11 +189,6 @@ def _merge_kernel(Part, Lse, Out, s_ob, s_oh, s_od,
 # fmt: on
 
 
-def pdl_options(on: bool) -> dict:
-    """The launch's PDL flag and option: the kernel's wait compiled in, the attribute set."""
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
-
-
 def _partials(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each split's normalized output and log-sum-exp (unused with one split)."""
     if splits == 1:
@@ -230,7 +225,7 @@ def paged_decode(
     query_len: int = 1,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     counts: torch.Tensor | None = None,
-    pdl: bool = False,
+    pdl: dict | None = None,
 ) -> None:
     """out[t] = attention of q[t] [hq, dim] (token t = s * query_len + j) over the first
     seq_lens[s] - query_len + 1 + j positions of sequence s, `splits` programs per (token, kv
@@ -272,7 +267,7 @@ def paged_decode(
         QLEN=query_len,
         STORE=store is not None,
         FIXUP=counts is not None,
-        **pdl_options(pdl),
+        **(pdl or pdl_options()),
     )
     if splits > 1 and counts is None:
         _merge(part, lse, out, splits, block_d, dim)

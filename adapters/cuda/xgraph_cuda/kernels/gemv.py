@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dot_precision, dot_upcast
+from . import dot_precision, dot_upcast, pdl_options
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
 from .operand import accumulate, input_tile, weight_tile
 from .tuning import Config
@@ -112,7 +112,7 @@ def launch(
     eps: float = 1e-6,
     gated: bool = False,
     residual: torch.Tensor | None = None,
-    pdl: bool = False,
+    pdl: dict | None = None,
 ) -> torch.Tensor:
     """y [m, n] = epilogue(prologue(x) @ w.T) in x's dtype, with configuration `c` (its
     split needs `counts`, the arena; without it the launch is unsplit)."""
@@ -149,9 +149,8 @@ def launch(
         EVEN=k % c.block_k == 0 and per * split == k,
         UPCAST=dot_upcast(),
         PRECISION=dot_precision(w.dtype),
-        PDL=pdl,
         num_warps=c.warps,
         num_stages=c.stages,
-        **({"launch_pdl": True} if pdl else {}),
+        **(pdl or pdl_options()),
     )
     return y

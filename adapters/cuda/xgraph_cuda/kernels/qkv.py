@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dot_precision, dot_upcast
+from . import dot_precision, dot_upcast, pdl_options
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
 from .gemv import k_share, workspace
 from .operand import accumulate, input_tile, weight_tile
@@ -124,7 +124,7 @@ def launch(
     *,
     norm: torch.Tensor | None = None,
     eps: float = 1e-6,
-    pdl: bool = False,
+    pdl: dict | None = None,
 ) -> torch.Tensor:
     """[m, (hq + 2 hkv) * d]: the qkv projection of prologue(x) with its heads' epilogue.
     `heads`: (q norm weight, k norm weight, eps, cos_sin [m, 2, d] float32, hq, hkv)."""
@@ -165,9 +165,8 @@ def launch(
         EVEN=k % c.block_k == 0 and per * split == k,
         UPCAST=dot_upcast(),
         PRECISION=dot_precision(w.dtype),
-        PDL=pdl,
         num_warps=c.warps,
         num_stages=c.stages,
-        **({"launch_pdl": True} if pdl else {}),
+        **(pdl or pdl_options()),
     )
     return y

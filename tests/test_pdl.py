@@ -116,6 +116,8 @@ def test_pdl_is_a_no_op_where_not_asked_or_not_there() -> None:
     with capture_options(Kernels(pdl=pdl), "piecewise", True):  # full graphs only
         assert not getattr(_state, "pdl", False)
     assert pdl.asked == [("piecewise", True)]
+    with capture_options(Kernels(pdl=pdl), "full", False, baseline=True):  # default: plain
+        assert not getattr(_state, "pdl", False)
 
 
 def test_differences_are_found_by_bits() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,11 @@ class ProgrammaticLaunch(ABC):
     @abstractmethod
     def programmatic_edges(self, graph: Any) -> int | None:
         """How many edges of a captured graph are programmatic (None: not readable)."""
+
+    def baseline(self, kind: str) -> AbstractContextManager[Any]:
+        """The race check's other capture: the kernels `capture(kind, True)` records, launched
+        without PDL (by default an ordinary capture)."""
+        return nullcontext()
 
 
 @dataclass(frozen=True)

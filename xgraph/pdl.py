@@ -10,7 +10,9 @@ hurts prefill), and a count of a captured graph's programmatic edges. `capture_o
 what an executor enters around the warm-up and the capture of a key; it is a no-op where
 PDL is not asked for or the backend has none.
 
-`race_check` replays a key captured with PDL and the same key captured without, N times,
+`race_check` replays a key captured with PDL and the same key captured without
+(`capture_options(..., baseline=True)`: where the backend can, the same kernel binaries
+launched without the PDL attribute, so the two graphs differ by that alone), N times,
 new inputs before each pair, and compares every output bit for bit (the decode kernels are
 deterministic: split reductions finish in a fixed order), naming the first mismatch.
 """
@@ -29,11 +31,16 @@ from .kernels import Kernels
 Outputs = Callable[[], Sequence[torch.Tensor]]
 
 
-def capture_options(kernels: Kernels, kind: str, pdl: bool) -> AbstractContextManager[Any]:
+def capture_options(
+    kernels: Kernels, kind: str, pdl: bool, baseline: bool = False
+) -> AbstractContextManager[Any]:
     """The context to warm up and record a graph of `kind` ("full", "piecewise") in: the
-    backend's PDL capture where `pdl` is asked and it has one, else nothing."""
-    if not pdl or kernels.pdl is None:
+    backend's PDL capture where `pdl` is asked and it has one, else nothing. `baseline`: the
+    race check's other capture of the key (the same kernels launched without PDL)."""
+    if kernels.pdl is None or not (pdl or baseline):
         return nullcontext()
+    if baseline:
+        return kernels.pdl.baseline(kind)
     return kernels.pdl.capture(kind, pdl)
 
 

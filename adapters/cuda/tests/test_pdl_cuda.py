@@ -37,6 +37,10 @@ def test_pdl_is_on_only_in_a_full_graph_capture_where_the_gpu_has_it() -> None:
     assert not pdl.enabled()
     with off.capture("full", True):
         assert not pdl.enabled()
+    with on.baseline("full"):
+        assert not pdl.enabled() and pdl.waits()
+    with on.baseline("piecewise"):
+        assert not pdl.waits()
     assert not pdl.CUDAProgrammaticLaunch(torch.device("cpu")).available
 
 
@@ -72,8 +76,7 @@ def test_a_captured_chain_has_programmatic_edges_and_no_race(backend) -> None:  
     replays, edges = [], []
     for on in (True, False):
         # the baseline runs the same binaries without the launch attribute
-        baseline = pdl.enabled_for(False, waits_only=True)
-        with capture_options(kernels, "full", True) if on else baseline:
+        with capture_options(kernels, "full", on, baseline=not on):
             _chain(x, weights)  # warm-up: compiles the variant the capture launches
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph(keep_graph=True)

@@ -52,11 +52,9 @@ def replay_us(graph: torch.cuda.CUDAGraph) -> float:
 
 def mode(kernels: Any, name: str) -> Any:
     """The capture context of a mode: pdl (the core's option), waits, plain."""
-    from xgraph_cuda import pdl
-
-    if name == "pdl":
-        return capture_options(kernels, "full", True)
-    return pdl.enabled_for(False, waits_only=name == "waits")
+    if name == "plain":
+        return capture_options(kernels, "full", False)
+    return capture_options(kernels, "full", name == "pdl", baseline=name == "waits")
 
 
 def capture(forward: Any, kernels: Any, name: str) -> tuple[torch.cuda.CUDAGraph, Any, Any]:

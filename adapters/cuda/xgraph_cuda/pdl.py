@@ -75,6 +75,10 @@ class CUDAProgrammaticLaunch(ProgrammaticLaunch):
     def capture(self, kind: str, enabled: bool) -> AbstractContextManager[Any]:
         return enabled_for(enabled and kind == "full" and self.available)
 
+    def baseline(self, kind: str) -> AbstractContextManager[Any]:
+        """The wait compiled in, no launch attribute: PDL's binaries in an ordinary graph."""
+        return enabled_for(False, waits_only=kind == "full" and self.available)
+
     def programmatic_edges(self, graph: Any) -> int | None:
         """Programmatic edges of a torch CUDAGraph captured with keep_graph=True (or of a raw
         cudaGraph_t); None where its graph is no longer readable."""

@@ -20,6 +20,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="xgraph backend the conformance suite runs against (default: XGRAPH_BACKEND, "
         "else the best available one)",
     )
+    group.addoption(
+        "--xgraph-capabilities",
+        action="store",
+        default=None,
+        help="capabilities of the backend, declared on top of the conformance class's: "
+        "name=yes|no[,...] (virtual_memory, routes_segments, reports_memory, reads_launches, "
+        "linear_kernel; xgraph.testing.capabilities)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,10 +1,16 @@
 import os
+import tempfile
 
 import pytest
 import torch
 
 # Tests pick backends by name; a stray XGRAPH_BACKEND from the shell must not redirect them.
 os.environ.pop("XGRAPH_BACKEND", None)
+# Compiled forwards keep their artifacts per machine (xgraph.compile_cache): tests keep theirs
+# in a folder of their own, so no run reads another's (a test that needs one names its own).
+os.environ.setdefault(
+    "XGRAPH_COMPILE_CACHE", tempfile.mkdtemp(prefix="xgraph-compile-cache-tests-")
+)
 
 
 @pytest.fixture

@@ -220,6 +220,29 @@ def test_core_imports_no_device_runtime():
     assert not offenders, offenders
 
 
+INTEGRATIONS = "xgraph.integrations"
+
+
+def test_bench_imports_no_integration():
+    """`xgraph.bench` imports no integration (not even inside a function, nor by name through
+    importlib): an integration registers its bench targets (`xgraph.bench.register_target`)."""
+    modules = _modules("xgraph")
+    known = set(modules)
+    found = []
+    for mod, path in modules.items():
+        if mod != "xgraph.bench" and not mod.startswith("xgraph.bench."):
+            continue
+        imported = _imports(mod, path, known)
+        found += [f"{mod} imports {m}" for m in sorted(imported) if m.startswith(INTEGRATIONS)]
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Call) and any(
+                isinstance(a, ast.Constant) and str(a.value).startswith(INTEGRATIONS)
+                for a in node.args
+            ):
+                found.append(f"{mod}:{node.lineno} imports an integration by name")
+    assert not found, "\n".join(found)
+
+
 @pytest.mark.parametrize("package", ["xgraph", "xgraph_cuda", "xgraph_ascend"])
 def test_formatter_runs_unhindered(package):
     """`# fmt: skip` / `# fmt: off` are for the few places a formatter would harm (packed
@@ -245,3 +268,58 @@ def test_two_public_faces_stay_small():
     for face in (xgraph, xgraph.adapter):
         missing = [n for n in face.__all__ if not hasattr(face, n)]
         assert not missing, (face.__name__, missing)
+
+
+# an adapter's whole contract is its two faces; a simulator of its device may also build on
+# the core's simulated runtime (the dummy adapter's runtime is that simulator)
+ADAPTER_FACES = ("xgraph.adapter", "xgraph.hooks")
+SIM_FACE = "xgraph.testing.sim"
+ADAPTERS = {
+    "xgraph_cuda": PACKAGES["xgraph_cuda"],
+    "xgraph_ascend": PACKAGES["xgraph_ascend"],
+    "xgraph_dummy": os.path.join(ROOT, "tests", "dummy_adapter", "xgraph_dummy"),
+}
+
+
+def _core_imports(source: str, path: str) -> list[tuple[int, str]]:
+    """(line, module) of every `xgraph` module a source imports, anywhere in it (typing-only
+    imports too: they name the contract as much as any)."""
+    found = []
+    for node in ast.walk(ast.parse(source, path)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            for a in node.names:  # `from xgraph import adapter` imports xgraph.adapter
+                whole = f"{node.module}.{a.name}"
+                face = whole in (*ADAPTER_FACES, SIM_FACE) or node.module == "xgraph"
+                found.append((node.lineno, whole if face else node.module))
+    return [(line, m) for line, m in found if m == "xgraph" or m.startswith("xgraph.")]
+
+
+def _past_the_faces(source: str, path: str, simulator: bool) -> list[str]:
+    allowed = (*ADAPTER_FACES, SIM_FACE) if simulator else ADAPTER_FACES
+    return [
+        f"{path}:{line} imports {m}" for line, m in _core_imports(source, path) if m not in allowed
+    ]
+
+
+def test_adapters_import_the_core_only_through_their_faces():
+    """Adapter packages import xgraph only through `xgraph.adapter` and `xgraph.hooks` (a
+    simulator of the device, `<package>/sim/` or the dummy adapter, also through
+    `xgraph.testing.sim`): what an adapter needs is on the face, nothing past it."""
+    sample = "from xgraph.runners import store_kv\nfrom xgraph import adapter, errors\n"
+    assert _past_the_faces(sample, "x.py", simulator=True) == [
+        "x.py:1 imports xgraph.runners",
+        "x.py:2 imports xgraph.errors",
+    ]
+    offenders = []
+    for package, base in ADAPTERS.items():
+        for folder, _, files in os.walk(base):
+            for f in sorted(files):
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(folder, f)
+                rel = os.path.relpath(path, ROOT)
+                simulator = package == "xgraph_dummy" or os.path.join(base, "sim") in path
+                offenders += _past_the_faces(open(path).read(), rel, simulator)
+    assert not offenders, "\n".join(offenders)

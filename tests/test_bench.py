@@ -19,7 +19,7 @@ import torch
 import xgraph
 from xgraph.bench import decode, memory, prefill
 from xgraph.cli import main
-from xgraph.integrations.transformers import bench_runs
+from xgraph.integrations.transformers import bench_runs, bench_target
 from xgraph.integrations.transformers.deps import require
 from xgraph.integrations.transformers.errors import MissingExtraError
 
@@ -172,7 +172,7 @@ def test_memory_all_modes_and_a_family_that_fails(monkeypatch: pytest.MonkeyPatc
     def broken(*args: Any) -> None:
         raise RuntimeError("no such model here")
 
-    monkeypatch.setattr(memory.targets, "HFLlama", broken)
+    monkeypatch.setattr(bench_target, "HFLlama", broken)
     data = memory.run(
         xgraph.get_backend("cpu"),
         "tiny",

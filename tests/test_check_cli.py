@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import xgraph.executor
+import xgraph.runners
 from xgraph.cli import main
 from xgraph.runners import PagedDecodeRunner, reference_runners
 
@@ -32,7 +32,7 @@ def test_a_leak_exits_1_with_the_report(capsys, monkeypatch):
             out.add_(torch.zeros(n).sum())
 
     monkeypatch.setattr(
-        xgraph.executor, "reference_runners", lambda: {**reference_runners(), "decode": Leak()}
+        xgraph.runners, "reference_runners", lambda: {**reference_runners(), "decode": Leak()}
     )
     assert main(["check", "--backend", "cpu", "--kind", "full"]) == 1
     out = capsys.readouterr().out

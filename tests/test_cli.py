@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import torch
 
 import xgraph as xg
 from xgraph.cli import build_parser, main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def xgraph(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -121,6 +124,18 @@ GEN = ["generate", "--model", "folder", "--prompt", "1 2"]
         (["bench", "decode", "--steps", "3"], "--steps does not apply to bench decode"),
         (["bench", "decode", "--plot", "x.png"], "--plot does not apply to bench decode"),
         (["bench", "all", "--sizes", "1,2"], "--sizes does not apply to bench all"),
+        # refused while parsed, the valid range named: never a default or a later failure
+        (["bench", "sleep", "--kv-cache-gib", "0"], "'0': give a finite number above 0"),
+        (["bench", "sleep", "--kv-cache-gib", "-1"], "'-1': give a finite number above 0"),
+        (["bench", "sleep", "--kv-cache-gib", "inf"], "'inf': give a finite number above 0"),
+        (["bench", "sleep", "--kv-cache-gib", "x"], "'x' is not a number; give a finite"),
+        (["bench", "sleep", "--piecewise-max", "3"], "'3': give a whole number of at least 4"),
+        (["bench", "prefill", "--max-size", "3"], "--max-size 3: bench prefill measures"),
+        ([*GEN, "--top-p", "0"], "argument --top-p: '0': give a number above 0 and at most 1"),
+        ([*GEN, "--top-p", "1.5"], "argument --top-p: '1.5': give a number above 0 and at"),
+        ([*GEN, "--seed", "-1"], "argument --seed: '-1': give a whole number from 0 to 2**64"),
+        ([*GEN, "--seed", str(2**64)], f"'{2**64}': give a whole number from 0 to 2**64 - 1"),
+        ([*GEN, "--compile", "nope"], "argument --compile: invalid choice: 'nope' (choose from"),
         (["bench", "nope"], "argument which: invalid choice: 'nope'"),
         (["nope"], "argument COMMAND: invalid choice: 'nope'"),
         ([], "the following arguments are required: COMMAND"),
@@ -269,3 +284,64 @@ def test_an_encoder_decoder_folder_is_one_line_and_exit_2(tmp_path, capsys):
     code, err = run_main(["generate", "--model", str(tmp_path), "--prompt", "1 2"], capsys)
     assert_one_line(code, err, "xgraph: error: ")
     assert "t5" in err[0].lower(), err
+
+
+# -- --compile: a name torch does not know is refused, a failing one named ---------------
+
+
+def test_graph_model_refuses_a_compile_backend_torch_does_not_know():
+    pytest.importorskip("transformers", minversion="5.0")
+    from hf_tiny import LIMITS, tiny
+
+    from xgraph.integrations.transformers import GraphModel
+
+    with pytest.raises(xg.XGraphError, match=r"compile='nope'; give True \(Inductor\)"):
+        GraphModel(tiny("llama"), backend="cpu", compile="nope", **LIMITS)
+
+
+def test_a_failed_compile_warns_naming_its_backend_not_an_internal_object():
+    from xgraph.compiled import TokenCompiled
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no kernels today")
+
+    torch._dynamo.reset()
+    fn = TokenCompiled(lambda x: x * 2, 4, backend=broken_backend, name="fwd")
+    with pytest.warns(xg.XGraphWarning) as caught:
+        out = fn(torch.ones(3))
+    torch._dynamo.reset()
+    assert torch.equal(out, torch.full((3,), 2.0))  # uncompiled, the right result
+    text = " ".join(str(w.message) for w in caught)
+    assert "backend='broken_backend'" in text and "_Counted" not in text, text
+
+
+# -- python run from the folder that holds the clone ------------------------------------
+
+
+@pytest.mark.slow
+def test_python_beside_an_editable_clone_imports_the_package(tmp_path):
+    """`pip install -e` of a clone named xgraph, then python run from the folder that holds
+    it: `import xgraph` is the package, not the clone's top folder taken for an empty
+    namespace package (AttributeError: module 'xgraph' has no attribute 'get_backend')."""
+    pytest.importorskip("setuptools", minversion="64")  # builds the editable wheel, offline
+    pytest.importorskip("pip")
+    clone = tmp_path / "xgraph"
+    clone.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE", "pytest_xgraph.py"):
+        shutil.copy(os.path.join(ROOT, name), clone / name)
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(os.path.join(ROOT, "xgraph"), clone / "xgraph", ignore=ignore)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    venv = tmp_path / "venv"  # sees this environment's torch, installs the clone apart
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
+        assert r.returncode == 0, r.stderr
+        return r
+
+    run(sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv))
+    python = str(venv / "bin" / "python")
+    offline = ("-q", "--no-build-isolation", "--no-deps", "--no-index")
+    run(python, "-m", "pip", "install", *offline, "-e", str(clone))
+    r = run(python, "-c", "import xgraph; xgraph.get_backend('cpu'); print(xgraph.__file__)")
+    assert r.stdout.strip() == str(clone / "xgraph" / "__init__.py"), r.stdout

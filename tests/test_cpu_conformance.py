@@ -2,7 +2,9 @@
 `xgraph conformance --backend cpu`)."""
 
 from xgraph.testing import ConformanceSuite
+from xgraph.testing.test_conformance import CPU_CAPABILITIES
 
 
 class TestCPUConformance(ConformanceSuite):
     backend_name = "cpu"
+    capabilities = CPU_CAPABILITIES  # no linear kernel of its own; the rest on Linux

@@ -71,16 +71,21 @@ def test_a_failed_begin_gives_back_the_routing_and_poisons_the_pool(backend) -> 
     _clean(backend)
 
 
-def test_a_failed_end_is_ended_by_the_driver_once_and_the_stream_replaced(backend) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("fault, by_driver", [("capture_end", 0), ("capture_end_refused", 1)])
+def test_a_failed_end_leaves_no_stream_capturing_and_the_stream_replaced(  # type: ignore[no-untyped-def]
+    backend, fault, by_driver
+) -> None:
+    """A failed end takes the stream out of capture (ACL, CUDA); an end refused before it ran
+    leaves the stream capturing, and the layer ends that through the driver, once."""
     rt, x = backend.runtime, torch.randn(16)
     old = backend.capture_stream()
     pool = backend.new_pool()  # its keeper is a capture too
-    calls = rt.faults.calls["capture_end"]
-    rt.faults.inject("capture_end", 9)
+    calls = rt.faults.calls["capture_end_refused"]  # counted at every capture_end
+    rt.faults.inject(fault, 9)
     with pytest.raises(xgraph.CaptureError, match="capture_end refused"):
         _capture(backend, pool, torch.exp, x)
-    assert rt.faults.calls["capture_end"] - calls == 1  # the runtime's capture_end ran once
-    assert rt.faults.calls["end_capture"] == 1 and not rt.is_capturing(old)
+    assert rt.faults.calls["capture_end_refused"] - calls == 1  # capture_end ran once
+    assert rt.faults.calls["end_capture"] == by_driver and not rt.is_capturing(old)
     assert backend.capture_stream() is not old and pool.poisoned
     assert rt.caching.routes() == 0 and book(rt).parked() == 0
     rt.synchronize()  # no stream is left capturing: the device synchronizes again
@@ -90,9 +95,11 @@ def test_a_failed_end_is_ended_by_the_driver_once_and_the_stream_replaced(backen
 
 
 def test_a_capture_that_cannot_be_ended_leaves_a_working_device(backend) -> None:  # type: ignore[no-untyped-def]
+    """The end refused before it ran and the driver refusing too: no runtime the sources
+    show leaves a stream capturing once its end ran, but the layer copes with one."""
     rt, x = backend.runtime, torch.randn(16)
     old, pool = backend.capture_stream(), backend.new_pool()
-    rt.faults.inject("capture_end", 9)
+    rt.faults.inject("capture_end_refused", 9)
     rt.faults.inject("end_capture", 9, times=1000)  # the driver cannot end it either, for now
     with pytest.raises(xgraph.CaptureError):
         _capture(backend, pool, torch.exp, x)
@@ -186,13 +193,16 @@ def test_a_pool_closed_before_its_graph_is_parked_until_the_reset(backend) -> No
     _clean(backend)
 
 
-def _capture_in_thread(backend, started, release):  # type: ignore[no-untyped-def]
-    """A second thread that begins a capture and holds it until `release` is set."""
+def _capture_in_thread(backend, started, release, go=None):  # type: ignore[no-untyped-def]
+    """A second thread that begins a capture (`started`) and holds it until `release` is
+    set; returned once it began, or at once with `go` (the thread begins once `go` is set)."""
     out = {}
 
     def run() -> None:
         x, pool = torch.randn(16), backend.new_pool()
         graph = backend.new_graph()
+        if go is not None:
+            go.wait(10)
         graph.capture_begin(pool)
         y = x + 1
         started.set()
@@ -202,7 +212,8 @@ def _capture_in_thread(backend, started, release):  # type: ignore[no-untyped-de
 
     th = threading.Thread(target=run)
     th.start()
-    assert started.wait(10)
+    if go is None:
+        assert started.wait(10)
     return th, out
 
 
@@ -231,5 +242,35 @@ def test_other_threads_synchronize_close_and_drop_pools_while_a_capture_runs(bac
     out["graph"].reset()
     out["pool"].close()
     del y, out
+    rt.empty_cache()
+    _clean(backend)
+
+
+def test_a_capture_begun_during_a_device_synchronize_waits_for_it(backend) -> None:  # type: ignore[no-untyped-def]
+    """The check for other threads' captures and the device synchronize are one step: a
+    capture another thread begins in between waits for the synchronize instead of making it
+    fail (a device synchronize fails while any stream captures: ACL 107027)."""
+    rt, main = backend.runtime, threading.current_thread()
+    device_sync, inside, began, release = rt.synchronize, *(threading.Event() for _ in range(3))
+
+    def synchronize() -> None:  # the main thread's first device synchronize lingers
+        if threading.current_thread() is main and not inside.is_set():
+            inside.set()
+            began.wait(0.5)  # the other thread's capture begins now, unless it must wait
+        device_sync()
+
+    rt.synchronize = synchronize
+    th, out = _capture_in_thread(backend, began, release, go=inside)
+    backend.synchronize()  # the check passed: nothing captures yet
+    assert began.wait(10)  # then the other thread's capture began
+    release.set()
+    th.join(10)
+    out["x"].fill_(1)
+    out["graph"].replay()
+    backend.synchronize()
+    assert torch.equal(out["y"], torch.full((16,), 2.0))
+    out["graph"].reset()
+    out["pool"].close()
+    del out
     rt.empty_cache()
     _clean(backend)

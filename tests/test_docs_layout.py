@@ -1,5 +1,7 @@
-"""The docs and tools stay as laid out: links resolve, benchmarks.md is a document (dated runs
-go to the results log), scripts/ holds only the device runner, and no package imports it."""
+"""The docs and tools stay as laid out: links resolve, every path a docstring or a page names
+exists, benchmarks.md is a document (dated runs go to the results log), results folders hold
+data (one-off probes live in experiments/), scripts/ holds only the device runner, and no
+package imports it."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def _read(name: str) -> str:
 
 
 def _documents() -> list[str]:
-    names = ["README.md", LOG, *glob.glob("docs/*.md", root_dir=ROOT)]
+    names = ["README.md", LOG, "experiments/README.md", *glob.glob("docs/*.md", root_dir=ROOT)]
     return sorted({*names, *glob.glob("adapters/*/README.md", root_dir=ROOT)})
 
 
@@ -71,6 +73,73 @@ def test_every_results_path_named_in_code_spans_exists(name):
     paths = re.findall(r"`(docs/results/[^`\s]*)`", _read(name))
     missing = [p for p in paths if not os.path.exists(os.path.join(ROOT, p))]
     assert not missing, f"{name} names results that are not there: {missing}"
+
+
+# a path from the repository root: xgraph/...py, or anything under scripts/, adapters/,
+# docs/, experiments/ (not part of a longer path, a glob or a placeholder)
+NAMED_PATH = re.compile(r"(?<![\w/.$<-])((?:xgraph|scripts|adapters|docs|experiments)/[\w./-]*)")
+HISTORY = {LOG, "CHANGELOG.md"}  # what they name may have gone since; their links resolve
+
+
+def _named_paths(text: str) -> set[str]:
+    paths = set()
+    for m in NAMED_PATH.finditer(text):
+        path = m.group(1).rstrip(".,:;")
+        if text[m.end() : m.end() + 1] in "*{<" and m.end() < len(text):
+            continue  # a glob or a placeholder, not a file
+        if path.startswith("xgraph/") and not path.endswith(".py"):
+            continue  # a module named by its folder is not a file path
+        paths.add(path)
+    return paths
+
+
+def _missing(paths: set[str]) -> list[str]:
+    return sorted(p for p in paths if not os.path.exists(os.path.join(ROOT, p)))
+
+
+def _docstrings(path: str) -> list[str]:
+    tree = ast.parse(_read(path), path)
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return [d for n in ast.walk(tree) if isinstance(n, kinds) and (d := ast.get_docstring(n))]
+
+
+def test_results_folders_hold_no_python():
+    scripts = glob.glob("docs/results/**/*.py", root_dir=ROOT, recursive=True)
+    assert not scripts, f"one-off probes go to experiments/ (a README row each): {scripts}"
+
+
+def test_every_experiment_has_a_readme_row():
+    rows = _read("experiments/README.md")
+    scripts = sorted(glob.glob("*.py", root_dir=os.path.join(ROOT, "experiments")))
+    assert scripts, "experiments/ holds the one-off probes"
+    missing = [s for s in scripts if f"| `{s}` |" not in rows]
+    assert not missing, f"experiments/README.md has no row for {missing}"
+
+
+def test_every_path_a_docstring_names_exists():
+    roots = ("xgraph", "adapters", "tests", "tools", "experiments")
+    files = glob.glob("*.py", root_dir=ROOT) + [
+        f for r in roots for f in glob.glob(f"{r}/**/*.py", root_dir=ROOT, recursive=True)
+    ]
+    missing = [
+        f"{name}: {path}"
+        for name in sorted(files)
+        for doc in _docstrings(name)
+        for path in _missing(_named_paths(doc))
+    ]
+    assert not missing, "docstrings name paths that are not there:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("name", sorted(set(_documents()) - HISTORY))
+def test_every_path_a_page_names_exists(name):
+    missing = _missing(_named_paths(_read(name)))
+    assert not missing, f"{name} names paths that are not there: {missing}"
+
+
+def test_the_path_scan_finds_a_path_and_skips_globs_and_modules():
+    text = "see scripts/gone.sh, docs/results/h200/*.json, xgraph/bench/ and xgraph/cli.py."
+    assert _named_paths(text) == {"scripts/gone.sh", "xgraph/cli.py"}
+    assert _missing(_named_paths(text)) == ["scripts/gone.sh"]
 
 
 def test_benchmarks_md_has_no_dated_pass_headings():
@@ -138,3 +207,60 @@ def test_no_package_imports_from_scripts():
             if any(m == "scripts" or m.startswith("scripts.") for m in modules):
                 importers.append(f"{name}:{node.lineno}")
     assert not importers, f"product code imports from scripts/: {importers}"
+
+
+# -- the names that left xgraph's top namespace: each in the CHANGELOG with where it went --
+
+
+def _changelog_moves() -> dict[str, str]:
+    """name -> module, from the `### Removed` section of CHANGELOG.md's unreleased part:
+    lines `- \\`module\\` ...: \\`Name\\`, \\`Name\\`;`."""
+    unreleased = _read("CHANGELOG.md").split("\n## [", 2)[1]
+    removed = unreleased.partition("### Removed")[2].split("\n### ")[0]
+    moves = {}
+    for module, names in re.findall(
+        r"^\s+- `(xgraph[\w.]*)`[^:\n]*: (.+(?:\n\s{4}\S.*)*)", removed, re.M
+    ):
+        moves.update({name: module for name in re.findall(r"`(\w+)`", names)})
+    return moves
+
+
+def _public_imports(source: str) -> set[str]:
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names if not a.name.startswith("_")}
+    return names
+
+
+def test_every_name_that_left_xgraph_is_importable_where_the_changelog_says():
+    import importlib
+
+    import xgraph
+
+    moves = _changelog_moves()
+    assert moves, "CHANGELOG.md's unreleased section lists no names under ### Removed"
+    wrong = [
+        f"{module}.{name}"
+        for name, module in moves.items()
+        if hasattr(xgraph, name) or not hasattr(importlib.import_module(module), name)
+    ]
+    assert not wrong, f"still in xgraph, or not where the CHANGELOG sends them: {wrong}"
+
+
+def test_the_changelog_names_every_name_that_ever_left_xgraph():
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", ROOT, *args], capture_output=True, text=True, check=True
+        ).stdout
+
+    try:
+        if git("rev-parse", "--is-shallow-repository").strip() != "false":
+            pytest.skip("a shallow clone: the history of xgraph/__init__.py is not all here")
+        commits = git("log", "--format=%H", "--", "xgraph/__init__.py").split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    ever = set().union(*(_public_imports(git("show", f"{c}:xgraph/__init__.py")) for c in commits))
+    gone = ever - _public_imports(_read("xgraph/__init__.py"))
+    missing = sorted(gone - set(_changelog_moves()))
+    assert not missing, f"names that left xgraph, missing from the CHANGELOG: {missing}"

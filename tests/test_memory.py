@@ -62,7 +62,10 @@ def test_private_grows_as_the_sum(data):
     r = run_of(data, "private", "ascending")
     curve = r["curve_bytes"]
     assert all(b > a for a, b in itertools.pairwise(curve)), "private memory must grow per capture"
-    assert r["graph_bytes"] > 3 * section(data, "full")["limit"]["graph_bytes"]
+    # the sizes sum to 3.1x the largest; a capture's bytes are not linear in its tokens
+    # (parts of fixed size, chunk rounding), so the sum lands near, not at, 3.1x the limit,
+    # where shared-physical stays within one chunk of 1x
+    assert r["graph_bytes"] > 2.5 * section(data, "full")["limit"]["graph_bytes"]
 
 
 def test_shared_pool_depends_on_order_and_physical_does_not(data):

@@ -287,3 +287,207 @@ def test_an_adapter_writing_half_of_a_pair_is_refused():
         IncompleteBackendError, match=r"HalfRuntime\.graph_launches \(it writes readable_graph\)"
     ):
         check_backend_class(HalfTorch)
+
+
+# -- per-call values, branches, multi-token graphs ------------------------------------------
+
+
+class PerCallCounter(PagedDecodeRunner):
+    """An op's size follows a count of calls: neither the key nor the metadata."""
+
+    graph_safe = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def run(self, q, k, v, out, kv_cache, scale):  # type: ignore[no-untyped-def]
+        super().run(q, k, v, out, kv_cache, scale)
+        self.calls += 1
+        out.add_(torch.zeros(self.calls).sum())  # the planted leak
+        out.add_(torch.full_like(out, float(self.calls)), alpha=0.0)  # and as a scalar
+
+
+def test_a_launch_sized_by_a_per_call_counter_is_a_leak():
+    w = Workload.tiny()
+    with executor(w, attention=w.attention(decode_runner=PerCallCounter())) as ex:
+        report = ex.check_parameterization(kind="full")
+    assert not report.ok
+    names = {(d.site.launch.name, d.field) for d in report.differences}
+    assert names == {
+        ("aten::zeros", "size"),
+        ("aten::sum", "self"),
+        ("aten::full_like", "fill_value"),
+    }
+    assert all(d.per_call for d in report.differences) and report.unstable == report.differences
+    zeros = [d for d in report.differences if d.site.launch.name == "aten::zeros"]
+    assert len(zeros) == w.model.config.num_layers
+    first, second = zeros[0].first[0], zeros[0].second[0]
+    assert second > first  # two captures of the same step, the counter moved on between them
+    assert zeros[0].varied[0] == "nothing (the same step again)"
+    text = str(report)
+    assert "follow per-call values." in text
+    assert "(per call: two captures of the same step differ; also under changed" in text
+    assert "What to do (per call)" in text and "What to do (full graphs)" not in text
+    assert "addresses, padding" not in text
+    with pytest.raises(ParameterizationLeakError, match="per call"):
+        report.raise_for_leaks()
+
+
+def test_what_a_backend_cannot_compare_is_counted_not_hidden():
+    from xgraph.interfaces import Launch
+    from xgraph.launchdiff import Site, compare, unchecked
+    from xgraph.launches import ADDRESS, by_value
+
+    def rec(n: int, word: int) -> list[Site]:
+        cfg = (("arg 0", ADDRESS), ("arg 1", by_value(16)), ("arg 2", n), ("arg 3", word))
+        return [Site(0, None, Launch("kernel", "k", cfg))]
+
+    assert compare(("full", 4), rec(8, 1), rec(8, 1)) == []  # marks compare equal
+    (d,) = compare(("full", 4), rec(8, 1), rec(8, 2))  # an unmarked word: a difference
+    assert (d.field, d.first, d.second) == ("arg 3", 1, 2)
+    assert unchecked(rec(8, 1)) == {"address": 1, "struct": 1}
+    assert describe_has_no_address()
+
+
+def describe_has_no_address() -> bool:
+    from xgraph.launches import describe
+
+    return "0x" not in describe(torch.Generator()) and describe(torch.float16) == "torch.float16"
+
+
+def _line_of(tag: str) -> int:
+    """The one line of this file that ends with the comment `# tag`."""
+    with open(__file__) as f:
+        (n,) = [i for i, line in enumerate(f, 1) if line.rstrip().endswith(f"# {tag}")]
+    return n
+
+
+class BranchLeak(PagedDecodeRunner):
+    """A Python branch on the longest sequence: one side issues an op the other does not."""
+
+    graph_safe = True
+
+    def run(self, q, k, v, out, kv_cache, scale):  # type: ignore[no-untyped-def]
+        super().run(q, k, v, out, kv_cache, scale)
+        longest = max(int(n) for n in self.planned().seq_lens_host)
+        out.mul_(1.0)  # before the branch
+        if longest > 8:  # the planted branch
+            out.sub_(0.0)  # one side only
+        out.add_(0.0)  # after the branch
+
+
+class ElseLeak(PagedDecodeRunner):
+    """Both arms issue the same op, with other arguments."""
+
+    graph_safe = True
+
+    def run(self, q, k, v, out, kv_cache, scale):  # type: ignore[no-untyped-def]
+        super().run(q, k, v, out, kv_cache, scale)
+        longest = max(int(n) for n in self.planned().seq_lens_host)
+        if longest <= 8:  # the planted else-branch
+            out.mul_(1.0)
+        else:
+            out.mul_(2.0)
+
+
+class LoopLeak(PagedDecodeRunner):
+    """A loop whose trip count follows the longest sequence."""
+
+    graph_safe = True
+
+    def run(self, q, k, v, out, kv_cache, scale):  # type: ignore[no-untyped-def]
+        super().run(q, k, v, out, kv_cache, scale)
+        longest = max(int(n) for n in self.planned().seq_lens_host)
+        for _ in range(longest // 16 + 1):  # the planted loop
+            out.add_(0.0)
+        out.mul_(1.0)
+
+
+def test_a_python_branch_leak_names_the_branch_not_the_next_op():
+    w = Workload.tiny()
+    with executor(w, attention=w.attention(decode_runner=BranchLeak())) as ex:
+        report = ex.check_parameterization(kind="full")
+    d = report.differences[0]
+    assert (d.field, d.first, d.second) == ("launches", ["nothing"], ["op aten::sub_"])
+    assert d.varied == ["sequence lengths"] and len(report.differences) == w.model.config.num_layers
+    me = __file__
+    branch = d.branch
+    assert (
+        branch.line
+        == f"{me}:{_line_of('the planted branch')} (`if longest > 8:  # the planted branch`)"
+    )
+    assert (
+        branch.shared
+        == f"{me}:{_line_of('before the branch')} (`out.mul_(1.0)  # before the branch`)"
+    )
+    then = f"{me}:{_line_of('after the branch')}"
+    assert branch.first.startswith(f"nothing, going on to {then}")
+    assert branch.second.startswith(f"{me}:{_line_of('one side only')}")
+    text = str(report)
+    assert f"op {d.site.position} at the branch {branch.line}" in text
+    assert f"op {d.site.position} aten::add_" not in text  # the next op is not the place
+
+
+@pytest.mark.parametrize(
+    "runner, tag", [(ElseLeak, "the planted else-branch"), (LoopLeak, "the planted loop")]
+)
+def test_an_else_arm_and_a_loop_are_named_too(runner, tag):
+    w = Workload.tiny()
+    with executor(w, attention=w.attention(decode_runner=runner())) as ex:
+        report = ex.check_parameterization(kind="full")
+    assert not report.ok and {v for d in report.differences for v in d.varied} == {
+        "sequence lengths"
+    }
+    line = f"{__file__}:{_line_of(tag)}"
+    assert all(d.branch is not None and d.branch.line.startswith(line) for d in report.differences)
+    assert f"the paths part at {line}" in str(report) or f"at the branch {line}" in str(report)
+
+
+class VerifyLeak(PagedDecodeRunner):
+    """Leaks only in steps of several tokens per sequence (speculative verification)."""
+
+    graph_safe = True
+
+    def run(self, q, k, v, out, kv_cache, scale):  # type: ignore[no-untyped-def]
+        super().run(q, k, v, out, kv_cache, scale)
+        md = self.planned()
+        if md.query_lens_host[0] > 1:
+            out.add_(torch.zeros(max(int(n) for n in md.seq_lens_host)).sum())  # the leak
+
+
+def _verify(runner: PagedDecodeRunner | None = None) -> tuple[Workload, dict]:
+    w = Workload.tiny(num_blocks=160, max_blocks=8, max_seqs=32)
+    kw = {"decode_runner": runner} if runner is not None else {}
+    return w, {"buckets": [1, 2, 4, 8, 16, 32], "attention": w.attention(max_query_len=4, **kw)}
+
+
+def test_multi_token_graphs_are_checked_and_a_clean_model_passes():
+    w, kw = _verify()
+    with w.executor(backend="cpu", **kw) as ex:
+        report = ex.check_parameterization(kind="full")
+        assert report.ok, report
+        assert [k.key for k in report.keys] == [("full", 4), ("full", 16, 4)]
+        (_, k4) = report.keys
+        assert k4.varied == ["sequence lengths", "block tables", "batch composition"]
+        keys = [k.key for k in ex.check_parameterization(query_lens=[2, 3], sizes=[2]).keys]
+        assert keys == [("full", 4, 2), ("full", 6, 3), ("piecewise", 2)]
+        with pytest.raises(InputError, match="query_lens holds 5"):
+            ex.check_parameterization(query_lens=[5])
+        with pytest.raises(InputError, match=r"16 sequences \(a bucket\) of 4 tokens"):
+            ex.check_parameterization(sizes=[9], query_lens=[4])
+        # by default a size that cannot hold the longest query length checks q = 1 only
+        keys = [k.key for k in ex.check_parameterization(sizes=[9], kind="full").keys]
+        assert keys == [("full", 16)]
+        with pytest.raises(InputError, match="name full graphs"):
+            ex.check_parameterization(kind="piecewise", query_lens=[4])
+
+
+def test_a_leak_of_multi_token_graphs_only_is_found():
+    w, kw = _verify(VerifyLeak())
+    with w.executor(backend="cpu", **kw) as ex:
+        report = ex.check_parameterization(kind="full")
+    assert {d.key for d in report.differences} == {("full", 16, 4)}
+    d = report.differences[0]
+    assert d.site.launch.name == "aten::zeros" and d.varied == ["sequence lengths"]
+    assert (d.first, d.second) == ((4,), (32,))

@@ -199,7 +199,7 @@ def corrupt(w: Workload, step: Step, rng: random.Random, how: str) -> tuple[Step
         attn = AttentionInputs(ql, sl, a.table(0).long(), slots)
         needle = "block_tables must be torch.int32"
     elif how == "slot dtype":
-        attn = AttentionInputs(ql, sl, rows, torch.tensor(slots, dtype=torch.int32))
+        attn = AttentionInputs(ql, sl, rows, torch.tensor(slots, dtype=torch.int16))
         needle = "slot_mapping must be torch.int64"
     elif how == "slot count":
         slots = [*slots, slots[-1]]

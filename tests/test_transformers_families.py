@@ -91,6 +91,18 @@ EXPECTED = {
     "gemma4_text": "match",
     "dbrx": "match",
     "mpt": r"does not go through transformers' AttentionInterface",
+    "bloom": r"does not go through transformers' AttentionInterface",
+    # _supports_attention_backend is False, and attention goes through the interface
+    "stablelm": "match",
+    "biogpt": "match",
+    # Moshi's text decoder: its config names the audio and depth models, it holds neither
+    "moshi": "match",
+    # hybrids: the refusal names the layers that keep a state, and their modules
+    "jamba": r"layers \[0, 1\] are linear_attention layers \(JambaMamba\w+\), which keep a",
+    "qwen3_next": r"linear_attention layers \(Qwen3NextGatedDeltaNet\), which keep a recurrent",
+    "falcon_h1": r"hybrid layers \(FalconH1Mixer\), which keep a recurrent state",
+    "mamba": r"linear_attention layers \(MambaBlock\)",
+    "rwkv": r"no softmax attention: layers \[0, 1\] are recurrent \(RwkvBlock\)",
     "granite_swa": r"attention sinks",
     "gemma2": r"attn_logit_softcapping",
     "bert": "match",
@@ -228,3 +240,104 @@ def test_family_matches_transformers_or_is_refused_up_front(model_type):
         assert outcome == "match", detail
     elif want is not None:
         assert outcome == "refused" and re.search(want, detail), detail
+
+
+# -- the named cases on their own ----------------------------------------------------------
+
+# tiny configs of the families the class flag used to refuse (their own config fields)
+TINY_DECODERS = {
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", TINY),
+    "biogpt": (
+        "BioGptConfig",
+        "BioGptForCausalLM",
+        {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size")}
+        | {"num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256},
+    ),
+}
+
+
+def _tiny_decoder(family: str) -> torch.nn.Module:
+    config_cls, model_cls, fields = TINY_DECODERS[family]
+    config = getattr(transformers, config_cls)(**fields)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # random biases and gates count too
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(TINY_DECODERS))
+def test_a_flagged_family_generates_what_transformers_generates(family):
+    """StableLM and BioGPT say _supports_attention_backend = False, yet their attention
+    goes through the AttentionInterface: they run, greedy tokens equal to transformers'."""
+    model = _tiny_decoder(family)
+    assert not type(model)._supports_attention_backend  # the flag the refusal used to read
+    ref = copy.deepcopy(model)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+    with GraphModel(model, backend="cpu", **LIMITS) as gm:
+        result = gm.generate(prompts, 8)
+        assert result.graph_steps["full"] > 0 and result.graph_steps["eager"] == 0
+    for prompt, tokens in zip(prompts, result.tokens):
+        with torch.no_grad():
+            want = ref.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=8,
+                min_new_tokens=8,  # no stop at the tiny vocabulary's end-of-sequence id
+                do_sample=False,
+            )[0, len(prompt) :].tolist()
+        assert tokens == want
+
+
+HYBRIDS = {
+    # config class, model class, fields over TINY, the layers and modules the refusal names
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2},
+        r"layers \[0\] are linear_attention layers \(JambaMambaDecoderLayer\)",
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {"layer_types": ["linear_attention", "full_attention"], "num_experts": 4},
+        r"layers \[0\] are linear_attention layers \(Qwen3NextGatedDeltaNet\)",
+    ),
+    "falcon_h1": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16},
+        r"layers \[0, 1\] are hybrid layers \(FalconH1Mixer\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(HYBRIDS))
+def test_a_hybrid_is_refused_naming_its_state_layers(family):
+    config_cls, model_cls, fields, named = HYBRIDS[family]
+    config = getattr(transformers, config_cls)(**{**TINY, "num_experts_per_tok": 2, **fields})
+    model = getattr(transformers, model_cls)(config).eval()
+    with pytest.raises(UnsupportedModelError, match=named) as refused:
+        GraphModel(model, backend="cpu", **LIMITS)
+    assert "keep a recurrent state" in str(refused.value), refused.value
+    assert "_supports_attention_backend" not in str(refused.value)
+    assert model.config._attn_implementation != "xgraph"  # never switched, nothing held
+
+
+def test_a_composite_model_is_refused_and_a_text_decoder_is_not():
+    """Gemma 3 with its vision tower is composite (the hint: load the text decoder);
+    MoshiForCausalLM names audio and depth models in its config but is the text decoder
+    alone, so it runs."""
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    vision |= dict(num_attention_heads=2, image_size=16, patch_size=8)
+    config = transformers.Gemma3Config(
+        text_config=TINY, vision_config=vision, mm_tokens_per_image=4
+    )
+    with pytest.raises(
+        UnsupportedModelError, match=r"composite model \(sub-models \['vision_config'\]"
+    ):
+        GraphModel(
+            transformers.Gemma3ForConditionalGeneration(config).eval(), backend="cpu", **LIMITS
+        )
+    assert check_family("moshi")[0] == "match"

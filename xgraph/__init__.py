@@ -32,6 +32,11 @@ from .options import Fallback, MemoryMode, Mode
 from .paging import PagedAttention, PagedKVCache
 from .plugins import get_backend
 
+# the profile run before the KV cache exists, and the runners an executor picks
+# (docs/engine-integration.md): engine-facing, outside the 25 names of __all__
+from .profile_run import profile_step as profile_step
+from .runners import runners_for as runners_for
+
 # sleep mode (docs/sleep.md): engine-facing, but outside the 25 names of __all__; their
 # module is xgraph.sleepmode
 from .sleepmode import memory_region as memory_region

@@ -1,27 +1,53 @@
-"""xgraph for adapter authors: the contract, its checked templates and the torch-style layer.
+"""xgraph for adapter authors: the whole contract an adapter is written against.
 
-An engine needs `import xgraph`; an adapter imports from here:
+An engine needs `import xgraph`; an adapter imports the core from here, and its registration
+module from `xgraph.hooks` only (a simulator of the device also from `xgraph.testing.sim`;
+tests/test_architecture.py holds adapters to that):
 
 - the contract (`xgraph.interfaces`): `Backend`, `CapturePool`, `AttentionRunner`,
   `HostCopier`, `Kernels`, `BenchmarkHooks`, `SegmentAllocator`, `Availability`,
-  `PhysicalChunk`, `Launch` (what a readable recording launches), and the raw `Graph` /
+  `PhysicalChunk`, `Launch` (what a readable recording launches; `Unchecked`, `ADDRESS` and
+  `by_value` mark the fields a backend cannot compare), and the raw `Graph` /
   `VirtualMemory` ABCs that document the templates;
 - the templates that implement the public halves once: `CheckedGraph`,
-  `CheckedVirtualMemory`;
+  `CheckedVirtualMemory`, and `TorchCopier` (a host copier over a torch copy and an event,
+  whose `_copy` an adapter with a cheaper copy overrides);
 - the torch-style device layer (`xgraph.device`): `TorchRuntime`, the port an adapter
   writes as one-liners over its torch module, and `TorchBackend`, `StreamGraph`,
-  `MemPoolCapturePool` written over it;
-- registration and checks: `BackendSpec`, `hookimpl`, `check_backend_class`,
-  `IncompleteBackendError`;
-- what runners see: `AttentionMetadata`, `KVCache`, `capturing_graph`.
+  `MemPoolCapturePool` written over it; `when_no_capture` runs a call that fails during any
+  capture of the device (an empty_cache) only when none runs;
+- registration and checks: `BackendSpec`, `hookimpl`, `check_backend_class`;
+- what runners see and are built from: `AttentionMetadata`, `KVCache`, `capturing_graph`
+  (the graph being captured, for update callbacks), and the reference runners' pieces
+  (`xgraph.runners`): `PlannedRunner`, `store_kv`, `context_kv`, `SeqSpan`,
+  `sequence_spans`;
+- the errors an adapter raises (`xgraph.errors`): `XGraphError`, `XGraphWarning`,
+  `BackendUnavailableError`, `CaptureError`, `InputError`, `VirtualMemoryError`,
+  `IncompleteBackendError`.
 docs/writing-an-adapter.md says which to write and how to prove it.
 """
 
 from __future__ import annotations
 
+from .buffers import TorchCopier
 from .contract import check_backend_class
-from .device import MemPoolCapturePool, PoolId, StreamGraph, TorchBackend, TorchRuntime
-from .errors import IncompleteBackendError
+from .device import (
+    MemPoolCapturePool,
+    PoolId,
+    StreamGraph,
+    TorchBackend,
+    TorchRuntime,
+    when_no_capture,
+)
+from .errors import (
+    BackendUnavailableError,
+    CaptureError,
+    IncompleteBackendError,
+    InputError,
+    VirtualMemoryError,
+    XGraphError,
+    XGraphWarning,
+)
 from .graphs import CheckedGraph, capturing_graph
 from .hooks import BackendSpec, hookimpl
 from .interfaces import (
@@ -38,34 +64,52 @@ from .interfaces import (
     SegmentAllocator,
     VirtualMemory,
 )
+from .launches import ADDRESS, Unchecked, by_value
 from .metadata import AttentionMetadata, KVCache
+from .runners import PlannedRunner, SeqSpan, context_kv, sequence_spans, store_kv
 from .vmm import CheckedVirtualMemory
 
 __all__ = [
+    "ADDRESS",
     "AttentionMetadata",
     "AttentionRunner",
     "Availability",
     "Backend",
     "BackendSpec",
+    "BackendUnavailableError",
     "BenchmarkHooks",
+    "CaptureError",
     "CapturePool",
     "CheckedGraph",
     "CheckedVirtualMemory",
     "Graph",
     "HostCopier",
     "IncompleteBackendError",
+    "InputError",
     "KVCache",
     "Kernels",
     "Launch",
     "MemPoolCapturePool",
     "PhysicalChunk",
+    "PlannedRunner",
     "PoolId",
     "SegmentAllocator",
+    "SeqSpan",
     "StreamGraph",
     "TorchBackend",
+    "TorchCopier",
     "TorchRuntime",
+    "Unchecked",
     "VirtualMemory",
+    "VirtualMemoryError",
+    "XGraphError",
+    "XGraphWarning",
+    "by_value",
     "capturing_graph",
     "check_backend_class",
+    "context_kv",
     "hookimpl",
+    "sequence_spans",
+    "store_kv",
+    "when_no_capture",
 ]

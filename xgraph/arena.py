@@ -5,8 +5,10 @@ The packed input buffer (token ids, positions, attention metadata: a few KB to M
 segment of its own, one reservation and one chunk (`RestorableSegments`), seen as a device
 tensor through `Backend.as_tensor`, so the graphs that read it keep their addresses across a
 sleep; its contents are copied to host memory and back, so nothing needs staging again after
-wake. The segments live on a VirtualMemory of their own (a second instance of the backend's
-class), so the graph memory's books (and faults injected into them) stay the graph memory's.
+wake. While asleep the segment is covered by the scratch chunk of its VirtualMemory (a view
+of a buffer touched then reads and writes that instead of faulting). The segments live on a
+VirtualMemory of their own (a second instance of the backend's class), so the graph memory's
+books (and faults injected into them) stay the graph memory's.
 
 The output buffers stay in torch's allocator: a caller may hold views of the last outputs
 past a step, a close, or an exception's traceback, so their memory must go with the last

@@ -12,6 +12,9 @@ What that call does depends on the step context the executor has set:
 Compiled code reaches the same contexts through the custom op `xgraph::attention`, which
 declares the in-place cache writes; see `attention`.
 
+A profile run before the KV cache exists (`xgraph.profile_run`) answers the call with the
+backend's prefill runner over a scratch cache of the step's own tokens.
+
 Calling attention kernels directly instead (bypassing the call site) is detected during a
 piecewise capture and refused, because such a kernel would be frozen into a piece with the
 batch composition of the capture step.
@@ -60,6 +63,12 @@ def step_context(ctx: StepContext) -> Iterator[StepContext]:
         s.pop()
 
 
+def current_context() -> StepContext | None:
+    """The step context answering `xgraph.attention` in this thread, or None outside a step."""
+    s = _stack()
+    return s[-1] if s else None
+
+
 class InlineRunner:
     """Context that runs a planned runner inline (eager steps, full-graph capture)."""
 
@@ -95,7 +104,8 @@ def _attend(
     if not s:
         raise XGraphError(
             "xgraph.attention was called outside a step. Run the forward through a "
-            "GraphExecutor, or inside `with eager_attention(runner, metadata):` (xgraph.attention)."
+            "GraphExecutor, inside `with eager_attention(runner, metadata):` (xgraph.attention), "
+            "or, before the KV cache exists, inside `with xgraph.profile_step(query_lens):`."
         )
     return s[-1].attend(q, k, v, kv_cache, scale)
 

@@ -70,7 +70,7 @@ class BufferSpec:
 
 
 def _nbytes(s: BufferSpec) -> int:
-    return _numel(s.shape) * torch.empty((), dtype=s.dtype).element_size()
+    return _numel(s.shape) * s.dtype.itemsize
 
 
 @dataclass

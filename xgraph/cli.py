@@ -222,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_parser(sub, backend_help)
 
     from .bench.cli import add_parsers
+
+    # importing the integration also registers its bench families (hf-llama) in xgraph.bench
     from .integrations.transformers.cli import add_parser as add_generate_parser
 
     add_parsers(sub)

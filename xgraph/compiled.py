@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from .compile_cache import CompileCache
 from .errors import XGraphWarning
 
 logger = logging.getLogger("xgraph")
@@ -90,6 +91,8 @@ class _Counted:
         self.backend = backend
         self.inductor_config = dict(inductor_config or {})
         self.graphs = 0
+        # torch names a backend by its __name__ in its errors (else this object's repr)
+        self.__name__ = backend if isinstance(backend, str) else getattr(backend, "__name__", "?")
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.graphs += 1
@@ -144,6 +147,9 @@ class TokenCompiled:
         hint: the token count the dynamic graph's kernels are chosen for (the size hint
             Inductor's heuristics and tile choices read, mark_dynamic's `hint_override`),
             clamped to [2, max_tokens]; None: the count it is first traced at.
+        cache: a CompileCache (xgraph.compile_cache): loaded before the first compile, and
+            saved after each call that compiled a graph, so the next process on this machine
+            loads what this one compiled instead of compiling it.
         options: further torch.compile keyword arguments (`options=`, `mode=`).
     """
 
@@ -158,6 +164,7 @@ class TokenCompiled:
         name: str = "forward",
         inductor_config: dict[str, Any] | None = None,
         hint: int | None = None,
+        cache: CompileCache | None = None,
         **options: Any,
     ) -> None:
         if max_tokens < 1:
@@ -171,6 +178,12 @@ class TokenCompiled:
         self.graph_breaks: str | None = None  # why the graph may break, if it may
         self.per_size: str | None = None  # why a dynamic compile became per-size, if it did
         self.sizes: set[int] = set()  # token counts the compiled code has run
+        # only Inductor's artifacts are what the cache keeps; another backend compiles nothing
+        # of its own, and saving would write whatever else this process compiled
+        self.cache = cache if backend == "inductor" else None
+        if self.cache is not None:
+            self.cache.load()  # before any compile: the compiler's caches then hold its results
+        self._saved_at = 0  # graphs compiled when the cache was last written
         self._compile(fullgraph)
 
     def _compile(self, fullgraph: bool) -> None:
@@ -199,6 +212,7 @@ class TokenCompiled:
             "per_size": self.per_size,
             "fallback": self.fallback,
             "sizes": sorted(self.sizes),
+            "cache": None if self.cache is None else self.cache.stats(),
         }
 
     def _mark(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
@@ -233,6 +247,9 @@ class TokenCompiled:
                 raise
             return self._static(exc, args, kwargs)
         self.sizes.add(n)
+        if self.cache is not None and self.backend.graphs != self._saved_at:
+            self._saved_at = self.backend.graphs  # a new graph: the next process loads it
+            self.cache.save()
         return out
 
     def _static(self, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -139,7 +139,7 @@ class DeviceCheck:
         self.backend: Backend | None = None  # attach(): the executor's
         self.memory: GraphMemory | None = None
         pin = device.type != "cpu"
-        self._host = torch.zeros(3, dtype=torch.int64, pin_memory=pin)
+        self._host = torch.zeros(3, dtype=torch.int64, device="cpu", pin_memory=pin)
         self._host_np = self._host.numpy()  # read without torch's dispatch
         self._event = torch.Event(device=device) if pin else None
         self.pending = False  # a check's result is on its way to the host

@@ -49,7 +49,7 @@ from .plugins import get_backend
 from .pool import SharedPhysicalPool
 from .precapture import PreCapture
 from .release import Release
-from .runners import reference_runners
+from .runners import runners_for
 from .steps import Step, StepPlanner
 
 if TYPE_CHECKING:
@@ -171,9 +171,7 @@ class GraphExecutor(PreCapture, Release):
     ) -> tuple[AttentionRunner | None, AttentionRunner | None]:
         if attention is None:
             return None, None
-        runners = {**reference_runners(), **self.backend.kernels().attention}
-        decode = attention.decode_runner or runners["decode"]
-        prefill = attention.prefill_runner or runners["prefill"]
+        decode, prefill = runners_for(self.backend, attention)
         if self.mode in (Mode.AUTO, Mode.FULL) and not decode.graph_safe:
             raise XGraphError(
                 f"{type(decode).__name__} is not graph-safe, so decode cannot run as a full "
@@ -447,14 +445,15 @@ class GraphExecutor(PreCapture, Release):
         *,
         steps: Sequence[Mapping[str, Any]] | None = None,
         vary: Sequence[str] = ("seq_lens", "block_tables", "batch"),
+        query_lens: Iterable[int] | None = None,
         **key_dims: int,
     ) -> ParameterizationReport:
         """Capture keys under changed per-step metadata, compare the recordings launch by
-        launch and report every launch that follows it; nothing is kept (see
-        xgraph.parameterization and docs/executor.md)."""
+        launch and report every launch that follows it or a per-call value; nothing is kept
+        (see xgraph.parameterization and docs/executor.md)."""
         from .parameterization import check_parameterization
 
-        return check_parameterization(self, sizes, kind, steps, vary, key_dims)
+        return check_parameterization(self, sizes, kind, steps, vary, key_dims, query_lens)
 
     # -- reporting and teardown ------------------------------------------------------------
 

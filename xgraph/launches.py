@@ -5,22 +5,61 @@ record with `op_launch`: the aten op, its tensor layouts (dtype, shape, strides,
 an address) and its non-tensor arguments, and the layer that issued it. The layer comes from
 `tracking(root)`, entered by the check around a capture: global module hooks keep a stack of
 the model's modules running in this thread, and `current_layer()` names the innermost with
-the model line that issued the op. Outside `tracking` it answers "" at no cost.
+the model line that issued the op, and `current_frames()` the model code's stack (where two
+captures' Python paths part: xgraph.branchpoint). Outside `tracking` both answer empty at no
+cost.
+
+Backends that read launches after the fact (CUDA's graph nodes) mark what they cannot
+compare with `Unchecked`: the words of an argument that are device addresses (each
+recording has its own pool) and by-value struct arguments, compared by size only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .interfaces import Launch
-from .safety import model_location
+from .safety import _is_library_frame, model_location
 
 _local = threading.local()
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a default repr's object address
+
+Frame = tuple[str, int, str, int]  # file, line, function, the function's first line
+
+
+class Unchecked(str):
+    """A launch field value the backend leaves out of the comparison, in words ("pointer",
+    "struct of 16 bytes"); `what` is "address" or "struct" (counted in the report)."""
+
+    what: str
+
+    def __new__(cls, text: str, what: str) -> Unchecked:
+        out = super().__new__(cls, text)
+        out.what = what
+        return out
+
+
+ADDRESS = Unchecked("pointer", "address")
+
+
+def by_value(size: int) -> Unchecked:
+    """A by-value struct argument of `size` bytes, compared by its size only."""
+    return Unchecked(f"struct of {size} bytes", "struct")
+
+
+@dataclass(frozen=True)
+class TracedLaunch(Launch):
+    """A Launch with the model code's stack that issued it (outermost first)."""
+
+    frames: tuple[Frame, ...] = field(default=(), compare=False)
 
 
 def describe(value: Any) -> Any:
@@ -36,7 +75,9 @@ def describe(value: Any) -> Any:
         return tuple(describe(v) for v in value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    return str(value)  # dtypes, devices, layouts, memory formats
+    # dtypes, devices, layouts, memory formats; a generator or a process group by its type
+    # (its repr's address differs between captures and is no launch parameter)
+    return _ADDRESS.sub("", str(value))
 
 
 def op_config(func: Any, args: tuple, kwargs: dict) -> tuple[tuple[str, Any], ...]:
@@ -48,8 +89,12 @@ def op_config(func: Any, args: tuple, kwargs: dict) -> tuple[tuple[str, Any], ..
 
 
 def op_launch(func: Any, args: tuple, kwargs: dict) -> Launch:
-    """One recorded aten op as a Launch, with the layer that issued it when tracked."""
-    return Launch("op", func._schema.name, op_config(func, args, kwargs), current_layer())
+    """One recorded aten op as a Launch, with the layer and the stack that issued it when
+    tracked."""
+    config = op_config(func, args, kwargs)
+    if getattr(_local, "stack", None) is None:
+        return Launch("op", func._schema.name, config)
+    return TracedLaunch("op", func._schema.name, config, current_layer(), frames=current_frames())
 
 
 def _names(root: torch.nn.Module | None) -> dict[int, str]:
@@ -92,6 +137,20 @@ def current_layer() -> str:
         return ""
     where = model_location()
     return f"{stack[-1]} at {where}" if stack else where
+
+
+def current_frames() -> tuple[Frame, ...]:
+    """The model code's frames running now, outermost first; () untracked."""
+    if getattr(_local, "stack", None) is None:
+        return ()
+    out: list[Frame] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if not _is_library_frame(code.co_filename):
+            out.append((code.co_filename, frame.f_lineno, code.co_name, code.co_firstlineno))
+        frame = frame.f_back  # type: ignore[assignment]
+    return tuple(reversed(out))
 
 
 def root_module(forward: Any) -> torch.nn.Module | None:

@@ -32,12 +32,14 @@ def ragged_rows(
         out = torch.full((t.shape[0], width), fill, dtype=torch.int32, device=t.device)
         out[:, : t.shape[1]] = t[:, :width]
         return out
-    lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.int64, device="cpu")
     w = width if width is not None else (int(lens.max()) if len(rows) else 0)
-    out = torch.full((len(rows), w), fill, dtype=torch.int32)
+    out = torch.full((len(rows), w), fill, dtype=torch.int32, device="cpu")
     if w and len(rows):
-        flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int32)
-        out[torch.arange(w)[None, :] < lens[:, None]] = flat
+        flat = torch.tensor(
+            list(itertools.chain.from_iterable(rows)), dtype=torch.int32, device="cpu"
+        )
+        out[torch.arange(w, device="cpu")[None, :] < lens[:, None]] = flat
     return out
 
 
@@ -46,8 +48,18 @@ class AttentionInputs:
     """A step's attention inputs: one entry per sequence (slot_mapping: one per token).
 
     Lists, numpy arrays or tensors (lengths of any integer dtype, block tables int32,
-    slots int64), on the host or on the executor's device; block tables may be ragged
-    lists of rows. An executor also takes a mapping with exactly these four fields.
+    slots int64 or int32: an int32 tensor, what flash-attn-style engines build, is widened
+    while staging, exactly), on the host or on the executor's device; block tables may be
+    ragged lists of rows. An executor also takes a mapping with exactly these four fields.
+
+    A block-table row must hold a real block of the cache (0 to num_blocks - 1, not the
+    dummy) in every column a sequence reads: columns 0 to (seq_len - 1) // block_size.
+    Past its last used column a row may hold anything that fits int32 (-1 padding, stale
+    ids, ids past the cache): nothing checks it, and xgraph's runners never let it reach a
+    result (they read the used columns only, or clamp and mask). A -1 (or any id outside
+    the cache, or the dummy) in a used column is refused: InputError on the host; device
+    metadata has the sequence redirected to the dummy block and the error raised by the
+    next step. Tables wider than `max_blocks_per_seq` are refused, padding or not.
     """
 
     query_lens: Sequence[int]

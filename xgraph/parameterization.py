@@ -31,7 +31,7 @@ from .attention import step_context
 from .distributed.lockstep import SingleRank
 from .errors import InputError, XGraphError
 from .interfaces import Backend, CapturePool, Graph
-from .launchdiff import KeyCheck, ParameterizationReport, Site, compare
+from .launchdiff import PER_CALL, KeyCheck, ParameterizationReport, Site, compare, unchecked
 from .launches import root_module, tracking
 from .options import Kind, Mode
 from .piecewise import FullGraph, PiecewiseGraph
@@ -181,6 +181,61 @@ def _sizes(ex: GraphExecutor, sizes: Iterable[int] | None) -> list[int]:
     return out
 
 
+def _query_lens(ex: GraphExecutor, query_lens: Iterable[int] | None) -> list[int]:
+    """Query lengths of the full graphs to check: given, else 1 and the longest the
+    executor's full graphs serve (speculative verification keys them by it)."""
+    top = ex.planner.full_query_len
+    if query_lens is None:
+        return sorted({1, top})
+    out = list(query_lens) if not isinstance(query_lens, (int, str)) else [query_lens]
+    for q in out:
+        if type(q) is not int or not 1 <= q <= top:
+            raise InputError(
+                f"{ex.name}: query_lens holds {q!r}; full graphs here serve 1 to {top} tokens "
+                "per sequence (PagedAttention(max_query_len=...) sets the longest)."
+            )
+    return sorted(set(out))
+
+
+def _sequences(ex: GraphExecutor, sizes: Iterable[int] | None, q: int, strict: bool) -> list[int]:
+    """Sequence counts to check full graphs of q > 1 tokens per sequence at: the given sizes
+    padded to buckets (those past the largest bucket at q tokens each refused when `strict`,
+    else left out), or one bucket of 4 or more that fits, or the largest that does."""
+    top = ex.buckets.max
+    if sizes is None:
+        fit = [s for s in ex.buckets.sizes if s * q <= top]
+        big = [s for s in fit if s >= 4]
+        return [min(big) if big else max(fit)] if fit else []
+    padded = _sizes(ex, sizes)
+    over = [n for n in padded if n * q > top]
+    if over and strict:
+        raise InputError(
+            f"{ex.name}: check_parameterization: {over[0]} sequences (a bucket) of {q} "
+            f"tokens are above the largest bucket ({top}); give at most {top // q} sequences."
+        )
+    return [n for n in padded if n * q <= top]
+
+
+def _keys(
+    ex: GraphExecutor,
+    kinds: list[Kind],
+    sizes: Iterable[int] | None,
+    qs: list[int],
+    strict: bool,
+) -> list[tuple[Kind, int, int]]:
+    """(kind, size, query length) of every key to check; for q > 1 sizes count sequences of
+    q tokens (`strict`: the query lengths were given, so a size that cannot hold them is
+    refused rather than left out)."""
+    out: list[tuple[Kind, int, int]] = []
+    for k in kinds:
+        for q in qs if k is Kind.FULL else [1]:
+            if q == 1:
+                out += [(k, n, 1) for n in _sizes(ex, sizes)]
+            else:
+                out += [(k, n, q) for n in _sequences(ex, sizes, q, strict)]
+    return out
+
+
 def _vary(vary: Sequence[str]) -> list[str]:
     names = [vary] if isinstance(vary, str) else list(vary)
     bad = [v for v in names if v not in VARIATIONS]
@@ -215,9 +270,7 @@ class _Check:
         assert key is not None
         base = record(self.ex, base_step, self.root)
         again = record(self.ex, self.plan(variants[0], kind, synthetic), self.root)
-        shaky = compare(key, base, again)
-        self.report.unstable += shaky
-        noise = {(d.site.position, d.field) for d in shaky}
+        self.report.add(key, compare(key, base, again), PER_CALL)  # the same step twice
         for v in variants[1:]:
             step = self.plan(v, kind, synthetic)
             if step.key != key:
@@ -225,11 +278,10 @@ class _Check:
                     f"{self.ex.name}: the {v.name} step maps to key {step.key}, the base to "
                     f"{key}; every step of one check must map to the same key."
                 )
-            self.report.add(
-                key, compare(key, base, record(self.ex, step, self.root)), noise, v.name
-            )
+            self.report.add(key, compare(key, base, record(self.ex, step, self.root)), v.name)
         names = [v.name for v in variants[1:]]
-        self.report.keys.append(KeyCheck(key, len(base), len(variants) + 1, names, not_varied))
+        check = KeyCheck(key, len(base), len(variants) + 1, names, not_varied, unchecked(base))
+        self.report.keys.append(check)
 
 
 def check_parameterization(
@@ -239,6 +291,7 @@ def check_parameterization(
     steps: Sequence[Mapping[str, Any]] | None,
     vary: Sequence[str],
     key_dims: dict[str, int],
+    query_lens: Iterable[int] | None = None,
 ) -> ParameterizationReport:
     """GraphExecutor.check_parameterization (see its docstring)."""
     if not isinstance(ex.lockstep, SingleRank):
@@ -252,7 +305,10 @@ def check_parameterization(
     if steps is not None and len(steps) < 2:
         raise InputError(f"{ex.name}: steps= takes two or more steps of one key to compare.")
     kinds = _kinds(ex, kind) if steps is None else []
-    todo = _sizes(ex, sizes) if steps is None else []
+    qs = _query_lens(ex, query_lens)
+    if max(qs) > 1 and Kind.FULL not in kinds and steps is None:
+        raise InputError(f"{ex.name}: query_lens={qs} name full graphs; this check has none.")
+    todo = _keys(ex, kinds, sizes, qs, query_lens is not None) if steps is None else []
     if not supported(ex.backend):
         raise unsupported(ex.backend)
     _as_library(ex.backend)
@@ -262,11 +318,10 @@ def check_parameterization(
         try:
             if steps is not None:
                 check.key(describe_steps(list(steps)), None, False, [])
-            for k in kinds:
-                for n in todo:
-                    logger.info("%s: parameterization check of %s %d", ex.name, k.value, n)
-                    v = Variants(ex.planner, n, k, key_dims)
-                    check.key(v.build(names), k, True, v.not_varied)
+            for k, n, q in todo:
+                logger.info("%s: parameterization check of %s %d (q %d)", ex.name, k.value, n, q)
+                v = Variants(ex.planner, n, k, key_dims, q)
+                check.key(v.build(names), k, True, v.not_varied)
         finally:
             ex._steps.release()
     return check.report

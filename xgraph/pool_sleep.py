@@ -3,19 +3,23 @@ address range kept.
 
 Graph memory holds no state between replays (each replay writes its intermediates before
 reading them, and outputs are copied into persistent buffers inside the capture), so
-nothing of it is saved. `sleep_pool` unmaps every space's chunks, last first, and frees the
-chunk list, booking each call as it succeeds; the extent of each space and the number of
-chunks are remembered. `wake_pool` creates that many chunks again and maps chunk k at
-base + k * chunk of every space that had it: the same addresses, so every graph captured
-over the pool replays unchanged. A wake that fails goes back to where it started (its
-mappings undone, its chunks freed) and raises; the pool stays asleep and a later wake
-starts over. While asleep the pool refuses to grow (`SharedPhysicalPool.grow`).
+nothing of it is saved. `sleep_pool` unmaps every space's chunks, last first, covers what
+the space had mapped with the VirtualMemory's scratch chunk (`CheckedVirtualMemory.cover`:
+a tensor of graph memory touched while asleep reads and writes the scratch instead of
+faulting), and frees the chunk list, booking each call as it succeeds; the extent of each
+space and the number of chunks are remembered. `wake_pool` creates that many chunks again,
+uncovers each space and maps chunk k at base + k * chunk of every space that had it: the
+same addresses, so every graph captured over the pool replays unchanged. A wake that fails
+goes back to where it started (its mappings undone, its covers made again, its chunks
+freed) and raises; the pool stays asleep and a later wake starts over. While asleep the
+pool refuses to grow (`SharedPhysicalPool.grow`). Closing a sleeping pool releases each
+space with its cover (a reservation takes its covers with it).
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import PoolClosedError
 from .pool import AddressSpace, SharedPhysicalPool
@@ -23,10 +27,12 @@ from .pool import AddressSpace, SharedPhysicalPool
 
 @dataclass
 class _Extent:
-    """What a sleeping pool held: chunks [0, mapped) of each space, and how many chunks."""
+    """What a sleeping pool held: chunks [0, mapped) of each space, and how many chunks;
+    and the spaces whose extent the scratch chunk covers now."""
 
     mapped: dict[AddressSpace, int]
     chunks: int
+    covered: set[AddressSpace] = field(default_factory=set)
 
 
 _asleep: weakref.WeakKeyDictionary[SharedPhysicalPool, _Extent] = weakref.WeakKeyDictionary()
@@ -51,10 +57,25 @@ def sleep_pool(pool: SharedPhysicalPool) -> int:
             while space.mapped:
                 pool.vm.unmap(space.base + (space.mapped - 1) * size)
                 space.mapped -= 1
+            _cover(pool, extent, space)
         while pool.chunks:
             pool.vm.free(pool.chunks[-1])
             pool.chunks.pop()
         return held
+
+
+def _cover(pool: SharedPhysicalPool, extent: _Extent, space: AddressSpace) -> None:
+    """Cover what the space had mapped, once nothing is mapped in it."""
+    n = extent.mapped.get(space, 0)
+    if n and not space.closed and not space.mapped and space not in extent.covered:
+        pool.vm.cover(space.base, n * pool.chunk_size)  # type: ignore[attr-defined]
+        extent.covered.add(space)
+
+
+def _uncover(pool: SharedPhysicalPool, extent: _Extent, space: AddressSpace) -> None:
+    if space in extent.covered:
+        pool.vm.uncover(space.base)  # type: ignore[attr-defined]
+        extent.covered.discard(space)
 
 
 def wake_pool(pool: SharedPhysicalPool) -> int:
@@ -68,11 +89,11 @@ def wake_pool(pool: SharedPhysicalPool) -> int:
             return 0
         if pool.closed:
             raise PoolClosedError("wake: the SharedPhysicalPool was closed while asleep.")
-        start = ({s: s.mapped for s in extent.mapped}, len(pool.chunks))
+        start = {s: s.mapped for s in extent.mapped}, len(pool.chunks), set(extent.covered)
         try:
             _map_again(pool, extent)
         except BaseException:
-            _back_to(pool, *start)
+            _back_to(pool, extent, *start)
             raise
         del _asleep[pool]
         pool.asleep = False
@@ -83,17 +104,26 @@ def _map_again(pool: SharedPhysicalPool, extent: _Extent) -> None:
     while len(pool.chunks) < extent.chunks:
         pool.chunks.append(pool.vm.create(pool.chunk_size))
     for space, mapped in extent.mapped.items():
+        _uncover(pool, extent, space)
         while not space.closed and space.mapped < mapped:
             k = space.mapped
             pool.vm.map(space.base + k * pool.chunk_size, pool.chunks[k])
             space.mapped += 1
 
 
-def _back_to(pool: SharedPhysicalPool, mapped: dict[AddressSpace, int], chunks: int) -> None:
+def _back_to(
+    pool: SharedPhysicalPool,
+    extent: _Extent,
+    mapped: dict[AddressSpace, int],
+    chunks: int,
+    covered: set[AddressSpace],
+) -> None:
     for space in reversed(list(mapped)):
         while space.mapped > mapped[space]:
             pool.vm.unmap(space.base + (space.mapped - 1) * pool.chunk_size)
             space.mapped -= 1
+        if space in covered:
+            _cover(pool, extent, space)
     while len(pool.chunks) > chunks:
         pool.vm.free(pool.chunks[-1])
         pool.chunks.pop()

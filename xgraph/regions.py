@@ -14,11 +14,12 @@ one reservation of the backend's VirtualMemory with one chunk mapped at its star
 work as before, and graphs captured over them keep their addresses across a sleep.
 
 `xgraph.sleep(tags=..., offload=...)` copies the offloaded regions to host memory and gives
-every chunk back; `xgraph.wake` maps fresh memory at the same addresses and copies the bytes
-back; a dropped region comes back zeroed. A region lives as long as the process (as the
-pools of vLLM's sleep allocator do): tensors freed in it return to its pool and serve later
-allocations in the same region. Blocks do not nest, and nothing is captured inside one
-(`refuse_capture_inside`): a capture's allocations would land in the region.
+every chunk back, covering each segment with the scratch chunk (a slept tensor touched reads
+and writes it instead of faulting); `xgraph.wake` maps fresh memory at the same addresses
+and copies the bytes back; a dropped region comes back zeroed. A region lives as long as the
+process (as the pools of vLLM's sleep allocator do): tensors freed in it return to its pool
+and serve later allocations in the same region. Blocks do not nest, and nothing is captured
+inside one (`refuse_capture_inside`): a capture's allocations would land in the region.
 """
 
 from __future__ import annotations

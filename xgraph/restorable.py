@@ -3,14 +3,17 @@ at the same addresses, over any backend's VirtualMemory.
 
 Each segment is one reservation with one physical chunk mapped at its start. `release`
 copies the segments asked for into host memory (pinned where the platform has it), then
-unmaps and frees every chunk and keeps every reservation: tensors and graphs that point
-into a segment keep their addresses, with nothing behind them. `restore` creates and maps
-a chunk again at each address, copies the saved bytes back and zeroes the rest (a dropped
-segment comes back as torch.zeros would make it).
+unmaps and frees every chunk and keeps every reservation, covered by the VirtualMemory's
+scratch chunk (`CheckedVirtualMemory.cover`): tensors and graphs that point into a segment
+keep their addresses, and a tensor touched while asleep reads and writes the scratch
+instead of faulting. `restore` uncovers each segment, creates and maps a chunk again at its
+address, copies the saved bytes back and zeroes the rest (a dropped segment comes back as
+torch.zeros would make it).
 
 Failures keep the books exact: every driver call is booked as it succeeds. A `release` that
 fails is finished by calling it again; a `restore` that fails undoes what it did (the
-segments it mapped are unmapped, the chunks it created freed) and leaves the set asleep,
+segments it mapped are unmapped and covered again, the chunks it created freed) and leaves
+the set asleep,
 saved copies kept, so a later `restore` starts from the same state. Host copies are
 dropped only by `commit` (a restore commits unless told not to: `xgraph.wake` commits once
 every stage of a wake has succeeded, so a later stage's failure can still go back to sleep).
@@ -36,6 +39,7 @@ class Segment:
     size: int
     chunk: PhysicalChunk | None = None
     mapped: bool = False
+    covered: bool = False  # the scratch chunk is mapped over it (while given back)
     saved: torch.Tensor | None = None  # the contents, in host memory, while given back
 
 
@@ -44,10 +48,10 @@ def host_buffer(backend: Backend, nbytes: int) -> torch.Tensor:
     asynchronous copies), plain on a backend whose device is the host."""
     if backend.device.type != "cpu":
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
         except RuntimeError:  # no pinned memory on this platform: pageable still works
             pass
-    return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
 
 class RestorableSegments:
@@ -93,9 +97,26 @@ class RestorableSegments:
             del self.segments[address]
 
     def _drop(self, seg: Segment) -> None:
+        self._uncover(seg)
         self._unmap_and_free(seg)
         self.vm.release(seg.address)
         seg.saved = None
+
+    def _cover(self, seg: Segment) -> None:
+        if not seg.covered and not seg.mapped:
+            self.vm.cover(seg.address, seg.size)  # type: ignore[attr-defined]
+            seg.covered = True
+
+    def _uncover(self, seg: Segment) -> None:
+        if seg.covered:
+            self.vm.uncover(seg.address)  # type: ignore[attr-defined]
+            seg.covered = False
+
+    def _give_back(self, seg: Segment) -> None:
+        """Unmap and free the segment's chunk, then cover its range at once: the window in
+        which a touch faults is one segment's, not the whole sleep's."""
+        self._unmap_and_free(seg)
+        self._cover(seg)
 
     def _unmap_and_free(self, seg: Segment) -> None:
         if seg.mapped:
@@ -121,8 +142,8 @@ class RestorableSegments:
             for s, host in copies:
                 s.saved = host
             self.asleep = True
-            for s in live:
-                self._unmap_and_free(s)
+            for s in self.segments.values():
+                self._give_back(s)
             return sum(s.size for s in live), sum(s.size for s, _ in copies)
 
     def restore(self, commit: bool = True) -> int:
@@ -133,10 +154,12 @@ class RestorableSegments:
             if not self.asleep:
                 return 0
             fresh = [s for s in self.segments.values() if not s.mapped]
+            was_covered = [s.covered for s in fresh]
             try:
                 for s in fresh:
                     if s.chunk is None:
                         s.chunk = self.vm.create(s.size)
+                    self._uncover(s)
                     self.vm.map(s.address, s.chunk)
                     s.mapped = True
                 for s in fresh:
@@ -147,8 +170,10 @@ class RestorableSegments:
                         view.zero_()
                 self.backend.synchronize()
             except BaseException:
-                for s in reversed(fresh):  # back to the state this call started from
-                    self._unmap_and_free(s)
+                for s, covered in reversed(list(zip(fresh, was_covered))):
+                    self._unmap_and_free(s)  # back to the state this call started from
+                    if covered:
+                        self._cover(s)
                 raise
             self.asleep = False
             if commit:

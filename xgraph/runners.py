@@ -2,18 +2,24 @@
 
 `store_kv` writes a step's k/v into the paged cache and `sequence_spans` cuts a step into
 its sequences on the host; device runners (an adapter's SDPA or fused kernels) reuse both,
-so every runner stores and plans the same way.
+so every runner stores and plans the same way. `runners_for` answers which runners an
+executor on a backend runs (the executor asks it too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import XGraphError
-from .interfaces import AttentionRunner
+from .interfaces import AttentionRunner, Backend
 from .metadata import AttentionMetadata, KVCache
+from .plugins import get_backend
+
+if TYPE_CHECKING:
+    from .paging import PagedAttention
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slots: torch.Tensor) -> None:
@@ -171,3 +177,17 @@ class PagedPrefillRunner(PlannedRunner):
 def reference_runners() -> dict[str, AttentionRunner]:
     """Fresh reference runners by role: 'decode' (graph-safe) and 'prefill' (host-planned)."""
     return {"decode": PagedDecodeRunner(), "prefill": PagedPrefillRunner()}
+
+
+def runners_for(
+    backend: str | Backend | None = None, attention: PagedAttention | None = None
+) -> tuple[AttentionRunner, AttentionRunner]:
+    """The (decode, prefill) runners an executor on `backend` runs: `attention`'s own where
+    it names them, else the backend's kernels (`Backend.kernels().attention`), else the
+    reference runners; those two are fresh on every call (no plan shared with an executor),
+    `attention`'s are returned as given. `backend`: a name, a Backend, or None
+    (XGRAPH_BACKEND, else the best available)."""
+    runners = {**reference_runners(), **get_backend(backend).kernels().attention}
+    decode = attention.decode_runner if attention is not None else None
+    prefill = attention.prefill_runner if attention is not None else None
+    return decode or runners["decode"], prefill or runners["prefill"]

@@ -10,8 +10,11 @@ write outside its own blocks:
   lengths summing to the step's tokens, 1 <= query_len <= seq_len, at most max_seqs;
 - the table: int32, as wide as the layout at most, each row holding every position up to
   its seq_len, every block a sequence reads a real block of the cache (not the dummy);
-- the slots: each token's slot is the one its row gives its position, and no two tokens
-  of the step write the same slot.
+  columns past a row's last used one are not checked and may hold anything (-1 padding,
+  stale ids): they are staged as given, and xgraph's runners never let them reach a
+  result;
+- the slots (int64, or int32 widened exactly): each token's slot is the one its row gives
+  its position, and no two tokens of the step write the same slot.
 
 Every check is a few vectorized numpy operations, none per token or per block; a step of
 uniform query length (decode, or speculative verification) takes the shortest form of
@@ -36,6 +39,7 @@ from .validation import any_true, same
 
 FIELDS = tuple(f.name for f in fields(AttentionInputs))
 _LENGTHS = frozenset((torch.int64, torch.int32))  # tensor dtypes lengths are used in
+_SLOTS = (torch.int64, torch.int32)  # slot-mapping tensors: int32 is widened, exactly
 
 
 @dataclass(slots=True)
@@ -45,7 +49,7 @@ class StepAttention:
     query_lens: np.ndarray  # int64 [seqs]
     seq_lens: np.ndarray  # int64 [seqs] (int32 where given as an int32 tensor)
     table: np.ndarray  # int32 [seqs, width], ragged rows padded with the dummy block
-    slots: np.ndarray  # int64 [tokens]
+    slots: np.ndarray  # int64 [tokens]; on the device as given, int64 or int32 (cast as staged)
     query_len: int  # the query length every sequence has, 0 where they differ
     on_device: bool = False  # seq_lens, table and slots are device tensors, checked there
 
@@ -191,7 +195,9 @@ class AttentionCheck:
             )
         if table.shape[1] > self.width:
             self._too_wide(table.shape[1])
-        slots = self._tensor(attn.slot_mapping, "slot_mapping", (torch.int64,), None).reshape(-1)
+        # int32 slots (flash-attn-style engines) stay as given: the copy into the int64
+        # metadata buffers casts them, exactly
+        slots = self._tensor(attn.slot_mapping, "slot_mapping", _SLOTS, None).reshape(-1)
         h = StepAttention(ql, sl, table, slots, q, on_device=True)
         total = q * n if q else int(ql.sum())
         if not n or total != num_tokens or n > self.max_seqs:
@@ -214,7 +220,10 @@ class AttentionCheck:
             value = torch.from_numpy(np.ascontiguousarray(ints)).to(self.device)
         if value.dtype not in dtypes:
             want = " or ".join(str(d) for d in dtypes)
-            raise InputError(f"{self.name}: {field} must be {want}; got {value.dtype}.")
+            raise InputError(
+                f"{self.name}: {field} must be {want}; got {value.dtype}. Pass "
+                f"{field}.to({dtypes[0]})."
+            )
         if value.device != self.device and not (self.cpu_is_device and value.is_cpu):
             raise InputError(
                 f"{self.name}: {field} is on {value.device}; the executor runs on "
@@ -303,7 +312,9 @@ class AttentionCheck:
 
     def _too_wide(self, w: int) -> None:
         raise InputError(
-            f"{self.name}: block_tables width {w} is above max_blocks_per_seq={self.width}."
+            f"{self.name}: block_tables width {w} is above max_blocks_per_seq={self.width}. "
+            f"Pass block_tables[:, :{self.width}] if the columns past it are padding, or "
+            "raise PagedAttention(max_blocks_per_seq=)."
         )
 
     # -- check -----------------------------------------------------------------------------
@@ -328,12 +339,7 @@ class AttentionCheck:
         else:
             bad = ((ids >= self.nb) | (ids == self.dummy)) & self.used[:, :w].take(last, axis=0)
         if any_true(bad):
-            i, j = (int(x) for x in np.argwhere(bad)[0])
-            raise InputError(
-                f"{self.name}: block_tables: sequence {i} uses block id {int(table[i, j])} at "
-                f"column {j}; block ids run from 0 to {self.nb - 1}, and {self.dummy} is the "
-                "reserved dummy block."
-            )
+            self._bad_block(h, bad, last)
         if h.query_len == 1:  # one token per sequence, at its last position
             seq, pos = self.seq_index[:n], end
             at = starts[:n] + last
@@ -355,6 +361,16 @@ class AttentionCheck:
                 f"block_size {self.bs}). Slots must follow the block tables."
             )
         self._unique(h, seq)
+
+    def _bad_block(self, h: StepAttention, bad: np.ndarray, last: np.ndarray) -> None:
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        raise InputError(
+            f"{self.name}: block_tables: sequence {i} uses block id {int(h.table[i, j])} at "
+            f"column {j}; the columns it reads (0 to {int(last[i])}: seq_len "
+            f"{int(h.seq_lens[i])}, block_size {self.bs}) must hold cache blocks, ids 0 to "
+            f"{self.nb - 1} other than the reserved dummy block {self.dummy}. Columns past "
+            "them may hold anything (-1 padding too)."
+        )
 
     def _width(self, w: int) -> tuple[np.ndarray | None, np.ndarray]:
         """Per table width, made once: the ceilings of `_layout`'s one compare (when the
@@ -401,9 +417,10 @@ def _ints(
 ) -> np.ndarray:
     """A field as an integer numpy array (int64, or int32 for the table; lengths given as
     int32 tensors stay int32) of rank `ndim` (0: any shape, flattened).
-    Tensors must have the field's dtype where it has one (`dtype`); any integer dtype
-    otherwise. Lists and arrays of integers are converted; floats, bools and other types
-    are refused (a truncated length would be silently wrong)."""
+    Tensors must have the field's dtype where it has one (`dtype`; an int32 tensor for an
+    int64 field, the slots, is widened: exact); any integer dtype otherwise. Lists and
+    arrays of integers are converted; floats, bools and other types are refused (a
+    truncated length would be silently wrong)."""
     if type(value) is torch.Tensor:
         dt = value.dtype
         if (dt is dtype or (dtype is None and dt in _LENGTHS)) and value.is_cpu:
@@ -412,6 +429,8 @@ def _ints(
                 return a
             if not ndim:
                 return a if a.ndim == 1 else a.reshape(-1)
+        elif dt is torch.int32 and dtype is torch.int64 and value.is_cpu and not ndim:
+            return value.numpy().reshape(-1).astype(np.int64)  # int32 slots: widened, exact
     elif type(value) is list and dtype is None:
         a = np.asarray(value)  # Python ints: int64
         if a.dtype == np.int64 and a.ndim == ndim:
@@ -419,12 +438,22 @@ def _ints(
     return _convert(name, value, field, ndim, dtype)
 
 
+def _widens(given: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether a tensor of `given` converts to `dtype` exactly, whatever its values: int32
+    slot mappings to int64."""
+    return given is torch.int32 and dtype is torch.int64
+
+
 def _convert(name: str, value: Any, field: str, ndim: int, dtype: torch.dtype | None) -> np.ndarray:
     """`_ints` for every other form, and its errors."""
     want = np.int32 if dtype is torch.int32 else np.int64
     if isinstance(value, torch.Tensor):
-        if dtype is not None and value.dtype is not dtype:
-            raise InputError(f"{name}: {field} must be {dtype}; got {value.dtype}.")
+        if dtype is not None and value.dtype is not dtype and not _widens(value.dtype, dtype):
+            also = " or torch.int32" if dtype is torch.int64 else ""
+            raise InputError(
+                f"{name}: {field} must be {dtype}{also}; got {value.dtype}. Pass "
+                f"{field}.to({dtype})."
+            )
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype is torch.bool:
             raise InputError(f"{name}: {field} must hold integers; got {value.dtype}.")
         a = (value if value.is_cpu else value.cpu()).numpy()  # on a device: one copy (a sync)

@@ -435,6 +435,7 @@ class StepPlanner:
                 [s if isinstance(s, int) else sizes[s] for s in spec.shape],
                 spec.fill,
                 dtype=spec.dtype,  # type: ignore[arg-type]
+                device="cpu",  # host values, staged like a caller's
             )
             for spec in self.inputs
         }

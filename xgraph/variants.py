@@ -10,6 +10,10 @@ graph must take as data:
 - "batch composition": another number of sequences (decode: the fewest that still pad to
   the bucket; prefill: shorter sequences over fewer real tokens).
 
+A full graph of q > 1 tokens per sequence (speculative verification, keyed by (tokens, q))
+is checked as decode is, counting sequences: the base is `size` sequences of q tokens each
+at seq_len q, the batch variation the fewest sequences that pad to the same count.
+
 A variation the key leaves no room for (a bucket of one token, a table one block wide) is
 listed as not varied, with the reason.
 """
@@ -55,17 +59,25 @@ class _Layout:
 class Variants:
     """Builds the base step of a key of `size` tokens and its variations."""
 
-    def __init__(self, planner: StepPlanner, size: int, kind: Kind, key_dims: dict[str, int]):
+    def __init__(
+        self,
+        planner: StepPlanner,
+        size: int,
+        kind: Kind,
+        key_dims: dict[str, int],
+        query_len: int = 1,
+    ):
         self.planner, self.size, self.kind, self.key_dims = planner, size, kind, key_dims
+        self.q = query_len  # > 1: size counts sequences of q tokens (a full graph)
         below = [s for s in planner.buckets.sizes if s < size]
-        self.fewest = (max(below) if below else 0) + 1  # fewest tokens that pad to size
+        self.fewest = (max(below) if below else 0) + 1  # fewest tokens (sequences) padding to size
         self.not_varied: list[str] = []
 
     def build(self, vary: list[str]) -> list[Variant]:
         """The base step, then one step per variation the key leaves room for."""
         a = self.planner.attention
         base = self._base() if a is not None else None
-        out = [self._variant("base", self.size, base)]
+        out = [self._variant("base", self.size * self.q, base)]
         for name in vary:
             layout, why = self._vary(name, base)
             if why:
@@ -90,8 +102,8 @@ class Variants:
     def _base(self) -> _Layout:
         a = self.planner.attention
         assert a is not None
-        if self.kind is Kind.FULL:  # decode: one token per sequence, as many as the bucket
-            lens = [1] * self.size
+        if self.kind is Kind.FULL:  # decode: q tokens per sequence, as many as the bucket
+            lens = [self.q] * self.size
         else:
             lens = self._split(self.size, self._chunk())
         return _Layout(lens, list(lens), [[a.dummy_block] * a.max_blocks_per_seq for _ in lens])
@@ -123,7 +135,7 @@ class Variants:
         assert a is not None
         per_seq = a.max_blocks_per_seq * a.block_size
         if self.kind is Kind.FULL:
-            lens = [per_seq - i % a.block_size for i in range(len(base.seq_lens))]
+            lens = [max(self.q, per_seq - i % a.block_size) for i in range(len(base.seq_lens))]
         else:  # context before the new tokens, up to the table's width
             lens = [per_seq for _ in base.query_lens]
         if lens == base.seq_lens:
@@ -149,7 +161,7 @@ class Variants:
                     None,
                     f"every decode step of bucket {self.size} has {_count(self.size, 'sequence')}",
                 )
-            lens = [1] * self.fewest
+            lens = [self.q] * self.fewest
         else:
             lens = self._split(self.fewest, max(1, base.query_lens[0] // 2))
             if lens == base.query_lens or len(lens) > self.planner.max_seqs:

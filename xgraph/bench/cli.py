@@ -8,9 +8,20 @@ from collections.abc import Callable
 from typing import Any
 
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
-from ..cli_types import positive_int, sizes
+from ..cli_types import PIECEWISE_MIN, piecewise_max, positive_float, positive_int, sizes
 from ..interfaces import Backend
-from . import decode, distributed, host, memory, memory_plot, pipeline, prefill, sleep, soak
+from . import (
+    decode,
+    distributed,
+    host,
+    memory,
+    memory_plot,
+    pipeline,
+    prefill,
+    sleep,
+    soak,
+    target_families,
+)
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
@@ -37,14 +48,18 @@ def _compile_sizes(text: str) -> list[int]:
     return sizes(text)
 
 
-def _names(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
-    """A comma-separated list of names from `allowed`, as an argparse type."""
+def _names(
+    allowed: tuple[str, ...] | Callable[[], tuple[str, ...]],
+) -> Callable[[str], tuple[str, ...]]:
+    """A comma-separated list of names from `allowed` (or from what it returns when the line
+    is parsed: the families registered by then), as an argparse type."""
 
     def parse(text: str) -> tuple[str, ...]:
         names = tuple(n.strip() for n in text.split(",") if n.strip())
-        bad = [n for n in names if n not in allowed]
+        choices = allowed() if callable(allowed) else allowed
+        bad = [n for n in names if n not in choices]
         if bad or not names:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(allowed)}")
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(choices)}")
         return names
 
     return parse
@@ -83,11 +98,11 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--models",
-        default="reference,hf-llama",
-        type=_names(memory.targets.FAMILIES),
-        help="memory: model families, comma-separated (reference: the reference model; "
-        "hf-llama: transformers' LlamaForCausalLM through the integration, skipped without "
-        "transformers)",
+        default=None,
+        type=_names(target_families),
+        help="memory: model families, comma-separated (default: every registered one; "
+        "reference: the reference model; hf-llama, which the transformers integration "
+        "registers: transformers' LlamaForCausalLM through it, skipped without transformers)",
     )
     p.add_argument(
         "--kinds",
@@ -97,11 +112,11 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--piecewise-max",
-        type=positive_int,
+        type=piecewise_max,
         default=None,
-        help="memory: piecewise graphs at SGLang-style sizes up to this (default 2048 for the "
-        "reference and 1024 for hf-llama on accelerators, 128 on the CPU backend); sleep: "
-        "the piecewise executor's sizes (default 2048, 64 on the CPU backend)",
+        help="memory: piecewise graphs at SGLang-style sizes (4 and up) up to this (default "
+        "2048 for the reference and 1024 for hf-llama on accelerators, 128 on the CPU "
+        "backend); sleep: the piecewise executor's sizes (default 2048, 64 on the CPU backend)",
     )
     p.add_argument(
         "--all-modes",
@@ -159,7 +174,7 @@ def add_parsers(sub: Any) -> None:
     )
     _add_decode_and_memory_options(p)
     _add_run_options(p)
-    p.set_defaults(func=main, check=misplaced_option)
+    p.set_defaults(func=main, check=option_problem)
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -191,9 +206,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-cache-gib",
-        type=float,
+        type=positive_float,
         default=None,
-        help="sleep: the KV cache dropped at each sleep, GiB (default 16 on accelerators)",
+        help="sleep: the KV cache dropped at each sleep, GiB above 0 (default 16 on accelerators)",
     )
     p.add_argument("--json", default=None, help="write the results here (bench all: a folder)")
     p.add_argument("--plot", default=None, help="memory: write a PNG plot here")
@@ -327,6 +342,19 @@ def misplaced_option(args: argparse.Namespace) -> str | None:
                 f"{option} does not apply to bench {args.which} (it is read by bench "
                 f"{', '.join(users)}); leave it out"
             )
+    return None
+
+
+def option_problem(args: argparse.Namespace) -> str | None:
+    """The mistake in the options together (refused before anything runs), or None."""
+    misplaced = misplaced_option(args)
+    if misplaced:
+        return misplaced
+    if args.which == "prefill" and args.max_size is not None and args.max_size < PIECEWISE_MIN:
+        return (
+            f"--max-size {args.max_size}: bench prefill measures piecewise memory at sizes "
+            f"from {PIECEWISE_MIN} up to it; give at least {PIECEWISE_MIN}"
+        )
     return None
 
 

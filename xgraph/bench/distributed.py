@@ -13,7 +13,9 @@ measures, side by side in the same run:
 - `tp1`: the single-rank model through a plain executor on the same device (the anchor:
   what tensor parallelism buys or costs at this size);
 - `raw`: the TP forward captured with the runtime's own graph API (no xgraph), replayed;
-- outputs against the same TP model run eagerly on the padded step.
+- outputs: the executor's, eager's (the same TP model on the padded step), the hand-captured
+  graph's and, over a group of one, the single-rank executor's, each against a float32 copy
+  of the same weights (xgraph.bench.distributed_fidelity: the criterion and every number).
 
 Then piecewise prefill steps (the same checks), and graph memory per rank. Times are medians
 of device timings where the backend has a device timer (CPU: host wall time, which only
@@ -42,6 +44,7 @@ from ..models.qwen3_tp import Qwen3TPModel, qwen3_8b
 from ..runners import PagedPrefillRunner
 from . import hooks
 from .anchors import static_inputs
+from .distributed_fidelity import Fidelity, fill_cache
 from .report import attempt, note, table
 from .timing import Timer, host_time
 
@@ -71,14 +74,21 @@ def config(model: str) -> Qwen3Config:
 
 
 def workloads(
-    backend: Backend, model: str, group: Any, max_seqs: int, context: int
+    backend: Backend,
+    model: str,
+    group: Any,
+    max_seqs: int,
+    context: int,
+    dtype: torch.dtype | None = None,
 ) -> tuple[Workload, Workload]:
-    """(this rank's TP shard, the single-rank model) with caches for `max_seqs` sequences.
+    """(this rank's TP shard, the single-rank model) with caches for `max_seqs` sequences,
+    the TP cache filled with seeded values (the context decode steps attend over).
 
     Random weights: the TP shard is a slice of the single-rank model's seeded weights, except
-    for the 8B-class shape, where each draws its own on the device (only shapes matter)."""
+    for the 8B-class shape, where each draws its own on the device (only shapes matter; over
+    a group of one both draw the same). `dtype`: float32 on the CPU, bf16 elsewhere."""
     dev = backend.device
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    dtype = dtype or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     c = config(model)
     blocks = max_seqs * -(-context // 16)
     big = model == "qwen3-8b"
@@ -87,13 +97,16 @@ def workloads(
     one = (
         Qwen3TPModel.build(c, None, random_shards=True, **kw) if big else Qwen3Model.build(c, **kw)
     )
-    return Workload(tp, -(-context // 16), max_seqs), Workload(one, -(-context // 16), max_seqs)
+    w = Workload(tp, -(-context // 16), max_seqs)
+    fill_cache(w, 0)
+    return w, Workload(one, -(-context // 16), max_seqs)
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
     """Outputs against eager: bit for bit in float32 on the CPU; elsewhere the error's norm
     relative to the reference's, at most 1e-2 (two bf16 kernel paths differ by their
-    rounding, element by element by more than a max-abs bound can allow)."""
+    rounding, element by element by more than a max-abs bound can allow). The MoE check's;
+    the TP rows hold the float32 criterion (distributed_fidelity)."""
     diff = (out.float() - ref.float()).abs()
     if out.dtype == torch.float32 and out.device.type == "cpu":
         return {"max_abs_diff": float(diff.max()), "equal": bool(diff.max() == 0)}
@@ -126,14 +139,17 @@ def _inputs(step: Any) -> dict[str, torch.Tensor]:
 def decode_rows(
     backend: Backend, w: Workload, w1: Workload, par: Any, batches: list[int], iters: int
 ) -> list[dict[str, Any]]:
-    """Per batch: the TP executor's output against eager, its step time, the agreement's,
-    the single-rank anchor's and the hand-captured graph's; then graph memory."""
+    """Per batch: the TP executor's output against float32, eager, the hand-captured graph
+    and the single-rank executor; its step time, the agreement's, the single-rank anchor's
+    and the hand-captured graph's; then graph memory."""
     ex = w.executor(backend=backend, buckets=batches, parallel=par, name="tp")
     ex1 = w1.executor(backend=backend, buckets=batches, name="tp1")
+    fid = Fidelity(w, w1, dist.get_world_size())
     rows = []
     rng = random.Random(0)  # the same steps on every rank: TP ranks run one batch
     for b in batches:
-        row = _decode_row(backend, (ex, ex1), w, w.decode_step(rng, b, max_context=256), iters)
+        step = w.decode_step(rng, b, max_context=256)
+        row = _decode_row(backend, (ex, ex1), fid, step, iters)
         rows.append(row)
         note(f"rank {dist.get_rank()}: decode batch {b}: {row}")
     st = ex.stats()
@@ -147,34 +163,48 @@ def decode_rows(
 
 
 def _decode_row(
-    backend: Backend, executors: tuple[Any, Any], w: Workload, step: Any, iters: int
+    backend: Backend, executors: tuple[Any, Any], fid: Fidelity, step: Any, iters: int
 ) -> dict[str, Any]:
     ex, ex1 = executors
-    timer, kw, b = Timer(backend), step.kwargs(), step.num_tokens
+    w, timer, kw, b = fid.w, Timer(backend), step.kwargs(), step.num_tokens
     row: dict[str, Any] = {"batch": b}
+    fid.start()  # the single-rank cache: the TP cache's values
     out = ex(**kw, clone=True)
-    ref = w.eager(w.padded(step, Buckets(ex.buckets.sizes), full=True))[:b]
-    row.update(compare(out, ref))
+    single = ex1(**kw, clone=True)[:b] if fid.single is not None else None
+    padded = w.padded(step, Buckets(ex.buckets.sizes), full=True)
+    eager = w.eager(padded)[:b]
+    hand: dict[str, Any] = {}
+    attempt(row, "raw", lambda: _raw(backend, w, step, timer, iters, hand))
+    fp32 = fid.fp32(padded)
+    fp32 = fp32[:b] if fp32 is not None else None
+    row.update(fid.row(out, eager, fp32=fp32, hand=hand.get("out"), single=single))
     row["step_ms"] = timer(lambda: ex(**kw), iters) * 1e3
     row["agree_us"] = agreement_us(ex, step, iters)
     ex1(**kw)
     row["tp1_ms"] = timer(lambda: ex1(**kw), iters) * 1e3
-    attempt(row, "raw", lambda: _raw(backend, w, step, timer, iters))
     return row
 
 
-def _raw(backend: Backend, w: Workload, step: Any, timer: Timer, iters: int) -> dict | None:
+def _raw(
+    backend: Backend, w: Workload, step: Any, timer: Timer, iters: int, keep: dict[str, Any]
+) -> dict | None:
     """The TP forward captured by hand (CUDA: torch.cuda.graph in thread-local mode, as
-    NCCL needs; elsewhere the backend's own graph API), replayed on its static inputs."""
+    NCCL needs; elsewhere the backend's own graph API), replayed on its static inputs;
+    keep["out"]: its logits after one replay."""
     ids, pos, ctx, _ = static_inputs(backend, w, step)
+    box: dict[str, torch.Tensor] = {}
 
     def forward() -> None:
         with torch.no_grad(), step_context(ctx):
-            w.model.forward(ids, pos)
+            box["out"] = w.model.forward_logits(ids, pos)
 
     cuda = backend.device.type == "cuda"
     replay = hand_graph(forward) if cuda else hooks.native_graph(backend, forward)
-    return None if replay is None else {"raw_ms": timer(replay, iters) * 1e3}
+    if replay is None:
+        return None
+    replay()
+    keep["out"] = box["out"][: step.num_tokens].clone()
+    return {"raw_ms": timer(replay, iters) * 1e3}
 
 
 def hand_graph(fn: Any) -> Any:
@@ -192,25 +222,45 @@ def hand_graph(fn: Any) -> Any:
 
 
 def prefill_rows(
-    backend: Backend, w: Workload, par: Any, sizes: list[int], iters: int
+    backend: Backend,
+    w: Workload,
+    par: Any,
+    sizes: list[int],
+    iters: int,
+    w1: Workload | None = None,
 ) -> list[dict[str, Any]]:
-    """Piecewise prefill through the executor: output against eager, step time."""
+    """Piecewise prefill through the executor: output against float32, eager and (over a
+    group of one, given `w1`) the single-rank executor; step time."""
     buckets = sorted(set(sizes))
     ex = w.executor(backend=backend, buckets=buckets, parallel=par, mode="piecewise", name="pp")
+    fid = Fidelity(w, w1, dist.get_world_size())
+    ex1 = None
+    if fid.single is not None:
+        ex1 = fid.single.executor(backend=backend, buckets=buckets, mode="piecewise", name="pp1")
     timer, rng = Timer(backend), random.Random(1)
     rows = [
-        _prefill_row(ex, w, timer, w.prefill_step(rng, [n - n // 2, n // 2]), iters) for n in sizes
+        _prefill_row((ex, ex1), fid, timer, w.prefill_step(rng, [n - n // 2, n // 2]), iters)
+        for n in sizes
     ]
     ex.close()
+    if ex1 is not None:
+        ex1.close()
     return rows
 
 
-def _prefill_row(ex: Any, w: Workload, timer: Timer, step: Any, iters: int) -> dict[str, Any]:
+def _prefill_row(
+    executors: tuple[Any, Any], fid: Fidelity, timer: Timer, step: Any, iters: int
+) -> dict[str, Any]:
+    (ex, ex1), w = executors, fid.w
     n, kw = step.num_tokens, step.kwargs()
+    fid.start()
     out = ex(**kw, clone=True)
+    single = ex1(**kw, clone=True) if ex1 is not None else None
     padded = w.padded(step, Buckets(ex.buckets.sizes), full=False)
-    ref = w.eager(padded, PagedPrefillRunner(), num_tokens=n)[:n]
-    row = {"tokens": n, **compare(out, ref)}
+    eager = w.eager(padded, PagedPrefillRunner(), num_tokens=n)[:n]
+    fp32 = fid.fp32(padded, PagedPrefillRunner(), num_tokens=n)
+    fp32 = fp32[:n] if fp32 is not None else None
+    row = {"tokens": n, **fid.row(out, eager, fp32=fp32, single=single)}
     row["step_ms"] = timer(lambda: ex(**kw), max(3, iters // 5)) * 1e3
     return row
 
@@ -228,7 +278,7 @@ def run(
     w, w1 = workloads(backend, model, group, max(batches), 512 if accel else 64)
     mine = {"rank": rank, "device": hooks.device_name(backend)}
     mine["decode"] = decode_rows(backend, w, w1, par, batches, iters)
-    mine["prefill"] = prefill_rows(backend, w, par, prefill, iters)
+    mine["prefill"] = prefill_rows(backend, w, par, prefill, iters, w1)
     everyone = par.channel.gather_objects(mine, "bench results") if par.channel else [mine]
     return {
         "backend": backend.name,
@@ -243,7 +293,8 @@ def run(
 
 
 def summarize(data: dict[str, Any]) -> str:
-    cols = ["rank", "batch", "step_ms", "tp1_ms", "raw_ms", "agree_us", "equal", "max_abs_diff"]
+    cols = ["rank", "batch", "step_ms", "tp1_ms", "raw_ms", "agree_us", "equal"]
+    cols += ["exec_vs_fp32", "eager_vs_fp32", "hand_vs_fp32", "exec_vs_eager"]
     rows = [{"rank": m["rank"], **r} for m in data["ranks"] for r in m["decode"] if "batch" in r]
     mem = [
         {"rank": m["rank"], **r["memory"]}
@@ -259,7 +310,7 @@ def summarize(data: dict[str, Any]) -> str:
         "alone (host)\n\n"
         + table(rows, cols)
         + "\n\npiecewise prefill\n\n"
-        + table(pre, ["rank", "tokens", "step_ms", "equal", "max_abs_diff"])
+        + table(pre, ["rank", "tokens", "step_ms", "equal", "exec_vs_fp32", "eager_vs_fp32"])
         + "\n\ngraph memory per rank\n\n"
         + table(mem, ["rank", "graph_bytes", "keys"])
     )

@@ -1,5 +1,5 @@
-"""Checks of graphs across ranks a multi-GPU run makes besides timing (tools/tp_graphs.py of
-the CUDA adapter).
+"""Checks of graphs across ranks a multi-GPU run makes besides timing (the CUDA adapter's
+adapters/cuda/tools/tp_graphs.py).
 
 - `memory_orders`: shared-physical graph memory per rank, capturing the decode buckets in
   ascending, random and largest-first order, against the largest bucket captured alone: the

@@ -1,8 +1,9 @@
 """`xgraph bench memory`: graph memory per capture order, full and piecewise, two model families.
 
-For each model family (`targets`: the reference model; transformers' LlamaForCausalLM through
-the transformers integration) and graph kind (full decode graphs at vLLM's capture sizes;
-piecewise graphs at SGLang-style prefill sizes), in one process:
+For each model family (registered in `xgraph.bench`: the reference model; transformers'
+LlamaForCausalLM, which the transformers integration registers) and graph kind (full
+decode graphs at vLLM's capture sizes; piecewise graphs at SGLang-style prefill sizes), in
+one process:
 
 - a first pass running every size once eagerly, no graph (ascending, reported as `first_use`
   with its driver reading): what the process spends the first time it meets a shape
@@ -29,7 +30,8 @@ Graph executables: the driver keeps memory for every instantiated graph, outside
 reference forward), and keeps it after the graph is destroyed, for the next graphs to reuse.
 So the first run of a section (ascending) shows it, as memory outside the pool, and the runs
 after it reuse what that run left: their driver readings leave it out. It is a cost per
-graph, the same in every order (scripts/probe_graph_exec.py measures it on its own).
+graph, the same in every order (measured on its own at commit 32b7ae8:
+docs/results/h200/gpu-time-pass/graph-exec.json, LOG 2026-11-30, GPU-time pass).
 """
 
 from __future__ import annotations
@@ -39,10 +41,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
-from ..integrations.transformers.errors import MissingExtraError
 from ..interfaces import Backend
 from ..memory import GraphMemory
-from . import hooks, targets
+from . import build_target, default_largest, hooks, target_families
 from .readings import MiB, driver_reading, measure, settle
 from .report import attempt, error_text, note, table
 
@@ -50,13 +51,6 @@ MODES = ("shared-physical", "shared-pool", "private")
 ORDERS = ("ascending", "random", "largest-first")
 KINDS = ("full", "piecewise")
 LIMIT_MODE = "shared-physical"  # the limit is captured like the runs it is compared with
-# default sizes: (accelerator, CPU) largest full-graph and piecewise sizes per family; the
-# transformers model captures fewer on accelerators (its eager Python forward runs twice per
-# capture, for the warm-up and for the capture itself)
-DEFAULT_MAX = {
-    "reference": {"full": (512, 128), "piecewise": (2048, 128)},
-    "hf-llama": {"full": (256, 64), "piecewise": (1024, 128)},
-}
 
 
 def ordered(sizes: list[int], order: str, seed: int) -> list[int]:
@@ -70,7 +64,9 @@ def ordered(sizes: list[int], order: str, seed: int) -> list[int]:
 
 
 def default_sizes(family: str, kind: str, accel: bool) -> list[int]:
-    largest = DEFAULT_MAX[family][kind][0 if accel else 1]
+    """The sizes a family's `kind` graphs are captured at by default (its registration's
+    largest size, xgraph.bench.default_largest)."""
+    largest = default_largest(family, kind, accel)
     return vllm_capture_sizes(largest) if kind == "full" else sglang_piecewise_sizes(largest)
 
 
@@ -201,8 +197,8 @@ def _family(
     full_max = max(sizes.get("full", [1]))
     pw_max = max(sizes.get("piecewise", [1]))
     try:
-        target = targets.build(family, backend, model, full_max, pw_max)
-    except MissingExtraError as exc:
+        target = build_target(family, backend, model, full_max, pw_max)
+    except ImportError as exc:  # its library is an extra not installed (MissingExtraError)
         data["skipped"][family] = f"skipped: {exc}"
         note(f"memory: {family} {data['skipped'][family]}")
         return
@@ -236,13 +232,14 @@ def run(
     model: str = "tiny",
     sizes: list[int] | None = None,
     piecewise_sizes: list[int] | None = None,
-    families: tuple[str, ...] = targets.FAMILIES,
+    families: tuple[str, ...] | None = None,
     kinds: tuple[str, ...] = KINDS,
     all_modes: bool = False,
     seed: int = 0,
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """`sizes` (full graphs) and `piecewise_sizes` override each family's defaults."""
+    """`sizes` (full graphs) and `piecewise_sizes` override each family's defaults;
+    `families`: the registered ones (xgraph.bench.target_families) when None."""
     accel = backend.device.type != "cpu"
     given = {"full": sizes, "piecewise": piecewise_sizes}
     modes = MODES if all_modes else (LIMIT_MODE,)
@@ -257,7 +254,7 @@ def run(
         "skipped": {},
     }
     save = checkpoint or (lambda _: None)
-    for family in families:
+    for family in target_families() if families is None else families:
         fs = {k: sorted(given[k] or default_sizes(family, k, accel)) for k in kinds}
         _family(backend, family, model, fs, data, modes, seed, lambda: save(data))
     return data

@@ -10,7 +10,7 @@ layer writes the rest once: `StreamGraph` (side-stream capture, failed-capture u
 """
 
 from .backend import TorchBackend
-from .captures import CaptureBook, book
+from .captures import CaptureBook, book, when_no_capture
 from .graph import StreamGraph
 from .pool import MemPoolCapturePool, keeper_graph, routing_allocator
 from .runtime import PoolId, TorchRuntime
@@ -25,4 +25,5 @@ __all__ = [
     "book",
     "keeper_graph",
     "routing_allocator",
+    "when_no_capture",
 ]

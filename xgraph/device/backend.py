@@ -74,13 +74,10 @@ class TorchBackend(Backend):
             origin.wait_stream(side)
 
     def synchronize(self) -> None:
-        captures = book(self.runtime)
-        if (captures.elsewhere() and not captures.here()) or captures.any_stuck():
-            # a device-wide synchronize fails while any stream captures (ACL 107027)
-            self.runtime.current_stream().synchronize()
-        else:
-            self.runtime.synchronize()
-            captures.drain()  # pools parked behind a capture that has ended since
+        # a device-wide synchronize fails while any stream captures (ACL 107027): the book
+        # decides, and no capture begins until the device synchronize it chose has returned
+        rt = self.runtime
+        book(rt).synchronize(rt.synchronize, lambda: rt.current_stream().synchronize())
 
     # -- pools and memory ------------------------------------------------------------------
 

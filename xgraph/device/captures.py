@@ -4,7 +4,8 @@ Runtimes refuse some calls while any stream of the device captures, whatever the
 Ascend device synchronize fails (107027), and a torch_npu MemPool dropped then throws in its
 destructor, which aborts the process. The layer therefore counts its captures per runtime
 (`book(runtime)`): `TorchBackend.synchronize` falls back to the calling thread's stream while
-another thread captures, `empty_cache` waits for a quiet moment, and closed pools are parked
+another thread captures (and holds the book while it synchronizes the device, so no capture
+begins meanwhile), `empty_cache` waits for a quiet moment, and closed pools are parked
 here and dropped by `drain` once no capture runs. A capture stream given up while still
 capturing is remembered too: while it captures, device-wide calls would fail.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from .runtime import TorchRuntime
@@ -36,7 +38,8 @@ class CaptureBook:
         self._stuck: list[Any] = []  # streams given up while still capturing
 
     def enter(self) -> None:
-        """A capture began in this thread."""
+        """A capture begins in this thread (called before the runtime's begin; waits for a
+        synchronize in flight, see `synchronize`)."""
         with self._lock:
             self._threads[threading.get_ident()] += 1
 
@@ -48,21 +51,6 @@ class CaptureBook:
             if self._threads[me] <= 0:
                 del self._threads[me]
         self.drain()
-
-    def running(self) -> bool:
-        """Whether any thread captures on the device now."""
-        with self._lock:
-            return bool(self._threads)
-
-    def elsewhere(self) -> bool:
-        """Whether a thread other than this one captures on the device now."""
-        with self._lock:
-            return any(t != threading.get_ident() for t in self._threads)
-
-    def here(self) -> bool:
-        """Whether this thread captures on the device now."""
-        with self._lock:
-            return threading.get_ident() in self._threads
 
     def stuck(self, stream: Any) -> None:
         """A stream was given up while it still captures (its capture could not be ended)."""
@@ -77,6 +65,20 @@ class CaptureBook:
             if runtime is not None and self._stuck:
                 self._stuck = [s for s in self._stuck if _still_capturing(runtime, s)]
             return bool(self._stuck)
+
+    def synchronize(self, device: Callable[[], None], stream: Callable[[], None]) -> None:
+        """Synchronize the device with `device()`, or this thread's stream with `stream()`
+        while another thread captures (or a given-up stream still does). The check and the
+        device synchronize hold the lock, which every counted capture takes before its begin:
+        no capture begins between them (one would make the device synchronize fail)."""
+        with self._lock:
+            me = threading.get_ident()
+            others = any(t != me for t in self._threads)
+            if not ((others and me not in self._threads) or self.any_stuck()):
+                device()
+                self.drain()  # pools parked behind a capture that has ended since
+                return
+        stream()  # outside the lock: a stream synchronize is allowed while others capture
 
     def _quiet(self) -> bool:
         """No capture runs on the device, not even one that could not be ended."""
@@ -127,3 +129,9 @@ def book(runtime: TorchRuntime) -> CaptureBook:
         if found is None:
             found = _books[runtime] = CaptureBook(runtime)
         return found
+
+
+def when_no_capture(runtime: TorchRuntime, fn: Callable[[], Any]) -> bool:
+    """Run `fn()` if no capture runs on `runtime`'s device (none begins meanwhile, see
+    CaptureBook); whether it ran. For calls that fail during any capture (empty_cache)."""
+    return book(runtime).when_quiet(fn)

@@ -7,9 +7,10 @@ thread_local mode, which the core's per-thread capture guard relies on. `_reset`
 whatever a failed capture left, in every runtime's way at once:
 - a capture never ended is ended through the runtime's capture_end, which runs at most once
   per capture (a second call asserts on torch_npu and miscounts another thread's capture);
-- a capture the runtime could not end is ended through the driver (`end_capture`), and this
-  thread's capture stream is given up for a new one (a stream left capturing refuses every
-  later capture);
+- a capture the runtime could not end is ended through the driver (`end_capture`) where the
+  stream still captures (most runtimes take it out of capture when their end fails), and
+  this thread's capture stream is given up for a new one (a stream left capturing refuses
+  every later capture);
 - the pool: this thread's allocation routing and the capture's uses are given back, and a
   pool whose capture the runtime refused at begin or end is marked poisoned;
 - the torch graph is replaced by a fresh one: torch refuses a second capture on one object.
@@ -196,7 +197,10 @@ class StreamGraph(CheckedGraph):
                 self._pool.poisoned = True
         if not self._end_failed:
             return
-        if rt.is_capturing(side) and not rt.end_capture(side):
+        # most runtimes take the stream out of capture when their end fails; one refused
+        # before it ran leaves it capturing: the driver ends that (a failed driver end may
+        # still end it, so the stream is asked again)
+        if rt.is_capturing(side) and not rt.end_capture(side) and rt.is_capturing(side):
             logger.warning(
                 "%s: a failed capture could not be ended; this thread's captures move to a "
                 "new capture stream (the old one stays capturing).",

@@ -39,9 +39,9 @@ logger = logging.getLogger("xgraph")
 
 _lock = threading.Lock()
 _allocators: weakref.WeakKeyDictionary[TorchRuntime, Any] = weakref.WeakKeyDictionary()
-_keeper_kits: weakref.WeakKeyDictionary[TorchRuntime, tuple[Any, torch.Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
+# per runtime, per thread: the keeper's stream and scratch tensor (a stream captures for one
+# thread at a time: two threads making pools at once capture their keepers side by side)
+_keeper_kits: weakref.WeakKeyDictionary[TorchRuntime, threading.local] = weakref.WeakKeyDictionary()
 
 
 def routing_allocator(runtime: TorchRuntime) -> Any:
@@ -95,15 +95,24 @@ def undo_pool_capture(
         logger.exception("releasing pool %s after a failed capture failed", pool_id)
 
 
-def keeper_graph(runtime: TorchRuntime, mempool: Any) -> Any:
-    """A one-op graph captured on the pool (see the module docstring), on a stream of its own."""
+def _thread_kits(runtime: TorchRuntime) -> threading.local:
+    """This thread's keeper stream and scratch of `runtime` (`.kit`, None until made)."""
     with _lock:
-        kit = _keeper_kits.get(runtime)
-        if kit is None:
-            kit = _keeper_kits[runtime] = (
-                runtime.new_stream(),
-                torch.zeros(1, device=runtime.device),
-            )
+        kits = _keeper_kits.get(runtime)
+        if kits is None:
+            kits = _keeper_kits[runtime] = threading.local()
+    return kits
+
+
+def keeper_graph(runtime: TorchRuntime, mempool: Any) -> Any:
+    """A one-op graph captured on the pool (see the module docstring), on a stream of this
+    thread's own: never one another thread's keeper captures on."""
+    kits = _thread_kits(runtime)
+    kit = getattr(kits, "kit", None)
+    if kit is None:
+        with torch.inference_mode(False):  # kept for good: add_ works in every mode
+            scratch = torch.zeros(1, device=runtime.device)
+        kit = kits.kit = (runtime.new_stream(), scratch)
     stream, scratch = kit
     pool_id: PoolId = tuple(mempool.id)  # type: ignore[assignment]
     base = mempool_use_count(mempool)
@@ -122,8 +131,7 @@ def keeper_graph(runtime: TorchRuntime, mempool: Any) -> Any:
         undo_pool_capture(runtime, pool_id, mempool_use_count(mempool), base)
         if runtime.is_capturing(stream) and not runtime.end_capture(stream):
             book(runtime).stuck(stream)
-        with _lock:
-            _keeper_kits.pop(runtime, None)  # a new keeper stream next time
+        kits.kit = None  # a new keeper stream for this thread next time
         raise
     finally:
         captures.exit()

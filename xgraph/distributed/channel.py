@@ -57,8 +57,8 @@ class Channel:
         )
         self.rank = dist.get_rank(self.group)
         self.size = len(ranks)
-        self._send = torch.zeros(MESSAGE, dtype=torch.int64)
-        self._recv = torch.zeros(self.size * MESSAGE, dtype=torch.int64)
+        self._send = torch.zeros(MESSAGE, dtype=torch.int64, device="cpu")
+        self._recv = torch.zeros(self.size * MESSAGE, dtype=torch.int64, device="cpu")
         # numpy views made once: Tensor.numpy is blocked while a graph captures, and an
         # exchange may happen in the middle of a capture (a collective checked before it runs)
         self._send_np = self._send.numpy()
@@ -90,8 +90,8 @@ class Channel:
         data = pickle.dumps(obj)
         sizes = [m[1] for m in self.exchange([OBJECTS, len(data)], what)]
         width = max(sizes)
-        out = torch.zeros(self.size * width, dtype=torch.uint8)
-        mine = torch.zeros(width, dtype=torch.uint8)
+        out = torch.zeros(self.size * width, dtype=torch.uint8, device="cpu")
+        mine = torch.zeros(width, dtype=torch.uint8, device="cpu")
         if data:
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         try:

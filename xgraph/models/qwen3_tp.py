@@ -13,7 +13,8 @@ Norms and rotary tables are replicated. The collectives are plain torch.distribu
 so the executor records them in the capture manifest and a graph captures them (NCCL inside
 a CUDA graph, gloo on the CPU backend's recorded ops). Checkpoints load by their Hugging Face
 names: the full tensors are sliced for this rank (`shard_hf_state`). With tp=1 it is the
-single-rank model (`Qwen3Model`) computed the same way.
+single-rank model (`Qwen3Model`) computed the same way, by the same kernels: its outputs
+equal that model's bit for bit (tests/test_tp_fidelity.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.channel import all_gather_single
-from ..linear import linear
 from ..metadata import KVCache
 from ..paging import PagedKVCache
 from .qwen3 import Qwen3Model, hf_parameters
@@ -231,14 +231,17 @@ class Qwen3TPModel(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel lm_head: this rank's slice of the logits, all-gathered."""
+        """Vocab-parallel lm_head: this rank's slice of the logits, all-gathered. F.linear,
+        as `Qwen3Model`'s lm_head (an nn.Linear) runs it, not `xgraph.linear`: over a group
+        of one the same kernels run as in the single-rank model, so the logits are its bit
+        for bit (a backend's linear kernel, CUDA's skinny one at one row, rounds otherwise)."""
         s = self.shard
         w = (
             self.model.embed_tokens.weight
             if self.config.tie_word_embeddings
             else self.lm_head.weight
         )
-        part = linear(hidden, w)
+        part = F.linear(hidden, w)
         if s.group is None:
             return part
         out = part.new_empty((s.size * part.shape[0], part.shape[1]))

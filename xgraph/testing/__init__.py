@@ -20,18 +20,24 @@ from ..safety import register_model_path
 
 _SUITE = {
     "BackendTests": "base",
+    "Capabilities": "capabilities",
     "capture": "base",
     "small_mlp": "base",
     "PluginTests": "discovery",
+    "RunnerCase": "device_metadata",
     "ExecutorTests": "executor",
     "GraphTests": "graph",
     "KernelTests": "kernels",
+    "MultiStepTests": "multistep",
     "ParameterizationTests": "parameterization",
     "PiecewiseTests": "piecewise",
     "PoolTests": "pool",
     "ReliabilityTests": "reliability",
     "SleepTests": "sleep",
+    "ThreadTests": "threads",
     "ConformanceSuite": "suite",
+    "DeviceMetadataTests": "device_metadata",
+    "EngineConditionTests": "conditions",
     "VirtualMemoryTests": "vmm",
 }
 

@@ -13,6 +13,8 @@ import xgraph
 from xgraph.errors import BackendUnavailableError, XGraphError
 from xgraph.interfaces import Backend, CapturePool, Graph
 
+from .capabilities import Capabilities, require, with_option
+
 
 def line_of(fn: Any, needle: str) -> int:
     """The line number of the first line of `fn`'s source that contains `needle`."""
@@ -82,27 +84,37 @@ class BackendTests:
         else:
             torch.testing.assert_close(actual, expected, rtol=self.rtol, atol=self.atol)
 
-    # -- capabilities: overridable fixtures (fsspec style); tests adapt instead of skipping --
+    # -- capabilities: declared (fsspec style), checked, never read off the backend --------
+
+    #: what the backend has: the defaults claim what a torch-style device has; an adapter
+    #: lowers what it lacks (xgraph.testing.capabilities); tests adapt instead of skipping
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     @pytest.fixture
-    def has_virtual_memory(self, backend: Backend) -> bool:
-        """Whether the backend has a VirtualMemory (override to pin what the adapter has)."""
-        return backend.virtual_memory() is not None
+    def declared(self, request: pytest.FixtureRequest) -> Capabilities:
+        """The class's `capabilities`, with the command line's `--xgraph-capabilities`."""
+        option = request.config.getoption("xgraph_capabilities", default=None)
+        return with_option(self.capabilities, option)
 
     @pytest.fixture
-    def reports_memory(self, backend: Backend) -> bool:
+    def has_virtual_memory(self, backend: Backend, declared: Capabilities) -> bool:
+        """Whether the backend has a VirtualMemory (declared `virtual_memory`)."""
+        return require(backend, declared, "virtual_memory")
+
+    @pytest.fixture
+    def reports_memory(self, backend: Backend, declared: Capabilities) -> bool:
         """Whether `memory_in_use()` reads the device's memory (else books are checked)."""
-        return backend.memory_in_use() is not None
+        return require(backend, declared, "reports_memory")
 
     @pytest.fixture
-    def routes_segments(self, backend: Backend) -> bool:
+    def routes_segments(self, backend: Backend, declared: Capabilities) -> bool:
         """Whether capture pools can take their segments from xgraph (shared-physical)."""
-        return backend.segments_support().available
+        return require(backend, declared, "routes_segments")
 
     @pytest.fixture
-    def has_linear_kernel(self, backend: Backend) -> bool:
-        """Whether the backend has a linear kernel of its own."""
-        return backend.kernels().linear is not None
+    def has_linear_kernel(self, backend: Backend, declared: Capabilities) -> bool:
+        """Whether the backend has a linear kernel of its own (declared `linear_kernel`)."""
+        return require(backend, declared, "linear_kernel")
 
 
 class VirtualMemoryFixture(BackendTests):

@@ -9,6 +9,7 @@ from xgraph.adapter import Backend, check_backend_class
 
 from ..plugins import list_backends
 from .base import BackendTests
+from .capabilities import Capabilities, all_mismatches
 
 
 class PluginTests(BackendTests):
@@ -33,3 +34,8 @@ class PluginTests(BackendTests):
             xgraph.get_backend("no-such-backend")
         msg = str(info.value)
         assert "'no-such-backend'" in msg and repr(backend.name) in msg and "XGRAPH_BACKEND" in msg
+
+    def test_capabilities_are_declared(self, backend: Backend, declared: Capabilities) -> None:
+        """Every capability the class declares holds on the backend (each wrong one named)."""
+        wrong = all_mismatches(backend, declared)
+        assert not wrong, "\n".join(wrong)

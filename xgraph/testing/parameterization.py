@@ -6,7 +6,7 @@ whose op sizes follow a Python int of the longest sequence: on CUDA the grid and
 element count of its kernels, on a host recorder the op's shape) under changed sequence
 lengths alone, and keep nothing: the executor's stats and the books of its virtual memory
 are unchanged. A backend that cannot read its recordings refuses the check with the
-documented error (`reads_launches`, overridable, pins which it is).
+documented error (`reads_launches`, declared in `capabilities`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from xgraph.interfaces import Backend
 from xgraph.runners import PagedDecodeRunner
 
 from .base import BackendTests, tiny_workload
+from .capabilities import Capabilities, require
 
 BUCKETS = [1, 2, 4, 8]
 
@@ -37,6 +38,18 @@ class LongestSequenceLeak(PagedDecodeRunner):
         out.add_(torch.zeros(longest * 1024, device=q.device).sum())
 
 
+class PerCallLeak(PagedDecodeRunner):
+    """Graph-safe by its claim, but the size of two ops follows how often it ran."""
+
+    graph_safe = True
+    calls = 0
+
+    def run(self, q, k, v, out, kv_cache, scale):  # type: ignore[no-untyped-def]
+        super().run(q, k, v, out, kv_cache, scale)
+        self.calls += 1
+        out.add_(torch.zeros(self.calls * 1024, device=q.device).sum())  # the planted leak
+
+
 def _books(backend: Backend) -> Any:
     vm = backend.virtual_memory()
     return vm.live() if vm is not None else None
@@ -46,11 +59,9 @@ class ParameterizationTests(BackendTests):
     """The check on this backend: the reference model passes, a planted leak is flagged."""
 
     @pytest.fixture
-    def reads_launches(self, backend: Backend) -> bool:
-        """Whether the backend's graphs describe what they record (override to pin it)."""
-        from xgraph.parameterization import supported
-
-        return supported(backend)
+    def reads_launches(self, backend: Backend, declared: Capabilities) -> bool:
+        """Whether the backend's graphs describe what they record (declared)."""
+        return require(backend, declared, "reads_launches")
 
     def test_the_reference_model_passes_and_nothing_is_kept(
         self, backend: Backend, reads_launches: bool
@@ -93,3 +104,19 @@ class ParameterizationTests(BackendTests):
         assert "(sequence lengths changed)" in text and "What to do (full graphs)" in text
         named = [d.site.launch.layer for d in report.differences if d.site.launch.layer]
         assert all("self_attn" in layer for layer in named)  # where the backend names layers
+
+    def test_a_launch_that_follows_a_count_of_calls_is_a_per_call_leak(
+        self, backend: Backend, reads_launches: bool
+    ) -> None:
+        if not reads_launches:
+            pytest.skip("the backend cannot read its recordings (checked by the first test)")
+        w = tiny_workload(backend)
+        ex = w.executor(
+            backend=backend, buckets=BUCKETS, attention=w.attention(decode_runner=PerCallLeak())
+        )
+        try:
+            report = ex.check_parameterization(kind="full")
+        finally:
+            ex.close()
+        assert report.differences and report.unstable == report.differences, str(report)
+        assert "per call: two captures of the same step differ" in str(report)

@@ -14,15 +14,19 @@ is not available here makes the tests skip with its reason.
 
 from __future__ import annotations
 
+from .conditions import EngineConditionTests
+from .device_metadata import DeviceMetadataTests
 from .discovery import PluginTests
 from .executor import ExecutorTests
 from .graph import GraphTests
 from .kernels import KernelTests
+from .multistep import MultiStepTests
 from .parameterization import ParameterizationTests
 from .piecewise import PiecewiseTests
 from .pool import PoolTests
 from .reliability import ReliabilityTests
 from .sleep import SleepTests
+from .threads import ThreadTests
 from .vmm import VirtualMemoryTests
 
 
@@ -37,5 +41,9 @@ class ConformanceSuite(
     ReliabilityTests,
     SleepTests,
     ParameterizationTests,
+    MultiStepTests,
+    EngineConditionTests,
+    DeviceMetadataTests,
+    ThreadTests,
 ):
     """Every conformance test; subclass it once per backend."""

@@ -8,9 +8,11 @@ import random
 
 import pytest
 import torch
+from xgraph_ascend.sim.libacl import GRAN
 
 import xgraph
 from xgraph import PagedKVCache, VirtualMemoryError, XGraphError
+from xgraph.arena import buffer_memory
 from xgraph.errors import AsleepError
 from xgraph.models import Qwen3Model, Workload
 
@@ -34,15 +36,22 @@ def test_sleep_gives_every_handle_back_and_keeps_every_range(sim) -> None:  # ty
     for s in steps:
         ex(**s.kwargs())  # replays queued, no synchronize: sleep must wait for them
     awake = rt.books()
+    vms = (sim.virtual_memory(), buffer_memory(sim))  # graph memory and regions; buffers
+    mapped = sum(vm.mapped_bytes() for vm in vms)
     kv, weights = [t.clone() for t in w.cache.tensors()], [p.clone() for p in w.model.parameters()]
     used = rt.mem_get_info()[1] - rt.mem_get_info()[0]
     report = xgraph.sleep(ex, offload=("weights", "kv_cache"))
     asleep = rt.books()
-    assert asleep["handles"] == 0 and asleep["mappings"] == 0
+    # what is left: one scratch handle of one granule per VirtualMemory, mapped at every
+    # granule of every range that was mapped
+    assert asleep["handles"] == len(vms) and asleep["mappings"] == mapped // GRAN
+    assert sum(vm.covered_bytes() for vm in vms) == mapped > 0
     assert asleep["reservations"] == awake["reservations"]  # every address kept
-    assert rt.mem_get_info()[0] == rt.lib.capacity and report.released_bytes == used
+    assert rt.mem_get_info()[0] == rt.lib.capacity - len(vms) * GRAN
+    assert report.released_bytes == used
     xgraph.wake(ex)
     assert rt.books() == awake and rt.lib.violations == []
+    assert all(vm.covered_bytes() == 0 and vm.covers() == 0 for vm in vms)
     assert all(torch.equal(a, b) for a, b in zip(w.cache.tensors(), kv))
     assert all(torch.equal(a, b) for a, b in zip(w.model.parameters(), weights))
     ex.close()
@@ -82,4 +91,65 @@ def test_the_context_era_refuses_regions_and_sleep(make_sim) -> None:  # type: i
         ex = w.executor(backend=backend, buckets=[1, 2])
     with pytest.raises(XGraphError, match="needs 'shared-physical'"):
         ex.sleep()
+    ex.close()
+
+
+def test_touching_slept_memory_on_the_simulated_npu_leaves_the_process_alive() -> None:
+    """Reads, writes and eager forwards over slept weights, KV cache, graph memory and
+    buffers hit the scratch handle, not unmapped addresses; wake restores every graph."""
+    import json
+    import subprocess
+    import sys
+
+    from xgraph.testing.sleep_touch import MARKER
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "xgraph.testing.sleep_touch", "--backend", "ascend-sim"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])  # -11: SIGSEGV
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith(MARKER), proc.stdout[-2000:]
+    got = json.loads(line[len(MARKER) :])
+    assert got["nonzero_bytes_read"] == 0 and got["step_refused"] and got["ranges"] >= 2
+    for check in ("weights_kept", "kv_zeroed", "replays_equal", "no_recapture", "scratch_freed"):
+        assert got[check] is True, check
+    assert got["books_balanced"] is True
+
+
+@pytest.mark.parametrize("at", ["first", "middle", "last"])
+def test_a_sleep_the_driver_fails_while_mapping_the_scratch_finishes_when_called_again(
+    sim, at
+) -> None:  # type: ignore[no-untyped-def]
+    """aclrtMapMem refused during sleep (only the scratch handle is mapped then): the sleep
+    raises with the driver's books exact, the next sleep finishes, and wake restores all."""
+    rt = sim.runtime
+    w, ex = _engine(sim)
+    step = w.decode_step(random.Random(8), 6)
+    cache = [t.clone() for t in w.cache.tensors()]
+    out = ex(**step.kwargs(), clone=True)
+    for t, k in zip(w.cache.tensors(), cache):
+        t.copy_(k)
+    awake = rt.books()
+    vms = (sim.virtual_memory(), buffer_memory(sim))
+    granules = sum(vm.mapped_bytes() for vm in vms) // GRAN  # the maps a sleep makes
+    after = {"first": 0, "middle": granules // 2, "last": granules - 1}[at]
+    rt.faults.inject("aclrtMapMem", 207001, after=after)
+    with pytest.raises(VirtualMemoryError, match="aclrtMapMem"):
+        xgraph.sleep(ex, offload=("weights", "kv_cache"))
+    assert rt.faults.pending() == {}
+    # the driver holds what the books say: each real mapping, the scratch at each covered
+    # granule, and one handle per live chunk (the scratch among them)
+    books = rt.books()
+    assert books["mappings"] == sum(
+        vm.live()["mappings"] - vm.covers() + vm.covered_bytes() // GRAN for vm in vms
+    )
+    assert books["handles"] == sum(vm.live()["chunks"] for vm in vms)
+    xgraph.sleep(ex, offload=("weights", "kv_cache"))
+    assert rt.books()["mappings"] == granules
+    xgraph.wake(ex)
+    assert rt.books() == awake and rt.lib.violations == []
+    assert torch.equal(ex(**step.kwargs()), out)
     ex.close()

@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from xgraph.testing import ConformanceSuite
+from xgraph.testing import Capabilities, ConformanceSuite, RunnerCase
 
 ACL_CALLS = {
     "create": "aclrtMallocPhysical",
@@ -18,8 +19,33 @@ ACL_CALLS = {
 }
 
 
+# what the adapter lacks of a torch-style device: a linear kernel of its own, and in the
+# MemoryPoolContext era of torch_npu, pools that take their segments from xgraph
+LACKS = ["linear_kernel"]
+CONTEXT_ERA_LACKS = [*LACKS, "routes_segments"]
+
+
+def lacks() -> list[str]:
+    context = os.environ.get("XGRAPH_ASCEND_SIM_ERA", "owner") == "context"
+    return CONTEXT_ERA_LACKS if context else LACKS
+
+
 class TestAscendSimConformance(ConformanceSuite):
     backend_name = "ascend-sim"
+    capabilities = Capabilities().lowered(*lacks())
+
+    def attention_runners(self, backend):  # type: ignore[no-untyped-def]
+        """The opt-in FusedDecodeRunner too, in what the fused op takes (bfloat16, blocks
+        of 16)."""
+        from xgraph_ascend.attention import FusedDecodeRunner
+
+        fused = RunnerCase(
+            "FusedDecodeRunner",
+            "decode",
+            FusedDecodeRunner,
+            {"dtype": torch.bfloat16, "block_size": 16, "num_blocks": 200},
+        )
+        return [*super().attention_runners(backend), fused]
 
     @pytest.fixture
     def inject_driver_failure(self, backend):  # type: ignore[no-untyped-def]
@@ -49,6 +75,8 @@ def _cli_conformance(era: str, *pytest_args: str) -> str:
             "ascend-sim",
             "--",
             "-q",
+            "--xgraph-capabilities",
+            ",".join(f"{name}=no" for name in (CONTEXT_ERA_LACKS if era == "context" else LACKS)),
             *pytest_args,
         ],
         capture_output=True,

@@ -74,8 +74,8 @@ def test_vmm_inside_capture_is_skipped_in_the_mempool_context_era(make_sim, caps
 
 
 def _capture_end_fails_during(module, rt):  # type: ignore[no-untyped-def]
-    """check_capture_replay with every aclmdlRICaptureEnd failing while it runs: its capture
-    can be ended neither by torch_npu nor by the adapter, and stays open on its stream."""
+    """check_capture_replay with every aclmdlRICaptureEnd failing while it runs (each failure
+    takes the stream out of capture, as ACL does): the check fails, nothing stays open."""
     original = module.check_capture_replay
 
     def check_capture_replay(backend, args):  # type: ignore[no-untyped-def]
@@ -108,8 +108,8 @@ def test_a_failed_check_leaves_the_others_passing(make_sim, monkeypatch, era) ->
 
 def test_without_isolation_the_device_layer_still_recovers(make_sim, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """One backend (one capture stream) for every check and no cleanup by the script: the
-    capture that could not be ended is given up by the adapter itself (a new capture
-    stream, pools parked), so the next check passes all the same."""
+    capture whose end failed is given up by the adapter itself (a new capture stream), so
+    the next check passes all the same."""
     module = _script()
     backend = make_sim()
     rt = backend.runtime

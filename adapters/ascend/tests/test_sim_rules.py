@@ -12,11 +12,14 @@ that copes with them, so each test shows the rule holding:
   which no binding undoes (NPUGraph.cpp: begin_allocate_to_pool before the ACL begin, its
   end after the ACL end's error check);
 - an owner-era MemPool dropped during a capture is a recorded violation (its destructor
-  synchronizes the device, which throws inside it: the process aborts).
+  synchronizes the device, which throws inside it: the process aborts);
+- a failed aclmdlRICaptureEnd, and one from another thread (107038), take the stream out of
+  capture (hicann/runtime context_aclgraph.cc:478-490, capture_model_utils.cc:75-86).
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import pytest
@@ -148,9 +151,9 @@ def test_a_failed_begin_or_end_leaves_the_pool_id_routed_in_the_host_allocator( 
         x + 1
         g.capture_end()
     assert info.value.code == 207008
-    if call == "aclmdlRICaptureEnd":
-        assert rt.is_capturing(side) and rt.end_capture(side)  # ended through ACL instead
+    assert not rt.is_capturing(side)  # a failed end took the stream out of capture
     g.reset()
+    assert rt.books()["model_ris"] == 0  # and made no model
     # every binding there is: the thread's device routing and the capture's use
     rt.end_allocate_to_pool(mempool.id)
     rt.release_pool(mempool.id)
@@ -194,3 +197,36 @@ def test_a_context_era_pool_goes_back_only_at_an_empty_cache(make_sim) -> None: 
         g.reset()
         del y, mempool
         assert rt.books()["mallocs"] == left, made_by_runtime
+
+
+def test_an_end_from_another_thread_takes_the_stream_out_of_capture(make_sim) -> None:  # type: ignore[no-untyped-def]
+    """aclmdlRICaptureEnd from a thread that did not begin the capture (thread_local mode)
+    returns 107038 and ends the capture (hicann/runtime capture_model_utils.cc:75-86,
+    context_aclgraph.cc:529-531): later ops of the capturing thread are not recorded, its
+    own end then fails (107029: not capturing), and the stream captures again after."""
+    rt = make_sim().runtime
+    mempool, side, x = rt.new_mempool(None), rt.new_stream(), torch.ones(4)
+    g = rt.new_graph()
+    with rt.use_stream(side):
+        g.capture_begin(pool=mempool.id, capture_error_mode="thread_local")
+        y = x + 1
+
+        def end_elsewhere() -> int:
+            ri = ctypes.c_void_p()
+            return rt.acl.aclmdlRICaptureEnd(rt.stream_handle(side), ctypes.byref(ri))
+
+        assert _in_thread(end_elsewhere)["value"] == 107038
+        assert not rt.is_capturing(side)
+        z = y * 2  # runs, not recorded
+        with pytest.raises(AclRuntimeError) as info:
+            g.capture_end()
+    assert info.value.code == 107029 and torch.equal(z, torch.full((4,), 4.0))
+    g.reset()
+    rt.end_allocate_to_pool(mempool.id)  # what the device layer undoes after a failed end
+    rt.release_pool(mempool.id)
+    fresh = rt.new_mempool(None)  # the stream captures again (a fresh pool id: the failed
+    g, y = _capture_on(rt, fresh.id, side, lambda: x + 2)  # end left the old one routed)
+    x.fill_(5)
+    g.replay()
+    assert torch.equal(y, torch.full((4,), 7.0)) and rt.books()["model_ris"] == 1
+    g.reset()

@@ -17,7 +17,7 @@ from xgraph_ascend.attention import FusedDecodeRunner
 from xgraph_ascend.errors import AclRuntimeError
 
 import xgraph
-from xgraph import Buckets, XGraphError
+from xgraph import AttentionInputs, Buckets, XGraphError
 from xgraph.models import Workload
 from xgraph.runners import PagedDecodeRunner
 
@@ -87,25 +87,41 @@ def _captured_decode(backend, batch: int = 4):  # type: ignore[no-untyped-def]
     with xgraph.graph(graph, pool):
         out = torch.empty_like(q)
         runner.run(q, k, k, out, cache, 0.5)
-    return graph, pool, (w, md, q, k, out)
+    return graph, pool, (w, md, q, k, out, runner)
 
 
-def test_a_replay_whose_update_was_skipped_is_detected(sim) -> None:  # type: ignore[no-untyped-def]
-    graph, pool, _ = _captured_decode(sim)
+def test_a_replay_whose_update_was_skipped_blocks_its_stream(sim) -> None:  # type: ignore[no-untyped-def]
+    """What an NPU does: the replay returns, its stream blocks at the captured ExternalEvent
+    wait (the fused op never runs on stale lengths) and a synchronize would hang; the
+    simulator's fails with the stream-synchronize timeout instead, naming the wait. A
+    record of the event releases the stream: the rest of the graph runs then."""
+    graph, pool, (_w, _md, _q, _k, out, _runner) = _captured_decode(sim)
     graph.replay()  # the update runs first: fine
-    graph.replay()
-    with pytest.raises(XGraphError, match="ACL_ERROR_RT_WAIT_TIMEOUT") as info:
-        graph._replay()  # the driver's replay without the update callbacks
-    assert "update before this replay was skipped" in str(info.value)
+    sim.synchronize()
+    expect = out.clone()
+    out.zero_()
+    graph._replay()  # the driver's replay without the update callbacks: returns
+    assert torch.equal(out, torch.zeros_like(out))  # blocked before the op
+    for _ in range(2):  # still blocked: every synchronize of it times out
+        with pytest.raises(XGraphError, match="ACL_ERROR_RT_STREAM_SYNC_TIMEOUT") as info:
+            sim.synchronize()
+        assert "ran without the graph task update" in str(info.value)
+        assert "synchronize timed out" in str(info.value)  # the adapter's advice
+    (update,) = graph._task_updates.items
+    update.event.record(sim.update_stream())  # what the skipped update would have done
+    assert torch.equal(out, expect)  # the rest ran: the op, on the last update's lengths
+    sim.synchronize()
     graph.replay()  # updates run again: the graph is usable
+    sim.synchronize()
     graph.reset()
     pool.close()
 
 
 def test_the_update_uses_this_steps_lengths(sim) -> None:  # type: ignore[no-untyped-def]
-    graph, pool, (w, md, q, k, out) = _captured_decode(sim)
+    graph, pool, (w, md, q, k, out, runner) = _captured_decode(sim)
     lens = [1, 9, 17, 23]
-    md.seq_lens_host = lens  # a later step of the same bucket
+    md.seq_lens_host = lens  # a later step of the same bucket, planned as executors do
+    runner.plan(md)
     graph.replay()
     expect = torch.empty_like(out)
     eager = FusedDecodeRunner(sim)
@@ -113,10 +129,51 @@ def test_the_update_uses_this_steps_lengths(sim) -> None:  # type: ignore[no-unt
     eager.run(q, k, k, expect, w.cache.layers[0], 0.5)
     assert torch.equal(out, expect)
     md.seq_lens_host = lens[:3]  # a step of another bucket cannot update this graph
+    runner.plan(md)
     with pytest.raises(XGraphError, match="captured for 4"):
         graph.replay()
     graph.reset()
     pool.close()
+
+
+def _device_resident(w, step):  # type: ignore[no-untyped-def]
+    """The step's metadata as an engine keeps it on the device: int32 lengths and tables."""
+    a = step.attn
+    return AttentionInputs(
+        list(a.query_lens),
+        torch.tensor(list(a.seq_lens), dtype=torch.int32),
+        a.table(w.cache.dummy_block, w.max_blocks),
+        torch.as_tensor(a.slot_mapping),
+    )
+
+
+def test_device_resident_metadata_decodes_as_host_metadata_does(sim) -> None:  # type: ignore[no-untyped-def]
+    """A full graph's step with device metadata (`seq_lens_host` None) reads the lengths the
+    op takes as a host list back from the device in `plan`: captures and task-updated
+    replays give bit for bit what host metadata gives, and the caches agree."""
+    dev_w, host_w = _workloads(sim, 2)
+    exs = [
+        w.executor(
+            backend=sim,
+            buckets=Buckets(BUCKETS),
+            attention=w.attention(decode_runner=FusedDecodeRunner(sim)),
+        )
+        for w in (dev_w, host_w)
+    ]
+    exs[0].planner.attn_check.cpu_is_device = True  # host tensors count as the NPU's
+    rng = random.Random(3)
+    for batch in [3, 1, 4, 3, 8, 2]:
+        step = dev_w.decode_step(rng, batch)
+        kw = {"input_ids": step.input_ids, "positions": step.positions}
+        out = exs[0](attn=_device_resident(dev_w, step), **kw)
+        assert torch.equal(out, exs[1](attn=step.attn, **kw))
+        for a, b in zip(dev_w.cache.tensors(), host_w.cache.tensors()):
+            assert torch.equal(a, b)
+    s = exs[0].stats()
+    assert s["captures"] == 4 and s["replays"] == 6 and not s["eager"], s
+    for ex in exs:
+        ex.synchronize()  # the device check found nothing
+        ex.close()
 
 
 def _group_of_one_task(rt):  # type: ignore[no-untyped-def]

@@ -3,7 +3,9 @@
 Decode defaults to the core's graph-safe PagedDecodeRunner (pure aten, every per-step value
 read from device buffers) and prefill to the core's host-planned PagedPrefillRunner, which
 runs between the pieces of a piecewise graph. `FusedDecodeRunner` is the vllm-ascend way:
-npu_fused_infer_attention_score, whose launch takes the sequence lengths as a HOST list.
+npu_fused_infer_attention_score, whose launch takes the sequence lengths as a HOST list
+(read in `plan`: device-resident metadata costs one small device-to-host copy per step,
+see `host_lengths`).
 Inside a full graph that list would be frozen at capture, so while a graph captures, the
 runner launches the op as a graph task group and registers a task update on the graph
 (AscendGraph.task_updates): before every replay the op is re-launched through
@@ -27,10 +29,15 @@ from typing import Any
 
 import torch
 
-from xgraph.errors import InputError, XGraphError
-from xgraph.graphs import capturing_graph
-from xgraph.metadata import KVCache
-from xgraph.runners import PlannedRunner, store_kv
+from xgraph.adapter import (
+    AttentionMetadata,
+    InputError,
+    KVCache,
+    PlannedRunner,
+    XGraphError,
+    capturing_graph,
+    store_kv,
+)
 
 from .graph import AscendGraph
 from .runtime import NpuRuntime
@@ -71,6 +78,21 @@ def check_inputs(q: torch.Tensor, kv_cache: KVCache, table: torch.Tensor) -> Non
             "FusedDecodeRunner: the op takes contiguous KV caches only; allocate the cache "
             f"as one contiguous [blocks, block_size, kv_heads, head_dim] tensor, {fix}."
         )
+
+
+def host_lengths(md: AttentionMetadata) -> list[int]:
+    """The step's kv lengths as the host list the op takes (`actual_seq_lengths_kv`).
+
+    Host metadata gives them as they are. Device-resident metadata (`seq_lens_host` None:
+    a full graph's step whose lengths the engine keeps on the NPU) is read back with one
+    device-to-host copy of `num_seqs` int32 values per step, in `plan`, outside any capture:
+    it waits for the step's staging, device check included, on the current stream, so the
+    lengths are the checked ones (a redirected sequence's too). The task-updated replay
+    synchronizes the device before its updates anyway; the copy adds one small transfer.
+    """
+    if md.seq_lens_host is not None:
+        return [int(n) for n in md.seq_lens_host]
+    return [int(n) for n in md.seq_lens[: md.num_seqs].tolist()]
 
 
 class _FusedCall:
@@ -115,6 +137,7 @@ class FusedDecodeRunner(PlannedRunner):
 
     def __init__(self, backend: Any) -> None:
         super().__init__()
+        self._lens: list[int] = []
         support = type(backend).availability().versions.get("fused decode", "yes")
         if support != "yes":
             raise XGraphError(
@@ -124,10 +147,14 @@ class FusedDecodeRunner(PlannedRunner):
             )
         self.runtime: NpuRuntime = backend.runtime
 
+    def plan(self, metadata: AttentionMetadata) -> None:
+        super().plan(metadata)
+        self._lens = host_lengths(metadata)
+
     def lengths(self, batch: int) -> list[int]:
         """This step's host kv lengths for a launch of `batch` sequences."""
-        md = self.planned()
-        lens = [int(n) for n in md.seq_lens_host]
+        self.planned()
+        lens = self._lens
         if len(lens) != batch:
             raise XGraphError(
                 f"FusedDecodeRunner: the planned step has {len(lens)} sequences but this "

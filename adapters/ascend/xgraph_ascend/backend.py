@@ -16,12 +16,17 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from xgraph.adapter import Availability, TorchBackend, TorchRuntime, VirtualMemory
-from xgraph.errors import BackendUnavailableError
+from xgraph.adapter import (
+    Availability,
+    BackendUnavailableError,
+    TorchBackend,
+    TorchRuntime,
+    VirtualMemory,
+)
 
 from . import probe
 from .acl import VMM_CALLS
-from .errors import CAPTURE_CODES, acl_code, capture_error
+from .errors import CAPTURE_CODES, SYNC_TIMEOUT_CODES, acl_code, capture_error, runtime_error
 from .graph import AscendGraph
 from .runtime import NpuRuntime, PoolEra, TorchNpuRuntime
 from .sim.runtime import SimRuntime
@@ -49,6 +54,10 @@ class AscendBackend(TorchBackend):
         super().__init__(runtime)
         self._update: Any = None
         self._lock = threading.Lock()
+        # held across each graph's update sequence: ACL takes one update at a time on a
+        # stream (107033 for a second begin) and the task-update guide rules out concurrent
+        # updates from several threads or streams, so threads replaying at once take turns
+        self.update_lock = threading.Lock()
 
     @classmethod
     def default_runtime(cls) -> TorchRuntime:
@@ -64,7 +73,8 @@ class AscendBackend(TorchBackend):
         return probe.availability()
 
     def update_stream(self) -> Any:
-        """The stream graph task updates are issued on (never a capturing one)."""
+        """The stream graph task updates are issued on (never a capturing one), by one
+        thread at a time (`update_lock`)."""
         with self._lock:
             if self._update is None:
                 self._update = self.runtime.new_stream()
@@ -84,8 +94,11 @@ class AscendBackend(TorchBackend):
         try:
             super().synchronize()
         except Exception as exc:
-            if acl_code(exc) in CAPTURE_CODES:  # a synchronize inside a capture
+            code = acl_code(exc)
+            if code in CAPTURE_CODES:  # a synchronize inside a capture
                 raise capture_error(exc, "synchronize") from exc
+            if code in SYNC_TIMEOUT_CODES:  # a stream blocked on a wait (a skipped update)
+                raise runtime_error(exc, "synchronize") from exc
             raise
 
     # -- benchmark hooks (xgraph.interfaces.BenchmarkHooks) -----------------------------------

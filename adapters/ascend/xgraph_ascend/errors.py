@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import threading
 
-from xgraph.errors import CaptureError, VirtualMemoryError, XGraphError
+from xgraph.adapter import CaptureError, VirtualMemoryError, XGraphError
 
 # rt_error_codes.h / acl_base_rt.h (hicann/runtime)
 ACL_ERROR_NAMES: dict[int, str] = {
@@ -75,6 +75,8 @@ OOM_CODES = {207001, 207018}
 # what a capture (or the end of one) can fail with: the 107xxx capture and task-group codes,
 # the stream and model resources every captured graph holds, an invalidated capture
 CAPTURE_CODES = {c for c in ACL_ERROR_NAMES if 107024 <= c <= 107045} | {207008, 207010, 507903}
+
+SYNC_TIMEOUT_CODES = {507046, 507047}  # a stream or event synchronize that timed out
 
 _RESOURCES = (
     "capture fewer sizes (fewer buckets), prefer full graphs to piecewise ones (each piece "

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from xgraph.adapter import StreamGraph
-from xgraph.errors import XGraphError
+from xgraph.adapter import StreamGraph, XGraphError
 
 from .errors import capture_error, runtime_error, take_vmm_failure, translate_op_error
 from .runtime import NpuRuntime
@@ -75,7 +74,7 @@ class AscendGraph(StreamGraph):
         if self._task_updates is None:
             backend = self.backend
             self._task_updates = TaskUpdates(
-                self.runtime, backend.update_stream(), backend.synchronize
+                self.runtime, backend.update_stream(), backend.synchronize, backend.update_lock
             )
             self.add_update(self._task_updates)
         return self._task_updates

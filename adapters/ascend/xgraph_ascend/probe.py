@@ -19,7 +19,7 @@ import importlib
 import re
 from typing import Any
 
-from xgraph.interfaces import Availability
+from xgraph.adapter import Availability
 
 from .runtime import torch_npu_facts
 

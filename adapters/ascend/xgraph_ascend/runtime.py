@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from xgraph.adapter import PoolId, TorchRuntime
-from xgraph.device import book
+from xgraph.adapter import PoolId, TorchRuntime, when_no_capture
 
 from . import dlpack
 from .acl import AclFunctions
@@ -159,7 +158,7 @@ def _empty_cache_when_quiet(runtime: weakref.ref[NpuRuntime]) -> None:
     if rt is None:
         return
     try:
-        book(rt).when_quiet(rt.empty_cache)
+        when_no_capture(rt, rt.empty_cache)
     except Exception:  # a capture xgraph does not know of: the next empty_cache, then
         logger.debug("empty_cache after a MemPool was dropped failed", exc_info=True)
 

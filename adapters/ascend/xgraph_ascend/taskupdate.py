@@ -7,8 +7,11 @@ backend's: this thread's stream while another thread captures, where a device-wi
 synchronize would fail), so the previous replay has finished reading the old parameters;
 then, on the update stream, `graph_task_update_begin(u, handle)`, the same op with this
 step's host values, `graph_task_update_end(u)`, `event.record(u)`: the graph's captured
-wait holds the op until its update is in. An update that never runs leaves the wait
-unreleased (a hang on an NPU), never a silent stale launch.
+wait holds the op until its update is in. The backend has one update stream and one lock:
+a graph's whole update sequence holds it, so threads replaying at once take turns (ACL
+takes one update at a time on a stream, and rules out concurrent updates from several
+threads or streams). An update that never runs leaves the wait unreleased (a hang on an
+NPU), never a silent stale launch.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from xgraph.errors import XGraphError
+from xgraph.adapter import XGraphError
 
 from .errors import acl_code, advice, error_name
 from .runtime import NpuRuntime
@@ -41,11 +45,16 @@ class TaskUpdates:
     """The task-updated ops of one captured graph; called before each replay."""
 
     def __init__(
-        self, runtime: NpuRuntime, update_stream: Any, synchronize: Callable[[], None]
+        self,
+        runtime: NpuRuntime,
+        update_stream: Any,
+        synchronize: Callable[[], None],
+        lock: AbstractContextManager[Any],
     ) -> None:
         self.runtime = runtime
         self.update_stream = update_stream
         self.synchronize = synchronize  # the backend's: never a device-wide call that fails
+        self.lock = lock  # the update stream's: one thread's update sequence at a time
         self.items: list[_Update] = []
 
     def record(self, launch: Launch, params: Callable[[], Any]) -> None:
@@ -65,7 +74,7 @@ class TaskUpdates:
         rt, u = self.runtime, self.update_stream
         self.synchronize()  # the previous replay must be done with the parameters we replace
         try:
-            with rt.use_stream(u):
+            with self.lock, rt.use_stream(u):
                 for item in self.items:
                     self._apply(u, item)
         except XGraphError:

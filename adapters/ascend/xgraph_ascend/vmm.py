@@ -9,7 +9,11 @@
   torch_npu, xLLM and vllm-ascend map without it);
 - unmap:   aclrtUnmapMem(va); unlike aclrtFree it does not wait for queued work that may
   still touch the range, and CheckedVirtualMemory synchronizes the backend before it;
-- free / release: aclrtFreePhysical(h) / aclrtReleaseMemAddress(va).
+- free / release: aclrtFreePhysical(h) / aclrtReleaseMemAddress(va);
+- the scratch chunk of a sleeping range (CheckedVirtualMemory.cover): the default calls,
+  one aclrtMapMem of the one-granule handle per granule and one aclrtUnmapMem each (the
+  API has no batched form). It relies on one handle mapped at many addresses, as the
+  shared-physical pool does: run only on the simulated runtime so far (docs/ascend.md).
 CheckedVirtualMemory has checked every argument before a call; a failed call raises
 VirtualMemoryError with the ACL error name, aclGetRecentErrMsg() and advice.
 """
@@ -19,8 +23,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from xgraph.errors import VirtualMemoryError
-from xgraph.vmm import CheckedVirtualMemory
+from xgraph.adapter import CheckedVirtualMemory, VirtualMemoryError
 
 from . import acl
 from .errors import vmm_error

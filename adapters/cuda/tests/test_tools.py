@@ -1,5 +1,6 @@
 """The adapter's measuring tools (adapters/cuda/tools/) run: they refuse clearly without a GPU,
-and on a GPU they measure a small case and write it as JSON."""
+and on a GPU they measure a small case and write it as JSON. tp_graphs.py runs on the CPU
+too (gloo): its exit status follows its criterion."""
 
 from __future__ import annotations
 
@@ -77,3 +78,41 @@ def test_skinny_probe_times_the_chain(tmp_path):
     assert set(chain) == {"1", "4"}
     for row in chain.values():
         assert row["cublas_us"] > 0 and row["skinny_us"] > 0
+
+
+def tp_tool_worker(rank: int, world: int, out: str) -> list:
+    """tp_graphs.py's tp stage in bf16 on the CPU, as it is, then with a criterion no row
+    can hold: (exit status, its JSON) of each."""
+    os.environ["OUT"] = out
+    tp = tool("tp_graphs")
+    args = ["--backend", "cpu", "--quick", "--dtype", "bfloat16", "--stages", "tp"]
+    runs = []
+    for epsilon in (None, -1.0):  # -1: every row above its bound
+        from xgraph.bench import distributed_fidelity as fidelity
+
+        saved = fidelity.EPSILON
+        fidelity.EPSILON = saved if epsilon is None else epsilon
+        try:
+            code = tp.main(args)
+        finally:
+            fidelity.EPSILON = saved
+        with open(os.path.join(out, "tp_graphs.json")) as f:
+            runs.append([code, json.load(f)])
+    return runs
+
+
+def test_tp_graphs_exits_0_only_when_its_criterion_holds(tmp_path):
+    from xgraph.distributed.spawn import run_ranks
+
+    (o,) = run_ranks(tp_tool_worker, 1, args=(str(tmp_path),), timeout=240)
+    (ok, good), (failed, bad) = o.value
+    assert ok == 0 and failed == 1
+    stage = good["ranks"][0]["tp tiny"]
+    assert stage["dtype"] == "bfloat16" and "1.25 * eager_vs_fp32 + 0.001" in stage["criterion"]
+    rows = [r for r in stage["decode"] + stage["prefill"] if "equal" in r]
+    assert len(rows) == 3 and all(r["equal"] and r["exec_equals_single"] for r in rows)
+    for r in rows:
+        assert {"exec_vs_fp32", "eager_vs_fp32", "hand_vs_fp32", "bound", "exec_vs_eager"} <= set(r)
+    assert stage["summary"]["failing"] == [] and stage["summary"]["rows"] == 3
+    assert bad["ranks"][0]["tp tiny"]["summary"]["failing"] == [1, 4, 16]
+    assert tool("tp_graphs")._failures(bad["ranks"][0]) == ["tp tiny (criterion failed)"]

@@ -9,10 +9,15 @@ Stages, each rank in step with the others (every stage is collective):
 
 - tp: for the Qwen3-0.6B shape and an 8B-class shape (random weights; bf16 on GPUs), TP over
   every rank: decode through the executor at batch 1, 8, 64 with the all-reduces inside the
-  graphs, and piecewise prefill; outputs against eager (bf16: the error's norm at most 1e-2
-  of the output's, xgraph.bench.distributed.compare); step time per batch against TP=1
-  (the single-rank model on this device) and against the TP forward captured by hand;
-  the agreement's host cost per step;
+  graphs, and piecewise prefill. Each step's logits from the executor, eager, the TP forward
+  captured by hand (torch.cuda.CUDAGraph; decode) and, over a group of one, the single-rank
+  executor, each against a float32 copy of the same weights (relative norm of the
+  difference). The criterion (xgraph.bench.distributed_fidelity, docs/distributed.md): in
+  bf16 exec_vs_fp32 <= 1.25 * eager_vs_fp32 + 1e-3; in float32 the executor equals eager
+  bit for bit; over a group of one the TP executor equals the single-rank executor bit for
+  bit. Every number goes into the row; `equal` says whether the criterion holds. Step time
+  per batch against TP=1 (the single-rank model on this device) and against the
+  hand-captured graph; the agreement's host cost per step;
 - memory: shared-physical graph memory per rank in ascending, random and largest-first
   order against the largest bucket alone (data memory; graph executables apart);
 - desync: one rank's forward issues an all-reduce of another width: every rank must raise
@@ -21,9 +26,11 @@ Stages, each rank in step with the others (every stage is collective):
   expert-parallel MoE: agreed keys, outputs against eager.
 
 Rank 0 writes $OUT/tp_graphs.json (every rank's results; written after each stage, so a
-stage cut short keeps the earlier ones). NVLink multicast stays off: NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are set here before NCCL starts
-(and by scripts/device.sh for every process it starts); nothing here calls cuMulticastCreate.
+stage cut short keeps the earlier ones). The exit status is 0 only if every stage ran and
+every row holds its criterion ("all stages ok" on every rank's last line). NVLink multicast
+stays off: NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are
+set here before NCCL starts (and by scripts/device.sh for every process it starts); nothing
+here calls cuMulticastCreate.
 With one process it runs as a world-size-1 group (NCCL on one GPU: the collectives are still
 issued and captured).
 """
@@ -44,6 +51,7 @@ import torch.distributed as dist
 import xgraph
 from xgraph.bench import distributed as bench
 from xgraph.bench import distributed_checks as checks
+from xgraph.bench import distributed_fidelity as fidelity
 from xgraph.bench import hooks
 from xgraph.buckets import vllm_capture_sizes
 
@@ -74,15 +82,28 @@ def stage(results: dict, name: str, fn: Any) -> None:
     print(f"[tp_graphs] rank {dist.get_rank()}: {name} done in {took:.1f} s", flush=True)
 
 
-def tp_stage(backend: Any, model: str, batches: list[int], prefill: list[int], iters: int) -> dict:
+CRITERION = (
+    f"bf16: exec_vs_fp32 <= {fidelity.RATIO} * eager_vs_fp32 + {fidelity.EPSILON} (relative "
+    "norms of the logits' difference to a float32 copy of the same weights); float32: the "
+    "executor equals eager bit for bit; world size 1: the TP executor equals the single-rank "
+    "executor bit for bit"
+)
+
+
+def tp_stage(
+    backend: Any, model: str, batches: list[int], prefill: list[int], iters: int, dtype: Any
+) -> dict:
     group = dist.group.WORLD
     par = xgraph.Parallel(tp=group, timeout=120)
     accel = backend.device.type != "cpu"
-    w, w1 = bench.workloads(backend, model, group, max(batches), 512 if accel else 64)
+    w, w1 = bench.workloads(backend, model, group, max(batches), 512 if accel else 64, dtype)
     out = {
+        "dtype": str(w.cache.dtype).removeprefix("torch."),
+        "criterion": CRITERION,
         "decode": bench.decode_rows(backend, w, w1, par, batches, iters),
-        "prefill": bench.prefill_rows(backend, w, par, prefill, iters),
+        "prefill": bench.prefill_rows(backend, w, par, prefill, iters, w1),
     }
+    out["summary"] = fidelity.summary(out["decode"] + out["prefill"])
     del w, w1
     if accel:
         torch.cuda.empty_cache()
@@ -99,14 +120,15 @@ def write(path: str | None, results: dict) -> None:
             json.dump({"ranks": everyone}, f, indent=2, default=str)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default=None)
     p.add_argument("--models", default="qwen3-0.6b,qwen3-8b")
     p.add_argument("--stages", default="tp,memory,desync,moe")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few steps (CPU dry run)")
     p.add_argument("--iters", type=int, default=20)
-    args = p.parse_args()
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    args = p.parse_args(argv)
     no_multicast()
     out_dir = os.environ.get("OUT")
     path = os.path.join(out_dir, "tp_graphs.json") if out_dir else None
@@ -119,6 +141,7 @@ def main() -> int:
     prefill = [16] if args.quick else [128, 512]
     iters = 3 if args.quick else args.iters
     stages = args.stages.split(",")
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     results: dict[str, Any] = {
         "rank": rank,
         "world_size": world,
@@ -127,7 +150,7 @@ def main() -> int:
     results["env"] = {k: os.environ.get(k) for k in NO_MULTICAST}
     results["versions"] = {"torch": torch.__version__, "nccl": _nccl_version()}
     for m in models if "tp" in stages else []:
-        stage(results, f"tp {m}", lambda m=m: tp_stage(backend, m, batches, prefill, iters))
+        stage(results, f"tp {m}", lambda m=m: tp_stage(backend, m, batches, prefill, iters, dtype))
         write(path, results)
     group = dist.group.WORLD
     small = "tiny" if args.quick else "qwen3-0.6b"
@@ -171,7 +194,8 @@ def _failures(results: dict) -> list[str]:
         elif isinstance(r, list):
             rows = r
         if any(isinstance(x, dict) and x.get("equal") is False for x in rows):
-            bad.append(f"{name} (outputs differ from eager)")
+            what = "criterion" if name.startswith("tp ") else "outputs differ from eager"
+            bad.append(f"{name} ({what} failed)")
     d = results.get("desync")
     if d is not None and d.get("error") != "CollectiveMismatchError":
         bad.append("desync (no CollectiveMismatchError)")

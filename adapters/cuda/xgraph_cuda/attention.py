@@ -22,10 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from xgraph.errors import XGraphError, XGraphWarning
-from xgraph.interfaces import AttentionRunner
-from xgraph.metadata import AttentionMetadata, KVCache
-from xgraph.runners import PlannedRunner, SeqSpan, context_kv, sequence_spans
+from xgraph.adapter import (
+    AttentionMetadata,
+    AttentionRunner,
+    KVCache,
+    PlannedRunner,
+    SeqSpan,
+    XGraphError,
+    XGraphWarning,
+    context_kv,
+    sequence_spans,
+)
 
 
 def _sdpa(

@@ -12,9 +12,14 @@ from typing import Any
 
 import torch
 
-from xgraph.adapter import Availability, HostCopier, TorchBackend, TorchRuntime
-from xgraph.errors import BackendUnavailableError
-from xgraph.interfaces import Kernels
+from xgraph.adapter import (
+    Availability,
+    BackendUnavailableError,
+    HostCopier,
+    Kernels,
+    TorchBackend,
+    TorchRuntime,
+)
 
 from . import attention, linear, pdl, probe, staging
 from .runtime import CUDARuntime

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from xgraph.errors import XGraphError
+from xgraph.adapter import XGraphError
 
 LINEAR_ENV = "XGRAPH_CUDA_LINEAR"
 FUSED_ENV = "XGRAPH_CUDA_FUSED"

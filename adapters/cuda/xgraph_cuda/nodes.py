@@ -7,9 +7,11 @@ gives each its type (cuGraphNodeGetType); a kernel node its parameters
 array. Each argument's size comes from cuFuncGetParamInfo (cuKernelGetParamInfo for a
 library kernel), its bytes from the node's array (or its `extra` buffer). An 8-byte word of
 an argument that is a device address (the driver answers cuPointerGetAttribute for it, or
-for the byte before it: an end pointer) is left out: two captures differ in the addresses
-of their pools, and in nothing else unless a launch depends on a per-step value. An
-argument of a class type passed by value is compared by its size only: ATen's kernels take
+for the byte before it: an end pointer) is marked `ADDRESS` (xgraph.adapter.Unchecked) and
+left out: two captures differ in the addresses of their pools, and in nothing else unless
+a launch depends on a per-step or a per-call value (the check reports either). An
+argument of a class type passed by value is compared by its size only (marked
+`by_value(size)`, counted in the report as not compared): ATen's kernels take
 their functor, data array and offset calculators so, and their padding, unused slots and
 empty functors hold whatever the host stack held before the launch, which differs with the
 host code that ran before it (seen on an H200: silu, mul, pow, copy and cat kernels of
@@ -30,8 +32,7 @@ import ctypes
 import re
 from typing import Any
 
-from xgraph.adapter import Launch
-from xgraph.errors import XGraphError
+from xgraph.adapter import ADDRESS, Launch, Unchecked, XGraphError, by_value
 
 _BUFFER_POINTER = 1  # CU_LAUNCH_PARAM_BUFFER_POINTER (0 ends the list)
 MAX_PARAMS = 4096  # a kernel's parameters fit in 32 KiB: no more can follow
@@ -107,11 +108,13 @@ class _Pointers:
         return False
 
 
-def _words(blob: bytes, is_pointer: _Pointers) -> list[int | str]:
-    out: list[int | str] = []
+def _words(blob: bytes, is_pointer: _Pointers) -> list[int | Unchecked]:
+    """Each 8-byte word of an argument: its value, or ADDRESS (marked, not compared) for a
+    device address."""
+    out: list[int | Unchecked] = []
     for o in range(0, len(blob), 8):
         w = int.from_bytes(blob[o : o + 8], "little")
-        out.append("pointer" if len(blob[o : o + 8]) == 8 and is_pointer(w) else w)
+        out.append(ADDRESS if len(blob[o : o + 8]) == 8 and is_pointer(w) else w)
     return out
 
 
@@ -205,7 +208,7 @@ def _kernel(d: _Driver, kernels: _Kernels, is_pointer: _Pointers, node: Any) -> 
             words = _words(blob, is_pointer)
             config.append((f"arg {i}", words[0] if words else None))
         else:  # a class by value: its padding and unused slots are stack bytes
-            config.append((f"arg {i}", f"struct of {len(blob)} bytes"))
+            config.append((f"arg {i}", by_value(len(blob))))
     return Launch("kernel", name, tuple(config))
 
 

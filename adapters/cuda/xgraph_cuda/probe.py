@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from xgraph.interfaces import Availability
+from xgraph.adapter import Availability
 
 
 def _version(dist: str) -> str | None:

@@ -1,8 +1,10 @@
 """The CUDA backend's HostCopier: a step's inputs go to the device in one driver call.
 
 A torch copy from pinned memory costs a dispatch, a copy-kernel choice and a booking with
-the caching host allocator (an event per copy) before its cudaMemcpyAsync: about 12 us of
-host time per step on an H200 host (scripts/probe_host_costs.py). The executor keeps its host
+the caching host allocator (an event per copy) before its cudaMemcpyAsync: on an H200 host
+8.4 us for a step's wait and send against 7.5 us for this copier's
+(docs/results/h200/gpu-time-pass/host-costs-run2.json; LOG, 2026-11-30, GPU-time pass),
+most of the rest being the driver's own call. The executor keeps its host
 twin alive itself and waits on its own event before rewriting it, so none of that is
 needed. `DriverCopier` calls cuMemcpyHtoDAsync on the current torch stream (the stream the
 graph then replays on) through ctypes, whose call costs far less than cuda-python's
@@ -18,9 +20,7 @@ import os
 import torch
 from cuda.bindings import driver as cu
 
-from xgraph.buffers import TorchCopier
-from xgraph.errors import XGraphError
-from xgraph.interfaces import HostCopier
+from xgraph.adapter import HostCopier, TorchCopier, XGraphError
 
 from .vmm import error_name
 

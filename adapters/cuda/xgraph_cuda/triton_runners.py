@@ -16,9 +16,7 @@ from dataclasses import dataclass
 import torch
 from triton.runtime.errors import OutOfResources
 
-from xgraph.errors import XGraphError
-from xgraph.metadata import AttentionMetadata, KVCache
-from xgraph.runners import PlannedRunner
+from xgraph.adapter import AttentionMetadata, KVCache, PlannedRunner, XGraphError
 
 from . import pdl
 from .kernels import arena, interpreting, sm_count

@@ -4,7 +4,10 @@
 - create:  cuMemCreate (a pinned physical allocation on the device);
 - map:     cuMemMap of the whole handle + cuMemSetAccess (read/write for the device);
 - unmap:   cuMemUnmap (the range goes back to being a plain reservation);
-- free / release: cuMemRelease / cuMemAddressFree.
+- free / release: cuMemRelease / cuMemAddressFree;
+- the scratch chunk of a sleeping range (CheckedVirtualMemory.cover): one cuMemMap of the
+  one-granule handle per granule (cuMemMap maps a whole handle), then one cuMemSetAccess
+  over the whole range, as torch's expandable segments set access once for many handles.
 One handle mapped at two addresses aliases. CheckedVirtualMemory checks the contract before
 any driver call (the same messages on every backend), so a misuse never reaches the driver;
 a driver failure raises VirtualMemoryError carrying the driver's error name.
@@ -17,8 +20,7 @@ from typing import Any
 import torch
 from cuda.bindings import driver as cu
 
-from xgraph.errors import VirtualMemoryError
-from xgraph.vmm import CheckedVirtualMemory
+from xgraph.adapter import CheckedVirtualMemory, VirtualMemoryError
 
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 
@@ -148,3 +150,16 @@ class CUDAVirtualMemory(CheckedVirtualMemory):
     def _unmap_chunk(self, address: int, size: int) -> None:
         self._ensure_context()
         check("cuMemUnmap", cu.cuMemUnmap(address, size))
+
+    def _map_scratch(self, address: int, size: int, handle: int) -> None:
+        self._ensure_context()
+        g, done = self.granularity, 0
+        try:
+            for a in range(address, address + size, g):
+                check("cuMemMap", cu.cuMemMap(a, g, 0, handle, 0))
+                done += g
+            check("cuMemSetAccess", cu.cuMemSetAccess(address, size, [self._access], 1))
+        except VirtualMemoryError:
+            for a in range(address, address + done, g):  # leave no mapping of it behind
+                cu.cuMemUnmap(a, g)
+            raise

@@ -58,5 +58,5 @@ class PlaceInPool(TorchDispatchMode):
         block = torch.frombuffer((ctypes.c_char * n).from_address(address), dtype=torch.uint8)
         weakref.finalize(block.untyped_storage(), self.pool.free, address).atexit = False
         block.untyped_storage().copy_(st)
-        placed = torch.empty(0, dtype=t.dtype)
+        placed = torch.empty(0, dtype=t.dtype, device="cpu")
         return placed.set_(block.untyped_storage(), t.storage_offset(), t.shape, t.stride())

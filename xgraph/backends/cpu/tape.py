@@ -10,6 +10,13 @@ tensors and writes its result into the recorded output: results follow new input
 while the op sequence and every address stay fixed. Python control flow, host scalars and
 host reads are frozen at capture, which is what makes this a faithful stand-in for a GPU graph.
 
+What is fresh is decided by storage, not schema: an output over no input's storage is moved
+into the pool and replayed, whatever its schema says (under inference mode `to`,
+`contiguous`, `reshape` arrive undecomposed and may copy where their schema allows an
+alias), and one over an input's storage stays that input's view. Replay runs under
+inference mode with every TorchFunctionMode off, so neither the caller's grad mode nor a
+`torch.set_default_device` changes it.
+
 Collectives (torch.distributed's c10d ops and functional collectives, on gloo) are recorded
 like any op and issued again on replay, so every rank must replay together, as with NCCL in
 a CUDA graph. They run asynchronously, so replay waits for each one before the next op, as
@@ -103,6 +110,17 @@ class _PoolRef:
     offset: int
 
 
+def _storages(leaves: list[Any]) -> set[int]:
+    """The addresses of the host storages of the tensors among an op's argument leaves."""
+    found = set()
+    for x in leaves:
+        if type(x).__name__ == "AsyncCollectiveTensor":  # see _leaf
+            x = x.elem
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+            found.add(x.untyped_storage().data_ptr())
+    return found
+
+
 def _ref(t: torch.Tensor) -> _PoolRef:
     st = t.untyped_storage()
     return _PoolRef(
@@ -143,9 +161,14 @@ class OpTape:
 
     def replay(self) -> None:
         """Re-execute every op; an op that raises (an index outside its table) ends the
-        replay with a ReplayError naming it. The tape itself is unchanged and replays again."""
+        replay with a ReplayError naming it. The tape itself is unchanged and replays again.
+        It runs under inference mode whatever the caller's mode, as a GPU graph replays: in
+        place writes to inference tensors (a capture under inference mode makes them) are
+        allowed only there, and to normal tensors there too. The tape holds aten ops, below
+        `__torch_function__`: replay runs with every TorchFunctionMode off (what
+        `torch.set_default_device` installs would make each op a Python call, about 2x)."""
         func = None
-        with torch.no_grad():
+        with torch.inference_mode(), torch._C.DisableTorchFunction():
             try:
                 for func, args, kwargs, outs, multi, wait in self._program:
                     res = func(*args, **kwargs)
@@ -165,20 +188,29 @@ class OpTape:
         self._pool = None
         self._launches = None
 
-    def _to_pool(self, t: torch.Tensor) -> torch.Tensor:
-        """Copy a fresh op output into a pool block; the block is freed when the tensor dies."""
+    def _to_pool(
+        self, t: torch.Tensor, moved: dict[int, torch.UntypedStorage] | None = None
+    ) -> torch.Tensor:
+        """Copy a fresh op output into a pool block; the block is freed when the tensor dies.
+        Outputs over one fresh storage (`moved`, per op) share one block, as they did."""
         pool = self._pool
         assert pool is not None
         st = t.untyped_storage()
         n = st.nbytes()
         if n == 0:
             return t
-        address = pool.alloc(n)
-        buf = _buffer(address, n)
-        weakref.finalize(buf, pool.free, address)
-        pst = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
-        pst.copy_(st)
-        return torch.empty(0, dtype=t.dtype).set_(pst, t.storage_offset(), t.shape, t.stride())
+        pst = None if moved is None else moved.get(st.data_ptr())
+        if pst is None:
+            address = pool.alloc(n)
+            buf = _buffer(address, n)
+            weakref.finalize(buf, pool.free, address)
+            pst = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
+            pst.copy_(st)
+            if moved is not None:
+                moved[st.data_ptr()] = pst
+        return torch.empty(0, dtype=t.dtype, device="cpu").set_(
+            pst, t.storage_offset(), t.shape, t.stride()
+        )
 
     def _leaf(self, x: Any) -> Any:
         if type(x).__name__ == "AsyncCollectiveTensor":  # a functional collective's result,
@@ -205,31 +237,46 @@ class OpTape:
             return self._record_in_place(func, args, kwargs, out, multi, wait)
         if wait is not None:
             wait(out)  # complete before it is copied into the pool
-        rets = list(out) if multi else [out]
-        outs: list[tuple[int, int | None, _PoolRef]] = []
-        for i, (r, rs) in enumerate(zip(rets, schema.returns)):
-            if rs.alias_info is not None:  # a view or the mutated input: already in place
-                continue
-            if isinstance(r, torch.Tensor):
-                rets[i] = self._to_pool(r)
-                if rets[i].untyped_storage().nbytes():
-                    outs.append((i, None, _ref(rets[i])))
-            elif isinstance(r, (list, tuple)):
-                moved = [self._to_pool(x) if isinstance(x, torch.Tensor) else x for x in r]
-                for j, x in enumerate(moved):
-                    if isinstance(x, torch.Tensor) and x.untyped_storage().nbytes():
-                        outs.append((i, j, _ref(x)))
-                rets[i] = type(r)(moved)
         flat, spec = tree_flatten((args, kwargs))
-        flat = [self._leaf(x) for x in flat]
+        rets = list(out) if multi else [out]
+        outs, undeclared = self._move_fresh(rets, schema, _storages(flat))
         name = schema.name
         mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-        pure_view = not outs and not mutates
+        pure_view = not outs and not mutates and not undeclared
         if name not in _EMPTY_OPS and not pure_view:
+            flat = [self._leaf(x) for x in flat]
             self._tape.append(_TapeOp(func, flat, spec, outs, multi, wait))
             if self._launches is not None:
                 self._launches.append(op_launch(func, args, kwargs))
         return tuple(rets) if multi else rets[0]
+
+    def _move_fresh(
+        self, rets: list[Any], schema: Any, inputs: set[int]
+    ) -> tuple[list[tuple[int, int | None, _PoolRef]], bool]:
+        """Move the fresh tensors of `rets` into the pool, in place; returns their records
+        and whether a return the schema calls fresh is over an input's storage.
+
+        Fresh means "over no input's storage", whatever the schema says: under inference
+        mode composite ops arrive undecomposed, and `to`, `contiguous`, `reshape` ... may
+        alias by schema yet copy; such a copy taken for a view would replay stale data.
+        Conversely `type_as` (fresh by schema) returns `self` when nothing changes: it stays
+        the input's tensor, as in eager, and the op is still replayed (it may do work)."""
+        outs: list[tuple[int, int | None, _PoolRef]] = []
+        undeclared = False
+        moved: dict[int, torch.UntypedStorage] = {}  # a fresh storage's pool copy, made once
+        for i, (r, rs) in enumerate(zip(rets, schema.returns)):
+            nested = isinstance(r, (list, tuple))
+            items = list(r) if nested else [r]
+            for j, x in enumerate(items):
+                if not isinstance(x, torch.Tensor) or not x.untyped_storage().nbytes():
+                    continue
+                if x.untyped_storage().data_ptr() in inputs:  # a view or the mutated input
+                    undeclared = undeclared or rs.alias_info is None
+                    continue
+                items[j] = self._to_pool(x, moved)
+                outs.append((i, j if nested else None, _ref(items[j])))
+            rets[i] = type(r)(items) if nested else items[0]
+        return outs, undeclared
 
     def _record_in_place(
         self, func: Any, args: tuple, kwargs: dict, out: Any, multi: bool, wait: Wait
@@ -250,7 +297,7 @@ class OpTape:
             st = storages.get(key)
             if st is None:
                 st = storages[key] = host_tensor(r.address, r.nbytes).untyped_storage()
-            return torch.empty(0, dtype=r.dtype).set_(st, r.offset, r.size, r.stride)
+            return torch.empty(0, dtype=r.dtype, device="cpu").set_(st, r.offset, r.size, r.stride)
 
         program = []
         for e in self._tape:

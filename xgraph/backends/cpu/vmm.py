@@ -7,6 +7,12 @@
 - free:    the region's pages are punched out of the memfd.
 Mapping one region at two addresses aliases: both see the same pages. The kernel's
 proportional resident size (Pss) counts such pages once; VmRSS counts every mapping.
+
+A sleeping range is covered by a scratch region of 2 MiB (or one granule, if larger)
+mapped piece by piece: mmap maps part of a region, so a 64 KiB granularity needs 32x fewer
+maps, and the process fewer of its `vm.max_map_count` mappings (65530 by default: a cover
+of 64 KiB pieces would run out past 4 GiB). Its pages exist only where a slept tensor was
+touched; one PROT_NONE mapping takes every piece away.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 
 DEFAULT_GRANULARITY = 64 * 1024  # small enough that tiny models show sum vs max on CPU
+SCRATCH_BYTES = 2 << 20  # the scratch region of sleeping ranges (see the module doc)
 
 
 def _errno_name() -> str:
@@ -154,6 +161,18 @@ class HostVirtualMemory(CheckedVirtualMemory):
     def _unmap_chunk(self, address: int, size: int) -> None:
         self._refuse_if_queued("unmap")
         self._placeholder(address, size)
+
+    # -- covers of sleeping ranges (CheckedVirtualMemory.cover) ---------------------------------
+
+    @property
+    def scratch_bytes(self) -> int:
+        return max(self._gran, SCRATCH_BYTES)
+
+    def _unmap_scratch(self, address: int, size: int) -> None:
+        self._unmap_chunk(address, size)  # one PROT_NONE mapping replaces every piece
+
+    def _zero_scratch(self, address: int, size: int) -> None:
+        """A fresh region of the memfd reads zeros (offsets are never reused)."""
 
     def backed_bytes(self) -> int:
         """Bytes of the memfd actually backed by pages, as the kernel counts them."""

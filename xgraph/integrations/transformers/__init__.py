@@ -12,6 +12,7 @@ See docs/transformers.md. transformers is an optional extra (`pip install
 xgraph[transformers]`): importing this package does not import it.
 """
 
+from . import bench_target
 from .allocator import BlockAllocator
 from .attention import IMPLEMENTATION, attention_forward
 from .cache import PagedCache
@@ -25,6 +26,8 @@ from .probe import AttentionCall
 from .registration import register
 from .sampling import SamplingParams
 from .spec import ModelSpec, inspect_model
+
+bench_target.register()  # `xgraph bench memory` offers hf-llama (xgraph.bench's registry)
 
 __all__ = [
     "IMPLEMENTATION",

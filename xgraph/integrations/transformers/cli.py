@@ -17,9 +17,11 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from ...cli_types import non_negative_float, non_negative_int, positive_int
+from ...cli_types import non_negative_float, non_negative_int, positive_int, probability, seed
 
 MODES = ("auto", "full", "piecewise", "eager")
+# torch.compile backends that run inside xgraph's graphs (no graphs of their own)
+COMPILERS = ("inductor", "aot_eager", "eager")
 # where a model folder's loading fails inside the model libraries, not in xgraph
 LOADERS = ("transformers", "safetensors", "tokenizers", "huggingface_hub")
 
@@ -62,6 +64,14 @@ def add_parser(sub: Any) -> None:
         help="weights and cache dtype (auto: float32 on the CPU backend, the "
         "checkpoint's elsewhere)",
     )
+    _add_sampling_options(p)
+    _add_engine_options(p)
+    _add_output_options(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_sampling_options(p: Any) -> None:
+    """How the next token is chosen: greedy, or sampled from a seeded generator."""
     p.add_argument(
         "--temperature",
         type=non_negative_float,
@@ -76,14 +86,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--top-p",
-        type=non_negative_float,
+        type=probability,
         default=1.0,
-        help="sample among the most likely tokens whose probabilities reach p (1: all)",
+        help="sample among the most likely tokens whose probabilities reach p, above 0 and at "
+        "most 1 (1: all)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
-    _add_engine_options(p)
-    _add_output_options(p)
-    p.set_defaults(func=cmd_generate)
+    p.add_argument("--seed", type=seed, default=0, help="seed of the sampler (0 to 2**64 - 1)")
 
 
 def _add_output_options(p: Any) -> None:
@@ -92,9 +100,10 @@ def _add_output_options(p: Any) -> None:
         nargs="?",
         const="inductor",
         default=None,
+        choices=COMPILERS,
         metavar="BACKEND",
         help="run the decoder torch.compile'd inside the graphs, one compile for every "
-        "bucket (BACKEND: inductor, the default, or aot_eager / eager)",
+        f"bucket (BACKEND: {', '.join(COMPILERS)}; inductor when left out)",
     )
     p.add_argument(
         "--stream",

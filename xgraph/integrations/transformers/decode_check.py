@@ -84,7 +84,8 @@ def check_decode(
             f"its last probe token gets logits {apart:.3g} apart (more than {tolerance:.3g}) "
             f"when its {first.tokens - 1} earlier tokens come through the cache, as in a "
             "decode step, instead of running in the same forward: something outside "
-            "attention mixes tokens (a convolution or token shift over the sequence, "
-            "routing that depends on the batch), which a step of many sequences' tokens "
-            "would get wrong"
+            "attention mixes tokens or positions (a convolution or token shift over "
+            "the sequence, routing that depends on the batch, an attention layer that does "
+            "not go through transformers' AttentionInterface, positions not taken from "
+            "position_ids), which a step of many sequences' tokens would get wrong"
         )

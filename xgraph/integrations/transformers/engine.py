@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ...loop_launch import Sampling
 from .allocator import BlockAllocator
 from .errors import CapacityError
 from .metrics import TokenProgress
@@ -35,6 +36,8 @@ from .prompts import token_lists
 from .results import GenerationResult, StepModel, graph_step_counts
 from .sampling import HostTokens, Sampler, SamplingParams, check_params, device_index
 from .scheduler import Batch, SeqState, admit, build_batch, schedule
+
+LOOP_STOP_IDS = 8  # stop tokens a sequence may have for multi-step launches
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,11 @@ class Engine:
         record_logits: keep every logit row of every request (for checks; slow).
         max_num_tokens: the step's token budget (default and most: the GraphModel's).
         eos_token_id: stop token(s) of every request, besides each request's own.
+        steps_per_launch: K > 1 runs the steps where every sequence decodes as launches of K
+            decode steps each (GraphModel.decode_loop: the head, the token choice and the
+            next step's inputs on the device; K tokens per sequence reach the host at once);
+            steps with a prompt still run one at a time, so requests join between launches.
+            The tokens are the same as with K = 1, greedy or seeded.
     """
 
     def __init__(
@@ -67,7 +75,11 @@ class Engine:
         record_logits: bool = False,
         max_num_tokens: int | None = None,
         eos_token_id: int | Iterable[int] | None = None,
+        steps_per_launch: int = 1,
     ) -> None:
+        if type(steps_per_launch) is not int or steps_per_launch < 1:
+            raise CapacityError(f"steps_per_launch={steps_per_launch!r}; give an int >= 1.")
+        self.k = steps_per_launch
         lim = gm.limits
         assert lim.num_blocks is not None and lim.max_model_len is not None
         self.gm, self.record_logits = gm, record_logits
@@ -148,14 +160,15 @@ class Engine:
         if not plan:  # cannot happen with the checks in add(); never spin
             raise CapacityError(f"{self.gm.spec.name}: no sequence could be scheduled.")
         batch = build_batch(plan, self.gm.cache, self.gm.spec.pad_position)
+        launch = self._launchable(batch)
         t0 = self.clock()
-        events = self._run(batch)
+        events = self._launch(batch) if launch else self._run(batch)
         dt = self.clock() - t0
         self.totals["steps"] += 1
         if batch.is_decode:
-            self.totals["decode_steps"] += 1
+            self.totals["decode_steps"] += self.k if launch else 1
             self.totals["decode_ns"] += int(dt * 1e9)
-            self.totals["decode_tokens"] += len(batch.chunks)
+            self.totals["decode_tokens"] += len(events)
         self.progress.advance(len(events))
         return events
 
@@ -176,7 +189,9 @@ class Engine:
         elif rows:
             logits = self.gm.logits(out, index)
         if rows:
-            host = HostTokens(self.sampler(logits, [c.seq.sampling for c in ready]))
+            params = [c.seq.sampling for c in ready]
+            at = [len(c.seq.tokens) for c in ready]  # where each chosen token will stand
+            host = HostTokens(self.sampler(logits, params, at))
         for c in batch.chunks:  # host work while the device finishes the step
             c.seq.computed += c.length
         if host is None:
@@ -184,23 +199,67 @@ class Engine:
         return self._finish(ready, host.get())
 
     def _finish(self, ready: list[Any], tokens: list[int]) -> list[TokenEvent]:
+        return self._take([c.seq for c in ready], [[t] for t in tokens])
+
+    def _take(self, seqs: list[SeqState], tokens: list[list[int]]) -> list[TokenEvent]:
+        """Each sequence's new tokens on the host, in order; a sequence ends at a stop token
+        or at max_new_tokens, and gives its blocks back."""
         now = self.clock()
         events = []
-        for c, token in zip(ready, tokens):
-            seq = c.seq
-            seq.tokens.append(token)
-            seq.token_times.append(now)
-            if token in seq.stop:
-                seq.finish_reason = "stop"
-            elif seq.generated >= seq.max_new_tokens:
-                seq.finish_reason = "length"
-            seq.done = bool(seq.finish_reason)
-            events.append(TokenEvent(seq.index, token, seq.done))
-            if seq.done:
-                self.allocator.release(seq.blocks)
-                self.running.remove(seq)
-                self.progress.grow(seq.generated - seq.max_new_tokens)  # stopped early
+        for seq, new in zip(seqs, tokens):
+            for token in new:
+                seq.tokens.append(token)
+                seq.token_times.append(now)
+                if token in seq.stop:
+                    seq.finish_reason = "stop"
+                elif seq.generated >= seq.max_new_tokens:
+                    seq.finish_reason = "length"
+                seq.done = bool(seq.finish_reason)
+                events.append(TokenEvent(seq.index, token, seq.done))
+                if seq.done:
+                    self.allocator.release(seq.blocks)
+                    self.running.remove(seq)
+                    self.progress.grow(seq.generated - seq.max_new_tokens)  # stopped early
+                    break
         return events
+
+    def _launchable(self, batch: Batch) -> bool:
+        """Whether this step runs as a launch of K decode steps: every sequence decodes, and
+        the loop can keep its positions (models that count positions past padding cannot)
+        and its stop tokens."""
+        return (
+            self.k > 1
+            and batch.is_decode
+            and not self.record_logits
+            and self.gm.spec.pad_position is None
+            and all(len(c.seq.stop) <= LOOP_STOP_IDS for c in batch.chunks)
+        )
+
+    def _launch(self, batch: Batch) -> list[TokenEvent]:
+        """K decode steps in one launch; each sequence's new tokens come back together."""
+        seqs = [c.seq for c in batch.chunks]
+        ps = [s.sampling for s in seqs]
+        sampling = None
+        if not all(p.greedy for p in ps):
+            sampling = Sampling(
+                temperature=[p.temperature for p in ps],
+                top_k=[p.top_k for p in ps],
+                top_p=[p.top_p for p in ps],
+                seeds=[p.seed for p in ps],
+            )
+        out = self.gm.decode_loop(self.k)(
+            batch.input_ids,
+            batch.positions,
+            batch.attn,
+            budget=[s.max_new_tokens - s.generated for s in seqs],
+            stop_ids=[sorted(s.stop) for s in seqs],
+            sampling=sampling,
+        )
+        if "blocks" in out.reasons:  # admission reserved every block a sequence can need
+            raise CapacityError("a decode launch ran out of cache blocks it was given.")
+        for seq, new in zip(seqs, out.tokens):
+            seq.computed += len(new)  # the input token and every new one but the last
+        return self._take(seqs, out.tokens)
 
     def events(self) -> Iterator[TokenEvent]:
         """Steps until every request has finished, yielding tokens as they are chosen."""

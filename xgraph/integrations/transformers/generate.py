@@ -65,12 +65,14 @@ def generate(
     on_token: Callable[[TokenEvent], Any] | None = None,
     progress: bool = False,
     max_num_tokens: int | None = None,
+    steps_per_launch: int = 1,
 ) -> GenerationResult:
     """Generate up to max_new_tokens (one int, or one per prompt) for every prompt (token
     ids); a sequence stops early at eos_token_id (one id or several) when given. Runs
     max_seqs sequences at once; the rest wait for a seat and blocks. `on_token` sees each
     token as it is chosen (streaming), `progress` shows a bar, `max_num_tokens` lowers the
-    step's token budget (longer prompts then prefill in more chunks)."""
+    step's token budget (longer prompts then prefill in more chunks), `steps_per_launch`
+    K > 1 runs decode as launches of K steps (Engine; the same tokens)."""
     e = _engine(
         gm,
         prompts,
@@ -79,6 +81,7 @@ def generate(
         record_logits=record_logits,
         eos_token_id=eos_token_id,
         max_num_tokens=max_num_tokens,
+        steps_per_launch=steps_per_launch,
     )
     return e.run(on_token, progress)
 
@@ -90,8 +93,16 @@ def stream(
     *,
     sampling: SamplingParams | None = None,
     eos_token_id: int | Iterable[int] | None = None,
+    steps_per_launch: int = 1,
 ) -> Iterator[TokenEvent]:
     """The tokens of `generate`, yielded as they are chosen: TokenEvent(index, token,
-    finished)."""
-    e = _engine(gm, prompts, max_new_tokens, sampling, eos_token_id=eos_token_id)
+    finished); with `steps_per_launch` K > 1, K at a time."""
+    e = _engine(
+        gm,
+        prompts,
+        max_new_tokens,
+        sampling,
+        eos_token_id=eos_token_id,
+        steps_per_launch=steps_per_launch,
+    )
     yield from e.events()

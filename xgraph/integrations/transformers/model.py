@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -29,7 +30,9 @@ from typing import Any
 import torch
 
 from ...buckets import Buckets, Input, default_sizes
+from ...compile_cache import CompileCache
 from ...compiled import DYNAMIC_INDUCTOR_CONFIG, TokenCompiled
+from ...decode_loop import DecodeLoop
 from ...errors import XGraphError
 from ...executor import GraphExecutor
 from ...interfaces import Backend
@@ -42,7 +45,7 @@ from ...pool import SharedPhysicalPool
 from . import registration
 from .attention import Binding, bound
 from .cache import PagedCache
-from .engine import Engine, TokenEvent
+from .engine import LOOP_STOP_IDS, Engine, TokenEvent
 from .forward import ModelForward
 from .generate import GenerationResult, generate, stream
 from .head import Head, split_head
@@ -55,11 +58,15 @@ from .spec import ModelSpec, inspect_model
 logger = logging.getLogger("xgraph")
 
 
-def _release(executor: GraphExecutor, model: Any, name: str) -> None:
-    """Close in order: the executor (waits for queued work, resets its graphs, frees graph
-    memory), then the model's attention. Runs once, from close() or from the garbage
-    collector, so it reports a failure and never raises."""
+def _release(executor: GraphExecutor, loops: dict[int, DecodeLoop], model: Any, name: str) -> None:
+    """Close in order: the multi-step loops (their graphs share the executor's memory), the
+    executor (waits for queued work, resets its graphs, frees graph memory), then the
+    model's attention. Runs once, from close() or from the garbage collector, so it
+    reports a failure and never raises."""
     try:
+        for loop in loops.values():
+            loop.close()
+        loops.clear()
         executor.close()
     except Exception:
         logger.exception("%s: closing its executor failed", name)
@@ -96,10 +103,13 @@ def _compile_backend(compile: Any) -> Any:
         return None
     if callable(compile):
         return compile
-    if not isinstance(compile, str) or not compile:
+    from torch._dynamo import list_backends
+
+    if not isinstance(compile, str) or compile not in list_backends(exclude_tags=()):
         raise XGraphError(
             f"GraphModel: compile={compile!r}; give True (Inductor), False, or a "
-            "torch.compile backend name such as 'inductor', 'aot_eager' or 'eager'."
+            "torch.compile backend name such as 'inductor', 'aot_eager' or 'eager' "
+            "(torch._dynamo.list_backends(exclude_tags=()) lists them all)."
         )
     return compile
 
@@ -121,6 +131,18 @@ def _release_model(model: Any) -> None:
         restore_linears([m for m in model.modules() if type(m) is XLinear])
 
 
+class _LoopStep:
+    """A decode step as the multi-step loop calls it: the forward, then the LM head."""
+
+    def __init__(self, forward: ModelForward) -> None:
+        self.forward = forward
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.forward(input_ids, positions)
+        head = self.forward.head
+        return out if head is None else head(out)
+
+
 class GraphModel:
     """A transformers causal LM run through xgraph: paged cache, executor, generation loop.
 
@@ -134,6 +156,11 @@ class GraphModel:
             graphs of its own), or a torch.compile backend name ("aot_eager", "eager": CPU
             tests). One compile serves every bucket (the token count dynamic), one more the
             single-token bucket; `compile_dynamic=False` compiles once per bucket instead.
+        compile_cache: where the compiled decoder is kept for the next process on this
+            machine (xgraph.compile_cache): None (default: $XGRAPH_COMPILE_CACHE, else
+            ~/.cache/xgraph/compile), a folder, or False (off). Keyed by the model's class and
+            config, dtype, device, compile settings and versions: a stale artifact is never
+            loaded.
         linear: the projections through xgraph.linear (the backend's kernel where it
             serves; linears.py): None (default) where the backend has a kernel, True, False.
             Where there is a kernel, q/k/v and gate/up projections share one merged call.
@@ -152,6 +179,7 @@ class GraphModel:
         name: str = "transformers",
         compile: Any = False,
         compile_dynamic: bool = True,
+        compile_cache: str | os.PathLike[str] | bool | None = None,
         linear: bool | None = None,
         limits: Limits | None = None,
         **limit_fields: int,
@@ -180,39 +208,73 @@ class GraphModel:
                 self.spec, lim.num_blocks, lim.block_size, self.device, calls=self.calls
             )
             self.binding = self._forward.binding = Binding(self.spec, self.cache, self.calls)
-            self.executor = GraphExecutor(
-                self._forward,
-                inputs=self.inputs(),
-                backend=self.backend,
-                buckets=buckets if buckets is not None else default_sizes(lim.max_num_tokens),
-                attention=PagedAttention.for_cache(
-                    self.cache, lim.max_seqs, lim.max_blocks_per_seq
-                ),
-                memory=memory,
-                mode=mode,
-                on_capture_error=on_capture_error,
-                name=name,
-                compiled=compiler is not None,
+            self.executor = self._executor(
+                buckets, memory, mode, on_capture_error, name, compiler is not None
             )
         except BaseException:  # refused: the model keeps its own attention
             _release_model(model)
             raise
-        self.compiled = self._compile(compiler, compile_dynamic, name)
-        self._finalizer = weakref.finalize(self, _release, self.executor, model, name)
+        self.compiled = self._compile(compiler, compile_dynamic, name, compile_cache)
+        self._loops: dict[int, DecodeLoop] = {}
+        self._finalizer = weakref.finalize(self, _release, self.executor, self._loops, model, name)
 
-    def _compile(self, compiler: Any, dynamic: bool, name: str) -> TokenCompiled | None:
+    def _executor(
+        self,
+        buckets: Buckets | list[int] | None,
+        memory: str | GraphMemory | SharedPhysicalPool | None,
+        mode: Mode | str,
+        on_capture_error: Fallback | str,
+        name: str,
+        compiled: bool,
+    ) -> GraphExecutor:
+        """The executor over the model's forward, its paged cache and its limits."""
+        lim = self.limits
+        return GraphExecutor(
+            self._forward,
+            inputs=self.inputs(),
+            backend=self.backend,
+            buckets=buckets if buckets is not None else default_sizes(lim.max_num_tokens),
+            attention=PagedAttention.for_cache(self.cache, lim.max_seqs, lim.max_blocks_per_seq),
+            memory=memory,
+            mode=mode,
+            on_capture_error=on_capture_error,
+            name=name,
+            compiled=compiled,
+        )
+
+    def _compile(
+        self, compiler: Any, dynamic: bool, name: str, where: str | os.PathLike[str] | bool | None
+    ) -> TokenCompiled | None:
         """The decoder under torch.compile, one compile for every bucket (or per bucket)."""
         if compiler is None:
             return None
         for t in self.cache.tensors():  # fixed sizes: never unified with the token count
             torch._dynamo.mark_static(t)
+        inductor = DYNAMIC_INDUCTOR_CONFIG if dynamic else None
+        settings = {
+            "backend": compiler if isinstance(compiler, str) else getattr(compiler, "__name__", ""),
+            "dynamic": dynamic,
+            "max_tokens": self.executor.buckets.max,
+            "inductor": inductor,
+            "linears": sorted({type(m).__name__ for m in self.model.modules()}),
+            "limits": dataclasses.asdict(self.limits),
+        }
+        cache = CompileCache.for_model(
+            model_class=f"{type(self.model).__module__}.{type(self.model).__qualname__}",
+            config=self.model.config.to_dict(),
+            dtype=self.model.dtype,
+            device=self.device,
+            settings=settings,
+            directory=where,
+        )
         compiled = TokenCompiled(
             self._forward.body,
             self.executor.buckets.max,
             backend=compiler,
             dynamic=dynamic,
             name=name,
-            inductor_config=DYNAMIC_INDUCTOR_CONFIG if dynamic else None,
+            inductor_config=inductor,
+            cache=cache,
         )
         self._forward.compiled = compiled
         return compiled
@@ -317,6 +379,31 @@ class GraphModel:
     ) -> Iterator[TokenEvent]:
         """generate's tokens as they are chosen (generate.stream)."""
         return stream(self, prompts, max_new_tokens, **kwargs)
+
+    def decode_loop(self, steps: int) -> DecodeLoop:
+        """The loop that runs `steps` decode steps per launch over this model (xgraph.
+        decode_loop), made at its first use: its graphs share the executor's memory, its
+        sequences are the executor's up to max_seqs. The LM head and the token choice run
+        inside the launch."""
+        loop = self._loops.get(steps)
+        if loop is None:
+            lim = self.limits
+            top = self.executor.buckets.pad(lim.max_seqs) or self.executor.buckets.max
+            loop = self._loops[steps] = DecodeLoop(
+                _LoopStep(self._forward),
+                attention=PagedAttention.for_cache(
+                    self.cache, lim.max_seqs, lim.max_blocks_per_seq
+                ),
+                steps=steps,
+                backend=self.backend,
+                buckets=[b for b in self.executor.buckets.sizes if b <= top],
+                memory=self.executor.memory,
+                inputs=self.inputs(),
+                max_stop_ids=LOOP_STOP_IDS,
+                compiled=self.compiled is not None,
+                name=f"{self.executor.name}-loop{steps}",
+            )
+        return loop
 
     def engine(self, **kwargs: Any) -> Engine:
         """A generation loop over this model that takes requests while it runs (engine.py)."""

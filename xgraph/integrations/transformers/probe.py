@@ -60,8 +60,9 @@ class Probe:
     def end(self) -> None:
         if not self.calls:
             raise self.spec.refuse(
-                "its forward made no attention call through the 'xgraph' implementation, "
-                "so its attention would bypass xgraph's paged cache"
+                "its attention does not go through transformers' AttentionInterface: its "
+                "forward made no attention call through the 'xgraph' implementation, so its "
+                "attention would bypass xgraph's paged cache"
             )
 
     def attend(

@@ -81,9 +81,9 @@ def _switch(model: Any) -> str:
     if model.config._attn_implementation != IMPLEMENTATION:
         raise UnsupportedModelError(
             model_name(model),
-            "it did not switch to the 'xgraph' attention implementation "
-            "(transformers could not set it dynamically), so its attention would bypass "
-            "xgraph's paged cache",
+            "its attention does not go through transformers' AttentionInterface: it did "
+            "not switch to the 'xgraph' attention implementation (transformers could not "
+            "set it dynamically), so its attention would bypass xgraph's paged cache",
         )
     # an attention layer with a config of its own (swapped in from another model) keeps
     # that config's implementation and would call its own attention directly

@@ -1,10 +1,10 @@
 """Choosing the next token from a step's last-token logits, on the device: greedy, or
-sampled with temperature, top-k and top-p from a seeded generator.
+sampled with temperature, top-k and top-p, seeded.
 
-`Sampler` takes the logits of the rows that sample and each row's SamplingParams, and
-returns the chosen ids as one device tensor: rows that share their params are chosen
-together (argmax, or one `torch.multinomial` drawn from the generator of their seed), so
-a batch of one kind of request costs a handful of kernels whatever its size. `HostTokens`
+`Sampler` takes the logits of the rows that sample, each row's SamplingParams and the
+position of the token it chooses, and returns the chosen ids as one device tensor: all
+greedy, one argmax; otherwise one vectorized draw for every row whose randomness is a
+function of (seed, position, token id) (xgraph.device_sampling). `HostTokens`
 brings them to the host with one non-blocking copy into pinned memory and an event: the
 one host sync of a step, which the loop waits on only once it has done its own host work.
 """
@@ -15,9 +15,11 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ...device_sampling import greedy, sample
 from ...errors import InputError
 
 
@@ -65,49 +67,38 @@ def _integer(x: object) -> bool:
 class Sampler:
     """Picks one token per row of [rows, vocab] logits, on the logits' device.
 
-    Each seed has one generator, made at its first use and kept: the draws of a run are
-    reproducible for the same prompts, parameters and order of arrival.
+    Greedy rows take the argmax; sampled rows a draw keyed by (seed, position, token id)
+    (xgraph.device_sampling), so a request's tokens depend on its prompt, params and seed
+    only: not on the batch it shares, the order of arrival, or how many decode steps run
+    per launch (the engine's multi-step launches draw the same tokens).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.generators: dict[int, torch.Generator] = {}
-
-    def generator(self, seed: int) -> torch.Generator:
-        g = self.generators.get(seed)
-        if g is None:
-            g = self.generators[seed] = torch.Generator(device=self.device).manual_seed(seed)
-        return g
+        self._vocab: torch.Tensor | None = None
 
     def __call__(
-        self, logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams]
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams | Sequence[SamplingParams],
+        positions: Sequence[int],
     ) -> torch.Tensor:
         """Token ids [rows] (int64, on the logits' device); `params`: one for every row, or
-        one per row."""
-        if isinstance(params, SamplingParams):
-            return self._choose(logits, params)
-        groups: dict[SamplingParams, list[int]] = {}
-        for i, p in enumerate(params):
-            groups.setdefault(check_params(p), []).append(i)
-        if len(groups) == 1:
-            return self._choose(logits, next(iter(groups)))
-        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        for p, rows in groups.items():
-            index = device_index(rows, logits.device)
-            out.index_copy_(0, index, self._choose(logits.index_select(0, index), p))
-        return out
-
-    def _choose(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-        if p.greedy:
-            return logits.argmax(-1)
-        x = logits.float() / p.temperature
-        if p.top_k and p.top_k < x.shape[-1]:
-            kth = x.topk(p.top_k, dim=-1).values[:, -1:]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if p.top_p < 1:
-            x = _nucleus(x, p.top_p)
-        probs = x.softmax(-1)
-        return torch.multinomial(probs, 1, generator=self.generator(p.seed)).squeeze(1)
+        one per row; `positions`: each row's position of the token being chosen (its index
+        in its sequence)."""
+        rows = logits.shape[0]
+        ps = [check_params(params)] * rows if isinstance(params, SamplingParams) else None
+        if ps is None:
+            ps = [check_params(p) for p in params]
+        if all(p.greedy for p in ps):
+            return greedy(logits)
+        ints = [[p.top_k for p in ps], [p.seed for p in ps], list(positions)]
+        floats = [[p.temperature for p in ps], [p.top_p for p in ps]]
+        i = device_tensor(ints, torch.int64, logits.device)
+        f = device_tensor(floats, torch.float32, logits.device)
+        if self._vocab is None or self._vocab.shape[0] != logits.shape[1]:
+            self._vocab = torch.arange(logits.shape[1], device=logits.device)
+        return sample(logits, f[0], i[0], f[1], i[1], i[2], self._vocab)
 
 
 def check_params(params: object) -> SamplingParams:
@@ -120,13 +111,18 @@ def check_params(params: object) -> SamplingParams:
     return params
 
 
-def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
-    """Row indices on `device` without a host sync: a pinned copy, sent non-blocking (a
+def device_tensor(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values on `device` without a host sync: a pinned copy, sent non-blocking (a
     pageable one would wait for the device to finish everything queued before it)."""
-    index = torch.tensor(rows, dtype=torch.int64)
+    host = torch.tensor(values, dtype=dtype, device="cpu")
     if device.type != "cuda":
-        return index.to(device)
-    return index.pin_memory().to(device, non_blocking=True)
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on `device` without a host sync (device_tensor)."""
+    return device_tensor(rows, torch.int64, device)
 
 
 class HostTokens:
@@ -136,7 +132,9 @@ class HostTokens:
     def __init__(self, tokens: torch.Tensor) -> None:
         self._event: torch.cuda.Event | None = None
         if tokens.device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host = torch.empty(
+                tokens.shape, dtype=tokens.dtype, device="cpu", pin_memory=True
+            )
             self._host.copy_(tokens, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
@@ -147,13 +145,3 @@ class HostTokens:
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
-
-
-def _nucleus(x: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep, per row, the most likely tokens until their probabilities reach top_p (the
-    most likely one always)."""
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    before = sorted_x.softmax(-1).cumsum(-1) - sorted_x.softmax(-1)  # mass ahead of each
-    drop = before >= top_p
-    drop[:, 0] = False
-    return x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))

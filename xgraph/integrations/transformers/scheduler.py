@@ -148,11 +148,11 @@ def build_batch(
         query_lens=[n for _, n in plan],
         seq_lens=[seq.computed + n for seq, n in plan],
         block_tables=[seq.blocks for seq, _ in plan],
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cpu"),
     )
     return Batch(
         chunks,
-        torch.tensor(ids, dtype=torch.int64),
-        torch.tensor(positions, dtype=torch.int64),
+        torch.tensor(ids, dtype=torch.int64, device="cpu"),
+        torch.tensor(positions, dtype=torch.int64, device="cpu"),
         attn,
     )

@@ -5,11 +5,16 @@ count, heads, head size, dtype and vocabulary size the paged KV cache and the ex
 inputs are built from. Everything the paged runners cannot reproduce exactly is refused
 here, with the model's name and the reason, rather than producing wrong logits later:
 
-- attention that does not go through transformers' AttentionInterface (nothing to route);
+- attention that does not go through transformers' AttentionInterface (nothing to
+  route): found by what the model does, not by its class's `_supports_attention_backend`
+  (registration.py: it switches to "xgraph"; probe.py: its calls come through it, and a
+  decode step gives the same logits);
 - encoder-decoder and composite (multimodal) models: xgraph runs one causal text decoder
-  (sub-configs that only group a decoder's own settings, DBRX's or MPT's, are not towers);
-- layers that are not softmax attention (linear attention, state-space layers, chunked
-  attention): the paged cache holds keys and values only;
+  (sub-configs that only group a decoder's own settings, DBRX's or MPT's, or describe a
+  model this class does not hold, are not towers);
+- layers that are not softmax attention (linear attention, state-space Mamba layers, short
+  convolutions, chunked attention): the paged cache holds keys and values only; the
+  refusal names the layers and their modules (recurrent.py);
 - query heads that are not a multiple of the kv heads, keys and values of different sizes
   (multi-head latent attention): the paged layout holds one head size per layer;
 - logit soft-capping inside attention: the runners compute plain scaled softmax;
@@ -28,6 +33,7 @@ from typing import Any
 
 import torch
 
+from . import recurrent
 from .errors import UnsupportedModelError
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -82,15 +88,33 @@ def model_name(model: Any) -> str:
     return f"{type(model).__name__} (model_type {model_type!r})"
 
 
-def _towers(config: Any) -> list[str]:
-    """Sub-configs that describe models of their own (a vision or audio tower, a text
-    decoder); those that only group the decoder's own settings have no model_type."""
+def _towers(model: Any) -> list[str]:
+    """Sub-configs of models this one holds beside its text decoder (a vision or audio
+    tower, a depth decoder). A sub-config with no model_type only groups the decoder's own
+    settings (DBRX's, MPT's); one with no module of this model built from it describes a
+    model that a class of its own holds (MoshiForCausalLM is Moshi's text decoder alone)."""
+    config = model.config
     subs = getattr(config, "sub_configs", None) or {}
-    return sorted(k for k, c in subs.items() if getattr(c, "model_type", None) != "")
+    towers = []
+    for key in sorted(subs):
+        sub = getattr(config, key, None)
+        if key == "text_config" or sub is None or getattr(sub, "model_type", None) == "":
+            continue
+        if any(m is not model and _built_from(m, sub, config) for m in model.modules()):
+            towers.append(key)
+    return towers
+
+
+def _built_from(module: Any, sub: Any, config: Any) -> bool:
+    own = getattr(module, "config", None)
+    return own is sub or (own is not None and type(own) is type(sub) is not type(config))
 
 
 def _check_kind(model: Any, name: str) -> None:
-    """A causal text decoder whose attention goes through the AttentionInterface."""
+    """A causal text decoder. Whether its attention goes through the AttentionInterface is
+    what it does, not what its class says (`_supports_attention_backend` also asks for
+    things xgraph does not need): registration.py checks that it switches to "xgraph" and
+    the probe that every call comes through it and that decode gives the same logits."""
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
@@ -98,11 +122,11 @@ def _check_kind(model: Any, name: str) -> None:
             "it is an encoder-decoder model; xgraph runs causal "
             "decoders (every attention layer causal self-attention)",
         )
-    towers = _towers(config)
+    towers = _towers(model)
     if towers:
         raise UnsupportedModelError(
             name,
-            f"it is a composite model (sub-models {towers})",
+            f"it is a composite model (sub-models {towers} beside its text decoder)",
             "Load its text decoder on its own (the *ForCausalLM class of the text config).",
         )
     can_generate = getattr(model, "can_generate", None)
@@ -111,13 +135,6 @@ def _check_kind(model: Any, name: str) -> None:
             name,
             "it is not a causal language model (no LM head to generate with)",
             "Load it with AutoModelForCausalLM.",
-        )
-    if not getattr(model, "_supports_attention_backend", False):
-        raise UnsupportedModelError(
-            name,
-            "its attention does not go through transformers' AttentionInterface "
-            "(_supports_attention_backend is False), so xgraph cannot route it to the paged "
-            "KV cache",
         )
 
 
@@ -130,18 +147,16 @@ def per_layer(config: Any, field: str, num_layers: int) -> list[Any]:
     return [getattr(config, field, None)] * num_layers
 
 
-def _check_layers(config: Any, name: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """The sliding window and the sliding layers; refuse layers that are not attention."""
+def _check_layers(model: Any, name: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """The sliding window and the sliding layers; refuse layers that are not attention,
+    naming them (recurrent.py)."""
+    config = model.config
     types = getattr(config, "layer_types", None)
     windows = per_layer(config, "sliding_window", num_layers)
     if types is not None:
-        other = sorted(set(types) - {FULL, SLIDING})
+        other = sorted(set(types) - {FULL, SLIDING} - recurrent.STATELESS)
         if other:
-            raise UnsupportedModelError(
-                name,
-                f"it has layers of type {other}; xgraph's paged cache holds the keys and "
-                "values of softmax attention only",
-            )
+            raise UnsupportedModelError(name, recurrent.describe(model, types, other))
         sliding = tuple(i for i, t in enumerate(types) if t == SLIDING)
     else:  # Mistral-style configs: a window in the config applies to every layer
         sliding = tuple(i for i, w in enumerate(windows) if w)
@@ -211,7 +226,19 @@ def inspect_model(model: Any) -> ModelSpec:
     _check_kind(model, name)
     config = model.config
     num_layers = config.num_hidden_layers
-    window, sliding = _check_layers(config, name, num_layers)
+    window, sliding = _check_layers(model, name, num_layers)
+    if per_layer(config, "num_attention_heads", num_layers)[0] is None:
+        no_attention = recurrent.describe_no_attention(model)  # RWKV, xLSTM
+        if no_attention:
+            raise UnsupportedModelError(name, no_attention)
+    decays = recurrent.decay_modules(model)
+    if decays:  # state-space layers a config without layer_types does not list
+        raise UnsupportedModelError(
+            name,
+            f"modules {_short(decays)} hold a state-space decay (A_log): state-space "
+            "(Mamba) or linear-attention layers, which keep a recurrent state per sequence; "
+            "xgraph's paged cache holds the keys and values of softmax attention only",
+        )
     heads, kv, head_dim = _heads(config, name, num_layers)
     param = next(model.parameters(), None)
     pad = _pad_position(model)

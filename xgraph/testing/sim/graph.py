@@ -7,10 +7,15 @@
   leaves both behind, as torch does.
 - capture_end: ends the runtime's capture first and raises on failure before anything else
   (the release branches' order), keeping the pool's use, the thread's routing and the host
-  allocator's routing of the id. A capture_end that failed must not be called again (on
-  torch_npu master that asserts `num_active_captures_ > 0`): the simulator records it.
+  allocator's routing of the id. A failed end takes the stream out of capture all the same
+  (ACL: on every failure after its status checks; CUDA: an invalidated capture); only a
+  refusal before the end runs (fault "capture_end_refused": torch's "Capture must end on
+  the same stream it began on", CUDA's wrong-thread check) leaves the stream capturing, to
+  be ended through the driver (`end_capture`). A capture_end that failed must not be called
+  again (on torch_npu master that asserts `num_active_captures_ > 0`): the simulator
+  records it.
 - replay: re-runs the recorded ops; they count as queued on the current stream until it
-  synchronizes.
+  synchronizes (the recording's `replayed` says whether its last replay may still run).
 - reset: gives back the pool use and the host use of a completed capture, and only of one.
 - a readable graph (`keep`, made by SimRuntime.readable_graph) describes what it records:
   `launches()` after capture_end (the parameterization check).
@@ -37,9 +42,19 @@ from .caching import PoolId, PrivatePool, graph_pool_id
 
 if TYPE_CHECKING:
     from .runtime import SimRuntime
-    from .streams import SimStream
+    from .streams import Queued, SimStream
 
 MODES = ("global", "thread_local", "relaxed")
+
+
+def leave_recorder(recorder: TorchDispatchMode) -> None:
+    """Take a capture's recorder off this thread's dispatch stack, where it must be on top."""
+    if _get_current_dispatch_mode() is not recorder:
+        raise RuntimeError(
+            "simulated capture end: another TorchDispatchMode is still active above the "
+            "capture's recorder; modes entered during a capture must be left before it ends"
+        )
+    recorder.__exit__(None, None, None)
 
 
 class SimRecorder(TorchDispatchMode):
@@ -54,6 +69,7 @@ class SimRecorder(TorchDispatchMode):
         self.keep_launches = self.tape.keep_launches
         self.attached = False  # its dispatch mode is on the capturing thread's stack
         self.invalid: int = 0  # the code that invalidated the capture, if any
+        self.replayed: Queued | None = None  # its last replay (it may still run)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -69,15 +85,9 @@ class SimRecorder(TorchDispatchMode):
 
     def detach(self) -> None:
         """Leave the capturing thread (the stream may go on capturing, recording nothing)."""
-        if not self.attached:
-            return
-        if _get_current_dispatch_mode() is not self:
-            raise RuntimeError(
-                "simulated capture end: another TorchDispatchMode is still active above the "
-                "capture's recorder; modes entered during a capture must be left before it ends"
-            )
-        self.__exit__(None, None, None)
-        self.attached = False
+        if self.attached:
+            leave_recorder(self)
+            self.attached = False
 
     def stop(self) -> int:
         """End the capture on its stream; 0, or the code that invalidated it."""
@@ -101,6 +111,7 @@ class SimGraph:
     """One torch graph instance (see the module docstring for its rules)."""
 
     BEGIN, END, REPLAY = "capture_begin", "capture_end", "replay"  # fault names of the calls
+    END_REFUSED = "capture_end_refused"  # a refusal before the end runs (see the docstring)
 
     def __init__(self, runtime: SimRuntime) -> None:
         self._rt = runtime
@@ -140,13 +151,12 @@ class SimGraph:
         return SimRecorder(self._rt, stream, pool)
 
     def _end_recording(self) -> int:
-        """End the runtime's capture: 0, or the code it failed with (the stream may go on
-        capturing)."""
+        """End the runtime's capture: 0, or the code it failed with. A failed end still
+        takes the stream out of capture (what it recorded is dropped), as ACL and CUDA do
+        once their end runs."""
         code = self._rt.faults.check(self.END)
-        if code:
-            self._recording.detach()  # nothing ended the capture: its stream still captures
-            return code
-        return int(self._recording.stop())
+        stopped = int(self._recording.stop())
+        return code or stopped
 
     def _end_error(self, code: int) -> Exception:
         return self._rt.error(code, self.END, "the capture could not be ended")
@@ -158,6 +168,10 @@ class SimGraph:
         if self._end_failed:
             rt.violation("capture_end was called again after it failed on the same capture")
             raise RuntimeError("capture_end: this capture's end already failed")
+        refused = rt.faults.check(self.END_REFUSED)
+        if refused:  # before the runtime's end ran: the stream keeps capturing
+            self._end_failed = True
+            raise rt.error(refused, self.END, "refused before the capture was ended")
         code = self._end_recording()
         if code:
             self._end_failed = True
@@ -175,7 +189,7 @@ class SimGraph:
         try:
             self._recording.replay()
         finally:
-            rt.mark_busy()
+            self._recording.replayed = rt.mark_busy()  # its work may run until a synchronize
 
     def _destroy(self) -> None:
         """Give back what the runtime made for a completed capture (nothing here)."""

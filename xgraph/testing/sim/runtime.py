@@ -12,8 +12,10 @@ device layer's failure paths run in CI:
   of a capture on a pool every graph released, routing left behind by a failed begin/end;
 - dropping a MemPool while any stream captures is recorded as a violation (torch_npu's
   destructor throws there and aborts the process);
-- faults: `faults.inject(call, code)` makes "capture_begin", "capture_end", "end_capture"
-  (the driver's own end of a capture), "replay" or "malloc" fail.
+- faults: `faults.inject(call, code)` makes "capture_begin", "capture_end" (the stream
+  leaves capture all the same), "capture_end_refused" (refused before the end runs: the
+  stream keeps capturing), "end_capture" (the driver's own end of a capture), "replay" or
+  "malloc" fail.
 `books()` counts what must go back (routes, pools, memory); `violations` lists broken rules.
 """
 
@@ -32,7 +34,7 @@ from xgraph.interfaces import Launch, PhysicalChunk
 from .caching import SimCachingAllocator, SimMemPool, SimPluggableAllocator
 from .faults import Faults
 from .graph import SimGraph
-from .streams import SimStream, SimStreams
+from .streams import Queued, SimStream, SimStreams
 
 DEFAULT_CAPACITY = 32 << 30  # the simulated device's memory (mem_get_info total)
 GRANULARITY = 64 << 10
@@ -106,9 +108,12 @@ class SimRuntime(TorchRuntime):
         """Replays issued since their stream last synchronized (the VMM refuses to unmap)."""
         return self.streams.queued()
 
-    def mark_busy(self) -> None:
-        """Work was issued on the current stream (a replay)."""
-        self.streams.current().queued += 1
+    def mark_busy(self) -> Queued:
+        """Work was issued on the current stream (a replay); it may run until that stream
+        synchronizes."""
+        stream = self.streams.current()
+        stream.queued += 1
+        return Queued(stream)
 
     def _refuse_while_capturing(self, call: str) -> None:
         capturing = self.streams.capturing()
@@ -122,12 +127,12 @@ class SimRuntime(TorchRuntime):
     def synchronize(self) -> None:
         self._refuse_while_capturing("synchronize")
         for s in self.streams.all():
-            s.queued = 0
+            s.settle()
 
     def stream_synchronize(self, stream: SimStream) -> None:
         if stream.capture is not None:
             raise self.error(self.STREAM_CAPTURED, "stream synchronize", "the stream captures")
-        stream.queued = 0
+        stream.settle()
 
     def new_stream(self) -> SimStream:
         return self.streams.new()

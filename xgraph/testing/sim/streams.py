@@ -26,6 +26,12 @@ class SimStream:
         self.is_default = default
         self.capture: Any = None  # the recording this stream captures into, if any
         self.queued = 0  # replays issued on it since it last synchronized
+        self.syncs = 0  # how often it synchronized (work queued before that has run)
+
+    def settle(self) -> None:
+        """Its work has run (a synchronize of it, or of the device)."""
+        self.queued = 0
+        self.syncs += 1
 
     def wait_stream(self, other: SimStream) -> None:
         """Ordering between streams: the simulated device is in order already."""
@@ -37,6 +43,16 @@ class SimStream:
     def __repr__(self) -> str:
         kind = "default" if self.is_default else "side"
         return f"<simulated {kind} stream {self.handle:#x}>"
+
+
+class Queued:
+    """Work issued on a stream: it may still run until that stream next synchronizes."""
+
+    def __init__(self, stream: SimStream) -> None:
+        self.stream, self._syncs = stream, stream.syncs
+
+    def done(self) -> bool:
+        return self.stream.syncs != self._syncs
 
 
 class SimStreams:

@@ -12,7 +12,7 @@ import platform
 
 import torch
 
-from xgraph.interfaces import Availability
+from xgraph.adapter import Availability
 
 from .runtime import SimRuntime
 

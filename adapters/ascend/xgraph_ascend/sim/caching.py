@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from xgraph.testing.sim.caching import PrivatePool, SimCachingAllocator, mempool_id
+from xgraph.testing.sim import PrivatePool, SimCachingAllocator, mempool_id
 
 from ..runtime import PoolEra
 

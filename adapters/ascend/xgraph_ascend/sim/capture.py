@@ -6,7 +6,9 @@ and device tasks (kernels of the simulated torch_npu, ExternalEvent waits, reset
 records) as Task items between tape segments. Replay runs the program in order.
 
 Rules kept here (CANN "single-stream capture" rules): an op on the default stream while
-capturing invalidates the capture (107031); a task group must open and close on a capturing
+capturing invalidates the capture (107031); an end from another thread than the begin's
+returns 107038 and takes the stream out of capture (hicann/runtime capture_model_utils.cc,
+context_aclgraph.cc), as every failed end does; a task group must open and close on a capturing
 stream, not nested (107029 / 107033); a graph task update must re-issue, on a stream that is
 not capturing, exactly the group's tasks in count and kernel type, and it replaces their
 parameters. A mismatch fails as the runtime reports it: RT_ERROR_STREAM_TASKGRP_UPDATE
@@ -30,22 +32,23 @@ import torch
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _disable_current_modes,
-    _get_current_dispatch_mode,
 )
 
-from xgraph.backends.cpu import OpTape
-from xgraph.interfaces import Launch
-from xgraph.launches import current_layer, describe
+from xgraph.adapter import Launch
+from xgraph.testing.sim import OpTape, current_layer, describe, leave_recorder
 
 from ..errors import AclRuntimeError
 
 if TYPE_CHECKING:
+    from xgraph.testing.sim import Queued
+
     from .caching import PrivatePool
     from .streams import SimStream, SimStreams
 
 STREAM_NOT_CAPTURED = 107029
 CAPTURE_IMPLICIT = 107031
 TASK_GROUP_STATUS = 107033
+WRONG_THREAD = 107038  # ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD
 INTERNAL_ERROR = 507000  # what a task update that does not match its group fails with
 
 
@@ -114,6 +117,8 @@ class SimCapture(TorchDispatchMode):
         self.group: list[Task] | None = None
         self.invalid: tuple[int, str] | None = None
         self.state = "capturing"  # -> "captured" | "failed" -> "reset"
+        self.replayed: Queued | None = None  # its last replay (it may still run)
+        self.attached = False  # on the capturing thread's dispatch stack
 
     def _new_tape(self) -> OpTape:
         tape = OpTape()
@@ -141,6 +146,8 @@ class SimCapture(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.stream.capture is not self:
+            return out  # taken out of capture (an end from another thread): runs, not recorded
         current = self.streams.current()
         if current is not self.stream:
             if current.is_default:
@@ -175,18 +182,31 @@ class SimCapture(TorchDispatchMode):
 
     def start(self) -> None:
         self.__enter__()
+        self.attached = True
         self.stream.capture = self
 
+    def detach(self) -> None:
+        """Leave the capturing thread's dispatch stack (only that thread can); idempotent."""
+        if self.attached and threading.get_ident() == self.thread:
+            leave_recorder(self)
+            self.attached = False
+
+    def abandon(self) -> None:
+        """Take the stream out of capture, dropping what it recorded (a failed end, from any
+        thread: ACL ends the capture and destroys its model on every failure after its
+        status checks). The capturing thread leaves the recorder at its own next end."""
+        if self.stream.capture is self:
+            self.stream.capture = None
+        self.state = "failed"
+        self.detach()
+
     def stop(self) -> int:
-        """End the capture (from its own thread); 0 or the code that invalidated it."""
+        """End the capture; 0 or the code that invalidated it. From another thread than the
+        one that began it: 107038, and the stream leaves capture all the same."""
         if threading.get_ident() != self.thread:
-            return 107038  # ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD
-        if _get_current_dispatch_mode() is not self:
-            raise RuntimeError(
-                "simulated capture end: another TorchDispatchMode is still active above the "
-                "capture's recorder; modes entered during a capture must be left before it ends"
-            )
-        self.__exit__(None, None, None)
+            self.abandon()
+            return WRONG_THREAD
+        self.detach()
         self.stream.capture = None
         self._seal()
         self.program.append(self.tape)
@@ -196,14 +216,12 @@ class SimCapture(TorchDispatchMode):
         return self.invalid[0] if self.invalid else 0
 
     def replay(self) -> None:
-        with torch.no_grad():
-            for item in self.program:
-                if isinstance(item, Task):
-                    item.run()
-                else:
-                    item.replay()
+        """aclmdlRIExecuteAsync: the program runs on the current stream (up to a wait that
+        cannot pass: the stream blocks there, see `run_on`)."""
+        run_on(self.streams.current(), self.program)
 
     def drop(self) -> None:
+        self.detach()
         self.state = "reset"
         for item in self.program:
             if isinstance(item, OpTape):
@@ -211,9 +229,43 @@ class SimCapture(TorchDispatchMode):
         self.program = []
 
 
+class StreamBlocked(Exception):
+    """Raised by a task that cannot run yet: a wait on an ExternalEvent nothing recorded."""
+
+    def __init__(self, event: Any) -> None:
+        super().__init__(f"a wait on ExternalEvent #{event.id}")
+        self.event = event
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A blocked stream: the event its wait needs, and the work queued behind the wait."""
+
+    event: Any
+    rest: list[OpTape | Task]
+
+
+def run_on(stream: Any, items: list[OpTape | Task]) -> None:
+    """Run program items in order on `stream`, as the NPU runs a stream's tasks: at a wait
+    that cannot pass the stream blocks, and the rest (and any task or replay issued on the
+    stream later) runs once the event is recorded (SimExternalEvent.record). Eager aten ops
+    issued on a blocked stream run at once here: the simulator has no queue for them."""
+    if stream.waiting is not None:
+        stream.waiting.rest.extend(items)
+        return
+    with torch.no_grad():
+        for i, item in enumerate(items):
+            try:
+                item.run() if isinstance(item, Task) else item.replay()
+            except StreamBlocked as blocked:
+                stream.waiting = Waiting(blocked.event, list(items[i + 1 :]))
+                blocked.event.waiters.append(stream)
+                return
+
+
 def route_task(streams: SimStreams, stream: Any, task: Task, run_at_capture: bool) -> None:
     """Issue a device task on `stream` (None: current): record it, collect it for an update,
-    or run it now."""
+    or run it now (behind a wait its stream is blocked on)."""
     s = stream if stream is not None else streams.current()
     if s.capture is not None:
         s.capture.add_task(task)
@@ -222,4 +274,4 @@ def route_task(streams: SimStreams, stream: Any, task: Task, run_at_capture: boo
     elif s.update is not None:
         s.update.issued.append(task)
     else:
-        task.run()
+        run_on(s, [task])

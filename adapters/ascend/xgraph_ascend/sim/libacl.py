@@ -5,7 +5,8 @@ The functions are built from the same ctypes prototypes the real binding uses
 decodes `void**` out-parameters and `aclrtPhysicalMemProp*` exactly as C would receive them.
 Memory is the CPU backend's memfd VMM (HostVirtualMemory) at a 2 MiB granularity: a physical
 handle is a memfd region, a mapping is mmap(MAP_FIXED|MAP_SHARED), so one handle mapped at two
-addresses really aliases. The rules are those of the acl layer (hicann/runtime
+addresses really aliases. That an NPU's driver allows it is an assumption (`ASSUMPTIONS`,
+switch `alias_handles`): no source settles it. The rules are those of the acl layer (hicann/runtime
 src/acl/aclrt_impl/memory.cpp: NULL pointers, size 0, flags, the prop's handle and
 allocation types, location and memAttr, all 100000) and of the documentation (offset 0, a
 map covers a whole handle, sizes rounded up to the granularity, a freed handle that is still
@@ -24,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from xgraph.backends.cpu import HostVirtualMemory
-from xgraph.interfaces import PhysicalChunk
+from xgraph.adapter import PhysicalChunk
+from xgraph.testing.sim import HostVirtualMemory
 
 from .. import acl
 from ..errors import error_name
@@ -44,6 +45,16 @@ DRV_INTERNAL = 507899
 # aclrtReserveMemAddress's flags: 0, or 1 "kept for the early API's compatibility"
 # (memory.cpp:1052-1053); torch_npu passes 1, vllm-ascend and xgraph 0
 RESERVE_FLAGS = (0, 1)
+# What the simulator assumes where no source settles the driver's behaviour: each is a
+# switch of SimAcl, True by default (the assumption holds), so a test can run the adapter
+# under the other answer; docs/ascend.md lists them with the hardware check that proves each.
+ASSUMPTIONS = {
+    "alias_handles": "one physical handle maps at several addresses at once, every mapping "
+    "seeing the same bytes (shared-physical graph memory and wake depend on it; the VMM "
+    "documentation says nothing; hardware check vmm_aliasing)",
+}
+# calls that check their injected faults themselves (a failed capture end still ends it)
+_OWN_FAULTS = frozenset({"aclmdlRICaptureEnd"})
 MISALIGN = 64 << 10  # where a deliberately misaligned reservation starts past the boundary
 # location types aclrtMallocPhysical takes (UNREGISTERED and MANAGED are refused)
 _LOCATIONS = (
@@ -90,8 +101,10 @@ class SimAcl:
         self.faults = faults
         self.hbm = HostVirtualMemory(granularity=GRAN)
         self.misaligned_reserves = 0  # next reservations returned off a 2 MiB boundary
+        self.alias_handles = True  # an assumption (ASSUMPTIONS): False maps a handle once
         self.busy: Callable[[], bool] = lambda: False  # queued device work (set by runtime)
         self.end_capture: Callable[[int], int] = lambda stream: 107029
+        self.abort_capture: Callable[[int], None] = lambda stream: None
         self._lock = threading.RLock()
         self._reservations: dict[int, tuple[int, int]] = {}  # va -> (host base, size)
         self._handles: dict[int, _Handle] = {}
@@ -112,7 +125,7 @@ class SimAcl:
             return lambda: ctypes.addressof(self._msg)
 
         def call(*args: Any) -> int:
-            code = self.faults.check(name)
+            code = self.faults.check(name) if name not in _OWN_FAULTS else 0
             if code:
                 return self._fail(name, code, "injected failure")
             try:
@@ -140,9 +153,10 @@ class SimAcl:
         _rule(bool(va_out), INVALID_PARAM, "virPtr is NULL")
         _rule(size > 0, INVALID_PARAM, "size is 0")
         _rule(flags in RESERVE_FLAGS, INVALID_PARAM, f"flags {flags} not accepted")
-        _rule(alignment == 0, INVALID_PARAM, f"alignment is reserved (0), got {alignment}")
-        # expectPtr is a hint the driver may honour inside 16T-24T (experimental); the
-        # simulator never does. The size is rounded up to the granularity, not refused.
+        # alignment is documented as reserved (0) but the acl layer passes it on unchecked
+        # (memory.cpp:1049-1056): taken, and ignored, like expectPtr, a hint the driver may
+        # honour inside 16T-24T (experimental) and the simulator never does. The size is
+        # rounded up to the granularity, not refused.
         size = _round_up(size, GRAN)
         if self.misaligned_reserves:
             self.misaligned_reserves -= 1
@@ -236,6 +250,13 @@ class SimAcl:
         for a, other in self._mapped.items():
             n = self._handles[other].chunk.size
             _rule(not (a < va + span and va < a + n), RT_PARAM_INVALID, f"overlaps {a:#x}")
+            aliased = other == h and not self.alias_handles
+            _rule(
+                not aliased,
+                RT_PARAM_INVALID,
+                f"handle {h:#x} is mapped at {a:#x} already "
+                "(alias_handles=False: this simulated driver maps a handle at one address)",
+            )
         self.hbm.map(va, rec.chunk)
         self._mapped[va] = h
         return 0
@@ -290,6 +311,10 @@ class SimAcl:
 
     def _aclmdlRICaptureEnd(self, stream, ri_out) -> int:
         _rule(bool(ri_out), INVALID_PARAM, "modelRI is NULL")
+        injected = self.faults.check("aclmdlRICaptureEnd")
+        if injected:  # past the status checks, a failure ends the capture all the same
+            self.abort_capture(stream or 0)
+            return self._fail("aclmdlRICaptureEnd", injected, "injected failure")
         code = self.end_capture(stream or 0)
         if code:
             return self._fail("aclmdlRICaptureEnd", code, "the stream could not end capture")

@@ -4,7 +4,8 @@ The state rules, routing order, pool and host-allocator uses are `xgraph.testing
 SimGraph (torch_npu's release branches keep torch's order: routing before the ACL capture
 begins, an ACL failure at the end raised before the routing ends). What is ACL's here: the
 recorder is a SimCapture (task groups, default-stream rules); the capture ends through the
-simulated aclmdlRICaptureEnd, which returns a model RI; a replay is aclmdlRIExecuteAsync;
+simulated aclmdlRICaptureEnd, which returns a model RI, and which takes the stream out of
+capture when it fails (no model then); a replay is aclmdlRIExecuteAsync;
 a reset destroys the model RI of a completed capture.
 """
 
@@ -43,6 +44,7 @@ class SimNPUGraph(SimGraph):
         ri = ctypes.c_void_p()
         rc = self._rt.acl.aclmdlRICaptureEnd(self._recording.stream.handle, ctypes.byref(ri))
         self._ri = int(ri.value or 0) if not rc else None
+        self._recording.detach()  # ended, or taken out of capture before (another thread)
         return int(rc)
 
     def _recording_on(self) -> bool:

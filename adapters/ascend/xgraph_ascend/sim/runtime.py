@@ -34,6 +34,7 @@ from .npugraph import SimNPUGraph
 from .streams import SimStreams
 
 DEFAULT_CAPACITY = 32 << 30  # the simulated device's memory (mem_get_info total)
+SYNC_TIMEOUT = 507046  # ACL_ERROR_RT_STREAM_SYNC_TIMEOUT
 
 
 class SimRuntime(sim.SimRuntime, NpuRuntime):
@@ -55,6 +56,7 @@ class SimRuntime(sim.SimRuntime, NpuRuntime):
         self.caching = NpuCachingAllocator(self)
         self.lib.busy = lambda: self.queued > 0
         self.lib.end_capture = self._end_capture_of
+        self.lib.abort_capture = self._abort_capture_of
 
     # -- device and streams ----------------------------------------------------------------
 
@@ -64,12 +66,48 @@ class SimRuntime(sim.SimRuntime, NpuRuntime):
     def stream_handle(self, stream: Any) -> int:
         return int(stream.npu_stream)
 
+    def synchronize(self) -> None:
+        self._refuse_while_capturing("synchronize")  # refused at entry (context.cc)
+        self._timed_out(self.streams.all(), "aclrtSynchronizeDeviceWithTimeout")
+        super().synchronize()
+
+    def stream_synchronize(self, stream: Any) -> None:
+        if stream.capture is None:
+            self._timed_out([stream], "aclrtSynchronizeStreamWithTimeout")
+        super().stream_synchronize(stream)
+
+    def empty_cache(self) -> None:
+        self._refuse_while_capturing("empty_cache")
+        self._timed_out(self.streams.all(), "aclrtSynchronizeDevice (empty_cache)")
+        super().empty_cache()
+
+    def _timed_out(self, streams: list[Any], call: str) -> None:
+        """A synchronize of a stream blocked on a wait nothing released: an NPU hangs (or
+        times out, with a timeout set); the simulator fails now, naming the wait."""
+        blocked = [s for s in streams if s.waiting is not None]
+        if blocked:
+            waits = ", ".join(f"ExternalEvent #{s.waiting.event.id}" for s in blocked)
+            raise AclRuntimeError(
+                SYNC_TIMEOUT,
+                call,
+                f"{len(blocked)} stream(s) wait on {waits}, which nothing recorded since its "
+                "last reset: a replay ran without the graph task update before it. On an NPU "
+                "this synchronize would block until its timeout (forever without one); "
+                "replay through Graph.replay, which runs the updates first",
+            )
+
     def _end_capture_of(self, handle: int) -> int:
         """aclmdlRICaptureEnd's work: end the capture recording on that stream."""
         stream = self.streams.by_handle(handle)
         if stream is None or stream.capture is None:
             return STREAM_NOT_CAPTURED
         return stream.capture.stop()
+
+    def _abort_capture_of(self, handle: int) -> None:
+        """A failed aclmdlRICaptureEnd: the stream leaves capture, its model is not made."""
+        stream = self.streams.by_handle(handle)
+        if stream is not None and stream.capture is not None:
+            stream.capture.abandon()
 
     end_capture = NpuRuntime.end_capture  # through the simulated aclmdlRICaptureEnd
 
@@ -124,10 +162,11 @@ class SimRuntime(sim.SimRuntime, NpuRuntime):
             raise AclRuntimeError(TASK_GROUP_STATUS, call, "an update is already open")
         if not isinstance(handle, TaskGroupHandle) or handle.capture.state != "captured":
             raise AclRuntimeError(107000, call, "the task group's graph is not captured (reset?)")
-        if self.queued:  # the runtime does not check (silent on an NPU): recorded instead
+        replayed = handle.capture.replayed
+        if replayed is not None and not replayed.done():  # silent on an NPU: recorded here
             self.lib.violations.append(
-                f"{call} while a replay may still be running and reading the parameters this "
-                "update replaces (synchronize before updating)"
+                f"{call} while a replay of its graph may still be running and reading the "
+                "parameters this update replaces (synchronize before updating)"
             )
         stream.update = UpdateSession(handle)
 
@@ -181,7 +220,7 @@ class SimRuntime(sim.SimRuntime, NpuRuntime):
         *,
         scale: float,
     ) -> torch.Tensor | None:
-        return torch.empty(kernels.WORKSPACE_BYTES, dtype=torch.uint8)
+        return torch.empty(kernels.WORKSPACE_BYTES, dtype=torch.uint8, device=query.device)
 
     # -- reporting -------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Simulated NPU streams: the core simulator's streams, plus what ACL adds to a stream.
 
-A stream also carries the graph task update (if any) it is issuing, and its aclrtStream
-handle under torch_npu's name (`npu_stream`).
+A stream also carries the graph task update (if any) it is issuing, the ExternalEvent wait
+it is blocked on (if any), and its aclrtStream handle under torch_npu's name
+(`npu_stream`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ class SimStream(sim.SimStream):
     """One stream; `npu_stream` is its aclrtStream handle, as on torch_npu's Stream."""
 
     update: Any = None  # the UpdateSession this stream issues, if any
+    waiting: Any = None  # the wait it is blocked on and the work behind it (capture.Waiting)
 
     @property
     def npu_stream(self) -> int:

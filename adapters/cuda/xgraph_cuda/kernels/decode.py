@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xgraph.metadata import KVCache
+from xgraph.adapter import KVCache
 
 from . import dot_precision, dot_upcast, pdl_options
 from .fixup import arrive

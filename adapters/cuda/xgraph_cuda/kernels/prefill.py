@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xgraph.metadata import KVCache
+from xgraph.adapter import KVCache
 
 from . import dot_precision, dot_upcast
 from .online import load_rows, page_slots, softmax_step

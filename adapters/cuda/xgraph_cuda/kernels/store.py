@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xgraph.metadata import KVCache
+from xgraph.adapter import KVCache
 
 
 @triton.jit

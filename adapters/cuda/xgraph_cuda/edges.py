@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xgraph.errors import XGraphError
+from xgraph.adapter import XGraphError
 
 
 def _driver() -> Any:

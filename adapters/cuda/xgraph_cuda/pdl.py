@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from xgraph.kernels import ProgrammaticLaunch
+from xgraph.adapter import ProgrammaticLaunch
 
 from .kernels import pdl_options
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from xgraph.fusion import Fusion, HeadNorm
+from xgraph.adapter import Fusion, HeadNorm
 
 from . import pdl
 from .kernels import arena, interpreting, sm_count

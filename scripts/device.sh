@@ -151,15 +151,17 @@ has dist && stage dist 540 40 bash -c dist
 # kernel beside them; decode attention in one launch against three (bench_kernels.py)
 has kernels && stage kernels 130 75 python3 adapters/cuda/tools/bench_kernels.py --jobs 12 \
   --quiet --json "$OUT/kernels.json"
-# decode-limit (only when named): issue 35's run. bench decode of qwen3-0.6b at 1/8/64 and
-# qwen3-8b at 1 (kernels per step, idle share, distance from float32), the PDL race check
-# over 200 replays per bucket, then the record: $OUT/decode-limit.json (kept as
-# docs/results/h200/decode-limit.json) and its table, printed last
-has decode-limit && stage decode-limit-0.6b 170 45 xgraph bench decode --backend cuda \
-  --model qwen3-0.6b --sizes 1,8,64 --compile 1,8,64 --iters 30 --json "$OUT/decode-0.6b.json"
-has decode-limit && stage decode-limit-8b 150 30 xgraph bench decode --backend cuda \
-  --model qwen3-8b --sizes 1 --compile 1 --iters 30 --json "$OUT/decode-8b.json"
-has decode-limit && stage pdl-race 70 8 python3 adapters/cuda/tools/pdl_race.py \
+# decode-limit (only when named): issue 35's run, under 6 minutes. bench decode of qwen3-0.6b
+# at 1/8/64 and qwen3-8b at 1/8 (kernels per step, idle share, distance from float32; only
+# reduce-overhead compiled: xgraph's row is the executor over the forward with the fused
+# kernels), the PDL race check over 200 replays per bucket, then the record:
+# $OUT/decode-limit.json (kept as docs/results/h200/decode-limit.json), its table printed last
+limit_args=(--backend cuda --iters 30 --compile-buckets none)
+has decode-limit && stage decode-limit-0.6b 150 45 xgraph bench decode "${limit_args[@]}" \
+  --model qwen3-0.6b --sizes 1,8,64 --compile 1,8,64 --json "$OUT/decode-0.6b.json"
+has decode-limit && stage decode-limit-8b 120 30 xgraph bench decode "${limit_args[@]}" \
+  --model qwen3-8b --sizes 1,8 --compile 1,8 --json "$OUT/decode-8b.json"
+has decode-limit && stage pdl-race 60 8 python3 adapters/cuda/tools/pdl_race.py \
   --model qwen3-0.6b --buckets 1,8,64 --replays 200 --json "$OUT/pdl-race.json"
 has decode-limit && stage decode-limit 15 20 python3 -m xgraph.bench.limit --decode \
   "$OUT/decode-0.6b.json" "$OUT/decode-8b.json" --race "$OUT/pdl-race.json" \

@@ -87,7 +87,8 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
         default="one",
         choices=list(decode.COMPILE_BUCKETS),
         help="decode: xgraph's compiled row compiles once for every batch size (one: the "
-        "token count dynamic), once per batch size (per-size: static shapes), or both rows",
+        "token count dynamic), once per batch size (per-size: static shapes), both rows, or "
+        "none (only reduce-overhead is compiled)",
     )
     p.add_argument(
         "--anchor-kernels",

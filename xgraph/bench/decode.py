@@ -56,7 +56,7 @@ from .report import attempt, header, note, workload
 from .timing import Timer, host_time, wall_time
 
 DEFAULT_COMPILE = [1, 8, 64]  # --compile's default on accelerators
-COMPILE_BUCKETS = ("one", "per-size", "both")  # --compile-buckets
+COMPILE_BUCKETS = ("one", "per-size", "both", "none")  # --compile-buckets
 ANCHOR_KERNELS = ("torch", "xgraph")  # the reduce-overhead anchor's kernels
 
 
@@ -200,6 +200,8 @@ class _Compiled:
         return out
 
     def keys(self) -> list[str]:
+        if self.buckets == "none":  # reduce-overhead alone: a shorter run (decode-limit)
+            return []
         return ["one", "per-size"] if self.buckets == "both" else [self.buckets]
 
     def close(self) -> None:

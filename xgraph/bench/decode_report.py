@@ -127,6 +127,7 @@ def _buckets_note(buckets: str) -> str:
         "one": "once for every batch size",
         "per-size": "once per batch size",
         "both": "once for every batch size (per-size compiles in their own row)",
+        "none": "not at all (reduce-overhead alone is compiled)",
     }.get(buckets, buckets)
 
 

@@ -89,6 +89,9 @@ def rows(decode: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def commit() -> str | None:
+    """HEAD of the checkout, or $XGRAPH_COMMIT where the tree was copied without git."""
+    if os.environ.get("XGRAPH_COMMIT"):
+        return os.environ["XGRAPH_COMMIT"]
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
     except OSError:

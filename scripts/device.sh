@@ -124,8 +124,9 @@ has decode-forward && stage decode-forward 180 30 xgraph bench decode --backend 
 # device metadata; wall, device and issue time per step (docs/executor.md, staging banks)
 has pipeline && stage pipeline 120 30 xgraph bench pipeline --backend cuda --model "$model" \
   --sizes 1,8,64 --iters 300 --json "$OUT/pipeline.json"
-# check (only when named): the parameterization check of the reference model and of a
-# transformers Qwen3 (random weights, saved to a folder first) through GraphModel
+# check (only when named): the parameterization check of the reference model (with the PDL
+# race check of its decode buckets, 200 replays each) and of a transformers Qwen3 (random
+# weights, saved to a folder first) through GraphModel
 has check && stage check 120 30 bash -c check
 # hf-tests, hf-compile, hf-generate (only when named): the transformers integration's GPU
 # tests, then its benchmark in two parts (docs/transformers.md)
@@ -154,16 +155,20 @@ has kernels && stage kernels 130 75 python3 adapters/cuda/tools/bench_kernels.py
 # decode-limit (only when named): issue 35's run, under 6 minutes. bench decode of qwen3-0.6b
 # at 1/8/64 and qwen3-8b at 1/8 (kernels per step, idle share, distance from float32; only
 # reduce-overhead compiled: xgraph's row is the executor over the forward with the fused
-# kernels), the PDL race check over 200 replays per bucket, then the record:
-# $OUT/decode-limit.json (kept as docs/results/h200/decode-limit.json), its table printed last
+# kernels, XGRAPH_CUDA_LINEAR=triton unless LIMIT_LINEAR names another), the PDL race check
+# over 200 replays per bucket, then the record: $OUT/decode-limit.json (kept as
+# docs/results/h200/decode-limit.json), its table printed last
+limit_env=(env "XGRAPH_CUDA_LINEAR=${LIMIT_LINEAR:-triton}")
 limit_args=(--backend cuda --iters 30 --compile-buckets none)
-has decode-limit && stage decode-limit-0.6b 150 45 xgraph bench decode "${limit_args[@]}" \
+has decode-limit && stage decode-limit-0.6b 150 45 "${limit_env[@]}" xgraph bench decode \
+  "${limit_args[@]}" \
   --model qwen3-0.6b --sizes 1,8,64 --compile 1,8,64 --json "$OUT/decode-0.6b.json"
-has decode-limit && stage decode-limit-8b 120 30 xgraph bench decode "${limit_args[@]}" \
+has decode-limit && stage decode-limit-8b 120 30 "${limit_env[@]}" xgraph bench decode \
+  "${limit_args[@]}" \
   --model qwen3-8b --sizes 1,8 --compile 1,8 --json "$OUT/decode-8b.json"
-has decode-limit && stage pdl-race 60 8 python3 adapters/cuda/tools/pdl_race.py \
+has decode-limit && stage pdl-race 60 8 "${limit_env[@]}" python3 adapters/cuda/tools/pdl_race.py \
   --model qwen3-0.6b --buckets 1,8,64 --replays 200 --json "$OUT/pdl-race.json"
-has decode-limit && stage decode-limit 15 20 python3 -m xgraph.bench.limit --decode \
+has decode-limit && stage decode-limit 15 20 "${limit_env[@]}" python3 -m xgraph.bench.limit --decode \
   "$OUT/decode-0.6b.json" "$OUT/decode-8b.json" --race "$OUT/pdl-race.json" \
   --json "$OUT/decode-limit.json"
 echo "=== all stages: $((SECONDS - started)) s, exit $rc" | tee -a "$log"

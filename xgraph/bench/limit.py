@@ -104,6 +104,7 @@ def build(decodes: list[dict[str, Any]], race: dict[str, Any] | None) -> dict[st
     out: dict[str, Any] = {"commit": commit(), "rows": [r for d in decodes for r in rows(d)]}
     out["anchor_kernels"] = sorted({d.get("anchor_kernels", "torch") for d in decodes})
     out["devices"] = sorted({d["device"] for d in decodes})
+    out["environment"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("XGRAPH_")}
     if race is not None:
         out["pdl_race_check"] = {k: race.get(k) for k in ("buckets", "replays", "mismatches")}
         out["pdl_race_check"]["programmatic_edges"] = race.get("programmatic_edges")

@@ -67,6 +67,8 @@ def test_the_kernel_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv(cuda_linear.LINEAR_ENV, "skinny")
     assert cuda_linear.linear_kernel() is skinny.linear
     monkeypatch.setenv(cuda_linear.LINEAR_ENV, "auto")
+    assert cuda_linear.linear_kernel() is skinny.linear  # the decode kernel is asked for
+    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "triton")
     assert cuda_linear.linear_kernel() is projection.plain
     monkeypatch.setenv(cuda_linear.LINEAR_ENV, "cublas")
     with pytest.raises(XGraphError, match="XGRAPH_CUDA_LINEAR='cublas'; use one of"):

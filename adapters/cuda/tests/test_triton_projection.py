@@ -152,17 +152,19 @@ def test_default_configurations_cover_the_grid() -> None:
 def test_the_kernels_are_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from xgraph_cuda.kernels import skinny
 
-    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "auto")
+    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "triton")
     monkeypatch.delenv(cuda_linear.FUSED_ENV, raising=False)
     assert cuda_linear.linear_kernel() is projection.plain
     assert cuda_linear.fused_kernel() is projection.fused
+    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "auto")  # off by default: the fidelity gate
+    assert cuda_linear.fused_kernel() is None
     monkeypatch.setenv(cuda_linear.LINEAR_ENV, "skinny")
     assert cuda_linear.linear_kernel() is skinny.linear
     assert cuda_linear.fused_kernel() is None  # auto: fused only with the decode kernel
     monkeypatch.setenv(cuda_linear.FUSED_ENV, "on")
     assert cuda_linear.fused_kernel() is projection.fused
     monkeypatch.setenv(cuda_linear.FUSED_ENV, "off")
-    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "auto")
+    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "triton")
     assert cuda_linear.fused_kernel() is None
     monkeypatch.setenv(cuda_linear.FUSED_ENV, "maybe")
     with pytest.raises(XGraphError, match="XGRAPH_CUDA_FUSED='maybe'; use one of"):

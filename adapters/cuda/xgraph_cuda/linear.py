@@ -1,16 +1,18 @@
 """Which projection kernels the CUDA adapter gives `xgraph.linear`, chosen by environment.
 
 XGRAPH_CUDA_LINEAR (the plain projection, `Kernels.linear`):
-- `auto` (default): the decode projection kernel (`projection.plain`, 1 to 64 rows; Triton
-  kernels/gemv.py) when triton imports, else cuBLAS;
-- `triton`: the same, failing loudly where Triton is missing;
-- `skinny`: the earlier skinny kernel (kernels/skinny.py: one row, or up to four into narrow
-  outputs), kept to compare against;
+- `auto` (default): the skinny kernel (kernels/skinny.py: one row, or up to four into
+  narrow outputs) when triton imports, else cuBLAS;
+- `triton`: the decode projection kernel (`projection.plain`, 1 to 64 rows; Triton
+  kernels/gemv.py), failing loudly where Triton is missing. Not the default: on an H200 its
+  logits were 1.15x further from float32 than reduce-overhead's at some buckets, past the
+  fidelity gate's 1.1 (docs/kernels.md);
+- `skinny`: the skinny kernel, as `auto` picks it;
 - `torch`: F.linear (cuBLAS) for every call.
 
 XGRAPH_CUDA_FUSED (`Kernels.fused_linear`: RMSNorm / SiLU-mul prologues, residual and
 per-head norm + rotary epilogues in the projection's kernel):
-- `auto` (default): on when the plain kernel is the decode projection kernel;
+- `auto` (default): on when the plain kernel is the decode projection kernel (`triton`);
 - `on`: on wherever triton imports (with any plain choice);
 - `off`: the fusion's reference ops around the plain projection.
 """
@@ -50,10 +52,10 @@ def _has_triton(asked: str, env: str) -> bool:
 
 def linear_kernel() -> Callable[..., Any] | None:
     """The plain projection kernel XGRAPH_CUDA_LINEAR picks, or None (cuBLAS)."""
-    asked = _asked(LINEAR_ENV, CHOICES, "auto: the decode projection kernel when triton imports")
+    asked = _asked(LINEAR_ENV, CHOICES, "auto: the skinny kernel when triton imports")
     if asked == "torch" or not _has_triton(asked, LINEAR_ENV):
         return None
-    if asked == "skinny":
+    if asked in ("auto", "skinny"):
         from .kernels.skinny import linear
 
         return linear
@@ -69,7 +71,7 @@ def fused_kernel() -> Callable[..., Any] | None:
         return None
     if asked == "auto":
         plain = _asked(LINEAR_ENV, CHOICES, "")
-        if plain not in ("auto", "triton"):
+        if plain != "triton":
             return None
     if not _has_triton(asked, FUSED_ENV):
         return None

@@ -7,8 +7,8 @@
 # "dist", "kernels" and "decode-limit" run only when named; "kernels": the decode kernels'
 # sweep, "decode-limit": issue 35's run, both in one call: `bash scripts/device.sh
 # kernels,decode-limit`; "dist": graphs across ranks, one process per GPU (DIST_NPROC, default
-# every GPU; docs/distributed.md); DECODE_SCOPE=forward compiles the decode stage's whole
-# forward instead of its layers). MODEL: the reference shape (default qwen3-0.6b). A stage
+# every GPU; DIST_MODELS, default qwen3-0.6b,qwen3-8b; docs/distributed.md);
+# DECODE_SCOPE=forward compiles the decode stage's whole forward instead of its layers). MODEL: the reference shape (default qwen3-0.6b). A stage
 # past its limit is killed and the next one starts; the limits of "all" add up to 750 s,
 # more than one ten-minute device call, so name the stages a call needs (docs/benchmarks.md,
 # "Running on a GPU machine", lists every stage with its command and its time on an H200).
@@ -76,7 +76,7 @@ dist() {
     -W ignore::DeprecationWarning -W ignore::FutureWarning
   local a=$?
   torchrun --standalone --nproc-per-node "${DIST_NPROC:-$(nvidia-smi -L | wc -l)}" \
-    adapters/cuda/tools/tp_graphs.py --backend cuda
+    adapters/cuda/tools/tp_graphs.py --backend cuda --models "${DIST_MODELS:-qwen3-0.6b,qwen3-8b}"
   local b=$?
   return $((a || b))
 }

@@ -8,7 +8,8 @@
 # sweep, "decode-limit": issue 35's run, both in one call: `bash scripts/device.sh
 # kernels,decode-limit`; "dist": graphs across ranks, one process per GPU (DIST_NPROC, default
 # every GPU; DIST_MODELS, default qwen3-0.6b,qwen3-8b; docs/distributed.md);
-# DECODE_SCOPE=forward compiles the decode stage's whole forward instead of its layers). MODEL: the reference shape (default qwen3-0.6b). A stage
+# DECODE_SCOPE=forward compiles the decode stage's whole forward instead of its layers).
+# MODEL: the reference shape (default qwen3-0.6b). A stage
 # past its limit is killed and the next one starts; the limits of "all" add up to 750 s,
 # more than one ten-minute device call, so name the stages a call needs (docs/benchmarks.md,
 # "Running on a GPU machine", lists every stage with its command and its time on an H200).
@@ -147,8 +148,8 @@ has sleep && stage sleep 290 20 xgraph bench sleep --backend cuda --model "$mode
   --kv-cache-gib 16 --json "$OUT/sleep.json"
 # multistep (only when named): K decode steps per launch against one step at a time through
 # the transformers engine loop (docs/multistep.md)
-has multistep && stage multistep 300 20 python3 -m xgraph.integrations.transformers.bench_multistep \
-  --backend cuda --model "$model" --compile --batches 1,32 --k 8 --json "$OUT/multistep.json"
+has multistep && stage multistep 300 20 python3 -m \
+  xgraph.integrations.transformers.bench_multistep --backend cuda --model "$model" --compile --batches 1,32 --k 8 --json "$OUT/multistep.json"
 has dist && stage dist 540 40 bash -c dist
 # kernels (only when named): every decode kernel at the 0.6B and 8B shapes, rows 1-64, over
 # its configurations: error against float32 math, bitwise repeatability, device time and

@@ -3,16 +3,21 @@
 #   OUT=out/device bash scripts/device.sh [STAGES] [MODEL]
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
 # "all": every one, in that order; "host-copy", "skinny", "decode-cublas", "decode-forward",
-# "pipeline", "check", "hf-tests", "hf-compile", "hf-generate", "soak", "sleep", "multistep"
-# and "dist" run only when named; "dist": graphs across ranks, one process per GPU (DIST_NPROC, default
-# every GPU; docs/distributed.md); DECODE_SCOPE=forward compiles the decode stage's whole
-# forward instead of its layers). MODEL: the reference shape (default qwen3-0.6b). A stage
+# "pipeline", "check", "hf-tests", "hf-compile", "hf-generate", "soak", "sleep", "multistep",
+# "dist", "kernels" and "decode-limit" run only when named; "kernels": the decode kernels'
+# sweep, "decode-limit": issue 35's run, both in one call: `bash scripts/device.sh
+# kernels,decode-limit`; "dist": graphs across ranks, one process per GPU (DIST_NPROC, default
+# every GPU; DIST_MODELS, default qwen3-0.6b,qwen3-8b; docs/distributed.md);
+# DECODE_SCOPE=forward compiles the decode stage's whole forward instead of its layers).
+# MODEL: the reference shape (default qwen3-0.6b). A stage
 # past its limit is killed and the next one starts; the limits of "all" add up to 750 s,
 # more than one ten-minute device call, so name the stages a call needs (docs/benchmarks.md,
 # "Running on a GPU machine", lists every stage with its command and its time on an H200).
 # Output: $OUT/<stage>.json per benchmark (written as it goes, so a stage cut short keeps
 # what it measured), $OUT/memory.png, and $OUT/log.txt holding every stage's whole output;
-# the tail of each stage is printed as it ends.
+# the tail of each stage is printed as it ends. BUDGET (seconds, default 570) bounds the whole
+# script: a stage gets at most what is left of it, and one with under 20 s left is skipped,
+# so one ten-minute device call always ends with its outputs written.
 # The machine has torch and cuda-bindings but no network: install without dependencies.
 set -uo pipefail
 # NVLink multicast stays off in every process started here (the lent machines' rule)
@@ -36,9 +41,17 @@ started=$SECONDS
 # stage NAME LIMIT TAIL CMD...: run CMD under LIMIT seconds into $OUT/NAME.log (a file, not a
 # pipe: compile workers that outlive a killed stage cannot hold the script up), then move
 # that log into log.txt and print its last TAIL lines
+budget=${BUDGET:-570}
 stage() {
-  local name=$1 limit=$2 lines=$3 t0=$SECONDS status
+  local name=$1 limit=$2 lines=$3 t0=$SECONDS status left
   shift 3
+  left=$((budget - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    echo "=== $name: SKIPPED, ${left} s left of the ${budget} s budget" | tee -a "$log"
+    rc=1
+    return
+  fi
+  [ "$limit" -gt $((left - 5)) ] && limit=$((left - 5))
   echo "=== $name (limit ${limit} s): $*" | tee -a "$log"
   timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   status=$?
@@ -64,7 +77,7 @@ dist() {
     -W ignore::DeprecationWarning -W ignore::FutureWarning
   local a=$?
   torchrun --standalone --nproc-per-node "${DIST_NPROC:-$(nvidia-smi -L | wc -l)}" \
-    adapters/cuda/tools/tp_graphs.py --backend cuda
+    adapters/cuda/tools/tp_graphs.py --backend cuda --models "${DIST_MODELS:-qwen3-0.6b,qwen3-8b}"
   local b=$?
   return $((a || b))
 }
@@ -112,8 +125,9 @@ has decode-forward && stage decode-forward 180 30 xgraph bench decode --backend 
 # device metadata; wall, device and issue time per step (docs/executor.md, staging banks)
 has pipeline && stage pipeline 120 30 xgraph bench pipeline --backend cuda --model "$model" \
   --sizes 1,8,64 --iters 300 --json "$OUT/pipeline.json"
-# check (only when named): the parameterization check of the reference model and of a
-# transformers Qwen3 (random weights, saved to a folder first) through GraphModel
+# check (only when named): the parameterization check of the reference model (with the PDL
+# race check of its decode buckets, 200 replays each) and of a transformers Qwen3 (random
+# weights, saved to a folder first) through GraphModel
 has check && stage check 120 30 bash -c check
 # hf-tests, hf-compile, hf-generate (only when named): the transformers integration's GPU
 # tests, then its benchmark in two parts (docs/transformers.md)
@@ -134,8 +148,33 @@ has sleep && stage sleep 290 20 xgraph bench sleep --backend cuda --model "$mode
   --kv-cache-gib 16 --json "$OUT/sleep.json"
 # multistep (only when named): K decode steps per launch against one step at a time through
 # the transformers engine loop (docs/multistep.md)
-has multistep && stage multistep 300 20 python3 -m xgraph.integrations.transformers.bench_multistep \
-  --backend cuda --model "$model" --compile --batches 1,32 --k 8 --json "$OUT/multistep.json"
+has multistep && stage multistep 300 20 python3 -m \
+  xgraph.integrations.transformers.bench_multistep --backend cuda --model "$model" --compile --batches 1,32 --k 8 --json "$OUT/multistep.json"
 has dist && stage dist 540 40 bash -c dist
+# kernels (only when named): every decode kernel at the 0.6B and 8B shapes, rows 1-64, over
+# its configurations: error against float32 math, bitwise repeatability, device time and
+# TB/s against a measured copy; the unfused ops over cuBLAS, cuBLAS alone and the skinny
+# kernel beside them; decode attention in one launch against three (bench_kernels.py)
+has kernels && stage kernels 130 75 python3 adapters/cuda/tools/bench_kernels.py --jobs 12 \
+  --quiet --json "$OUT/kernels.json"
+# decode-limit (only when named): issue 35's run, under 6 minutes. bench decode of qwen3-0.6b
+# at 1/8/64 and qwen3-8b at 1/8 (kernels per step, idle share, distance from float32; only
+# reduce-overhead compiled: xgraph's row is the executor over the forward with the fused
+# kernels, XGRAPH_CUDA_LINEAR=triton unless LIMIT_LINEAR names another), the PDL race check
+# over 200 replays per bucket, then the record: $OUT/decode-limit.json (kept as
+# docs/results/h200/decode-limit.json), its table printed last
+limit_env=(env "XGRAPH_CUDA_LINEAR=${LIMIT_LINEAR:-triton}")
+limit_args=(--backend cuda --iters 30 --compile-buckets none)
+has decode-limit && stage decode-limit-0.6b 150 45 "${limit_env[@]}" xgraph bench decode \
+  "${limit_args[@]}" \
+  --model qwen3-0.6b --sizes 1,8,64 --compile 1,8,64 --json "$OUT/decode-0.6b.json"
+has decode-limit && stage decode-limit-8b 120 30 "${limit_env[@]}" xgraph bench decode \
+  "${limit_args[@]}" \
+  --model qwen3-8b --sizes 1,8 --compile 1,8 --json "$OUT/decode-8b.json"
+has decode-limit && stage pdl-race 60 8 "${limit_env[@]}" python3 adapters/cuda/tools/pdl_race.py \
+  --model qwen3-0.6b --buckets 1,8,64 --replays 200 --json "$OUT/pdl-race.json"
+has decode-limit && stage decode-limit 15 20 "${limit_env[@]}" python3 -m xgraph.bench.limit --decode \
+  "$OUT/decode-0.6b.json" "$OUT/decode-8b.json" --race "$OUT/pdl-race.json" \
+  --json "$OUT/decode-limit.json"
 echo "=== all stages: $((SECONDS - started)) s, exit $rc" | tee -a "$log"
 exit $rc

@@ -8,9 +8,12 @@ import torch
 os.environ.pop("XGRAPH_BACKEND", None)
 # Compiled forwards keep their artifacts per machine (xgraph.compile_cache): tests keep theirs
 # in a folder of their own, so no run reads another's (a test that needs one names its own).
-os.environ.setdefault(
-    "XGRAPH_COMPILE_CACHE", tempfile.mkdtemp(prefix="xgraph-compile-cache-tests-")
-)
+# pytest-xdist's workers inherit the environment of the process that started them: the folder
+# that process made is replaced by one of each worker's own.
+_made = os.environ.get("XGRAPH_TESTS_COMPILE_CACHE")
+if os.environ.get("XGRAPH_COMPILE_CACHE", _made) == _made:
+    _made = tempfile.mkdtemp(prefix="xgraph-compile-cache-tests-")
+    os.environ["XGRAPH_COMPILE_CACHE"] = os.environ["XGRAPH_TESTS_COMPILE_CACHE"] = _made
 
 
 @pytest.fixture

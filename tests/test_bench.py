@@ -119,6 +119,7 @@ def _hf_available() -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_memory(tmp_path: Path) -> None:
     data = bench(tmp_path, "memory", "--sizes", "1,2,4", "--piecewise-max", "8")
     assert data["backend"] == "cpu" and data["model"] == "tiny"
@@ -339,6 +340,7 @@ def test_soak_runs_random_steps_without_a_mismatch(tmp_path):
     assert data["captures"] > 0 and data["replays"] > 0 and data["samples"]
 
 
+@pytest.mark.slow
 def test_sleep_wakes_every_graph_and_matches_close_and_recapture(tmp_path):
     """In a process of its own: the benchmark's memory regions live as long as the process."""
     import subprocess

@@ -104,6 +104,7 @@ def results(tmp_path_factory):  # type: ignore[no-untyped-def]
     return run(tmp_path_factory.mktemp("caps"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("cls", "name", "direction"),
     [
@@ -123,6 +124,7 @@ def test_an_undeclared_lack_fails_naming_the_capability(results, cls, name, dire
     assert failed and all(f"capability {name!r}" in m for m in failed.values()), got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", ["TestNoVMMDeclared", "TestBlindDeclared", "TestKernelDeclared"])
 def test_a_declared_lack_passes_and_checks_the_fallback(results, cls):
     got = outcomes(results, cls)

@@ -95,6 +95,7 @@ def run_both(dw, dex, hex_, step, rng):  # type: ignore[no-untyped-def]
     return out, ref
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     seed=st.integers(0, 2**20),

@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTICAST_OFF = {
     "NCCL_NVLS_ENABLE": "0",
@@ -29,6 +31,7 @@ def _run(cmd: list[str], tmp_path, timeout: int) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_tp_graphs_script_dry_run_with_two_cpu_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     script = ["adapters/cuda/tools/tp_graphs.py", "--backend", "cpu", "--quick"]

@@ -31,6 +31,7 @@ def three_workloads(seed: int) -> tuple[Workload, Workload, Workload]:
     return ws[0], ws[1], ws[2]
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**20),

@@ -176,6 +176,7 @@ def drop_executors(n: int, w: Workload) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 def test_executors_dropped_without_close_give_everything_back():
     w, ref = workload(), workload()
     d = drop_executors(200, w)  # `python tests/test_lifetime.py 2000` for the full count

@@ -2,7 +2,7 @@
 
 The same checks as the CPU tests, where only a GPU runs them: Inductor's kernels inside
 xgraph's CUDA graphs, full and piecewise, the attention custom op running the Triton
-runners inline and between pieces, the projections through the skinny linear kernel with
+runners inline and between pieces, the projections through the decode projection kernel with
 q/k/v and gate/up merged. float32, so the tokens must be transformers' own; then bf16
 against the float32 rule of docs/transformers.md (no farther from float32 than twice
 transformers' own bf16 logits).
@@ -86,7 +86,7 @@ def test_inductor_compiled_decoder_in_cuda_graphs_gives_transformers_tokens(back
     ps = prompts()
     want = hf_greedy(model, ps, 12)
     with GraphModel(model, backend=backend, compile=True, on_capture_error="raise", **LIMITS) as gm:
-        assert any(type(m) is XLinear for m in model.modules())  # the skinny kernel serves
+        assert any(type(m) is XLinear for m in model.modules())  # the projection kernel serves
         result = gm.generate(ps, 12)
         stats = gm.stats()
     assert result.tokens == want

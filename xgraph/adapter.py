@@ -9,6 +9,9 @@ tests/test_architecture.py holds adapters to that):
   `PhysicalChunk`, `Launch` (what a readable recording launches; `Unchecked`, `ADDRESS` and
   `by_value` mark the fields a backend cannot compare), and the raw `Graph` /
   `VirtualMemory` ABCs that document the templates;
+- the kernel duties' pieces: `Fusion` and `HeadNorm` (`xgraph.fusion`: what a fused
+  projection asks of `Kernels.fused_linear`) and `ProgrammaticLaunch` (`xgraph.kernels`: a
+  backend's programmatic dependent launch, `Kernels.pdl`);
 - the templates that implement the public halves once: `CheckedGraph`,
   `CheckedVirtualMemory`, and `TorchCopier` (a host copier over a torch copy and an event,
   whose `_copy` an adapter with a cheaper copy overrides);
@@ -48,6 +51,7 @@ from .errors import (
     XGraphError,
     XGraphWarning,
 )
+from .fusion import Fusion, HeadNorm
 from .graphs import CheckedGraph, capturing_graph
 from .hooks import BackendSpec, hookimpl
 from .interfaces import (
@@ -64,6 +68,7 @@ from .interfaces import (
     SegmentAllocator,
     VirtualMemory,
 )
+from .kernels import ProgrammaticLaunch
 from .launches import ADDRESS, Unchecked, by_value
 from .metadata import AttentionMetadata, KVCache
 from .runners import PlannedRunner, SeqSpan, context_kv, sequence_spans, store_kv
@@ -82,7 +87,9 @@ __all__ = [
     "CapturePool",
     "CheckedGraph",
     "CheckedVirtualMemory",
+    "Fusion",
     "Graph",
+    "HeadNorm",
     "HostCopier",
     "IncompleteBackendError",
     "InputError",
@@ -93,6 +100,7 @@ __all__ = [
     "PhysicalChunk",
     "PlannedRunner",
     "PoolId",
+    "ProgrammaticLaunch",
     "SegmentAllocator",
     "SeqSpan",
     "StreamGraph",

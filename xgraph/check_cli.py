@@ -5,7 +5,10 @@
     xgraph check --model FOLDER               # a transformers model folder (the extra)
 
 Prints the report (GraphExecutor.check_parameterization) and exits with status 0 when no
-launch follows per-step metadata, 1 when one does. Imports torch only when it runs.
+launch follows per-step metadata, 1 when one does. On a backend with programmatic dependent
+launch (`Kernels.pdl`), a reference model's decode buckets also get the PDL race check
+(`xgraph.pdl_check`, `--pdl-replays` pairs of replays each, 0 to skip); a mismatch makes
+the status 1. Imports torch only when it runs.
 """
 
 from __future__ import annotations
@@ -55,6 +58,25 @@ def _folder(args: argparse.Namespace, backend: Any) -> Iterator[Any]:
         yield gm.executor
 
 
+def race(args: argparse.Namespace, backend: Any) -> bool:
+    """The PDL race check of the reference model's decode buckets; False on a mismatch."""
+    from .pdl_check import check_decode
+
+    replays = getattr(args, "pdl_replays", 0)
+    if not replays or args.kind == "piecewise":
+        return True
+    if args.model not in REFERENCE:
+        print("PDL race check: not run (it runs over the reference model shapes only)")
+        return True
+    reports = check_decode(backend, args.model, list(args.sizes or [4]), replays)
+    if reports is None:
+        print(f"PDL race check: not run ({backend.name} has no programmatic dependent launch)")
+        return True
+    for r in reports:
+        print(f"PDL race check, bucket {r.describe()}")
+    return all(r.clean for r in reports)
+
+
 def run_check(args: argparse.Namespace) -> int:
     from .plugins import get_backend
 
@@ -64,4 +86,5 @@ def run_check(args: argparse.Namespace) -> int:
     with opened(args, backend) as ex:
         report = ex.check_parameterization(args.sizes, kind)
     print(report)
-    return 0 if report.ok else 1
+    clean = race(args, backend)
+    return 0 if report.ok and clean else 1

@@ -135,6 +135,13 @@ def add_check_parser(sub: Any, backend_help: str) -> None:
     )
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="weights and cache dtype")
     p.add_argument("--block-size", type=positive_int, default=16, help="KV cache block size")
+    p.add_argument(
+        "--pdl-replays",
+        type=int,
+        default=200,
+        help="PDL race check: pairs of replays per decode bucket, with PDL against without "
+        "(backends with programmatic dependent launch; 0 skips it)",
+    )
     p.set_defaults(func=cmd_check)
 
 

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from .kernels import FusedLinearKernel, Kernels, LinearKernel  # noqa: F401 (importable here)
 from .metadata import AttentionMetadata, KVCache
 
 OpCheck = Callable[[Any, tuple, dict], None]  # (aten op, args, kwargs); raises to refuse the op
@@ -301,22 +302,6 @@ class AttentionRunner(ABC):
         """Store k, v at this step's slots, then write attention of q over the cache into out."""
 
 
-LinearKernel = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """A device's faster kernels for the core's ops (`Backend.kernels`).
-
-    `attention`: runners by role, "decode" (graph-safe for full graphs) and "prefill"; the
-    core's reference runners fill in a role left out. `linear`: x @ w.T for `xgraph.linear`,
-    answering None for calls it does not serve (F.linear runs those).
-    """
-
-    attention: dict[str, AttentionRunner] = field(default_factory=dict)
-    linear: LinearKernel | None = None
-
-
 class HostCopier(ABC):
     """Sends prefixes of one pinned host buffer into one device buffer, asynchronously."""
 
@@ -433,7 +418,7 @@ class Backend(ABC):
         from . import linear  # the op whose kernel table this fills
 
         kernels = self.kernels()
-        linear.install(self.device.type, kernels.linear, self.name)
+        linear.install(self.device.type, kernels.linear, self.name, kernels.fused_linear)
         return kernels
 
     # -- staging ---------------------------------------------------------------------------

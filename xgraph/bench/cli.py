@@ -87,7 +87,15 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
         default="one",
         choices=list(decode.COMPILE_BUCKETS),
         help="decode: xgraph's compiled row compiles once for every batch size (one: the "
-        "token count dynamic), once per batch size (per-size: static shapes), or both rows",
+        "token count dynamic), once per batch size (per-size: static shapes), both rows, or "
+        "none (only reduce-overhead is compiled)",
+    )
+    p.add_argument(
+        "--anchor-kernels",
+        default="torch",
+        choices=list(decode.ANCHOR_KERNELS),
+        help="decode: the reduce-overhead anchor's kernels (torch: torch's own, what "
+        "torch.compile gives a model without xgraph; xgraph: the backend's kernels)",
     )
     p.add_argument(
         "--models",
@@ -138,7 +146,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--model",
         default="tiny",
-        choices=["tiny", "qwen3-0.6b"],
+        choices=["tiny", "qwen3-0.6b", "qwen3-8b"],
         help="reference model shape (random weights)",
     )
     p.add_argument(
@@ -265,6 +273,7 @@ def _decode(backend: Backend, args: argparse.Namespace, sizes: list[int] | None)
         checkpoint=Checkpoint(_json_path(args, "decode")),
         compile_scope=args.compile_scope,
         compile_buckets=args.compile_buckets,
+        anchor_kernels=args.anchor_kernels,
     )
     return data, decode.summarize(data)
 

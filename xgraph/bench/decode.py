@@ -11,6 +11,14 @@ compile cannot cost the rest. Times are medians of device timings where the back
 device timer (the device's work only: the host's time to queue it is kept out); eager rows
 also give the host's wall time per step, queueing included (`eager wall`).
 
+The reduce-overhead anchor runs torch's own kernels (`anchor_kernels="torch"`, the
+default: what torch.compile gives a model without xgraph; the backend's projection kernels
+are uninstalled around its compiles and calls), or, with "xgraph", the backend's kernels
+inside torch's graphs. On devices the profiler traces, each of xgraph, xgraph over compile
+and reduce-overhead is also traced over a few steps (`profile`: kernels per step, busy and
+span, idle share) and sampled for its distance from a float32 reference of the same weights
+(`fidelity`, per batch; `probes`).
+
 Each step time is also set against the memory roofline (`roofline`): the weight bytes a step
 reads over the bandwidth of the device measured in the same run. Per batch, the best
 executor row (eager or compiled forward) is divided by each anchor (reduce-overhead, raw
@@ -21,34 +29,35 @@ graph's replay call, each with an idle device (synchronized before the call).
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from .. import linear as core_linear
+from ..attention import step_context
 from ..executor import GraphExecutor
 from ..interfaces import Backend
 from ..models import Step, Workload
 from . import roofline, table_check
-from .anchors import ReduceOverhead, as_step, compiled_twin, first_step, native_anchor
-from .readings import MiB
-from .report import attempt, header, note, table, workload
+from .anchors import (
+    ReduceOverhead,
+    as_step,
+    compiled_twin,
+    first_step,
+    native_anchor,
+    static_inputs,
+)
+from .decode_report import ANCHORS, VARIANTS, XGRAPH, summarize  # noqa: F401 (summarize)
+from .probes import Probes, fidelity_gate
+from .report import attempt, header, note, workload
 from .timing import Timer, host_time, wall_time
 
 DEFAULT_COMPILE = [1, 8, 64]  # --compile's default on accelerators
-VARIANTS = {  # printed name -> the row's key
-    "eager": "eager_s",
-    "xgraph": "xgraph_s",
-    "raw graph": "raw_graph_s",
-    "raw graph + inputs": "raw_graph_inputs_s",
-    "reduce-overhead": "reduce_overhead_s",
-    "reduce-overhead + inputs": "reduce_overhead_inputs_s",
-    "xgraph over compile": "xgraph_compiled_s",
-    "xgraph over per-size compile": "xgraph_per_size_s",
-}
-XGRAPH = ("xgraph", "xgraph over compile", "xgraph over per-size compile")
-COMPILE_BUCKETS = ("one", "per-size", "both")  # --compile-buckets
-# replays of static inputs, and the same as engine steps (`+ inputs`: the step sent first)
-ANCHORS = ("reduce-overhead", "raw graph", "reduce-overhead + inputs", "raw graph + inputs")
+COMPILE_BUCKETS = ("one", "per-size", "both", "none")  # --compile-buckets
+ANCHOR_KERNELS = ("torch", "xgraph")  # the reduce-overhead anchor's kernels
 
 
 def _raw_graph(backend: Backend, w: Workload, step: Step, timer: Timer, iters: int) -> dict:
@@ -72,6 +81,7 @@ def _measure(
     timer: Timer,
     iters: int,
     row: dict[str, Any],
+    probes: Probes,
 ) -> None:
     """Eager, executor and native-graph times of one batch, each isolated from the others."""
     ex, eager = executors
@@ -91,6 +101,8 @@ def _measure(
             "xgraph_host_s": host_time(backend, lambda: ex(**step.kwargs()), iters),
         },
     )
+    if "xgraph_s" in row:
+        probes.observe(row, "xgraph", step, lambda: ex(**step.kwargs()))
     attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters))
     if "xgraph_host_s" in row and "raw_replay_host_s" in row:
         row["host_overhead_s"] = row["xgraph_host_s"] - row["raw_replay_host_s"]
@@ -110,7 +122,11 @@ class _Compiled:
         compiler: str,
         scope: str = "layers",
         buckets: str = "one",
+        anchor_kernels: str = "torch",
     ) -> None:
+        if anchor_kernels not in ANCHOR_KERNELS:
+            raise ValueError(f"anchor kernels {anchor_kernels!r}: choose one of {ANCHOR_KERNELS}")
+        self.stock = anchor_kernels == "torch"
         if buckets not in COMPILE_BUCKETS:
             raise ValueError(f"compile buckets {buckets!r}: choose one of {COMPILE_BUCKETS}")
         self.backend, self.w, self.batches, self.compiler = backend, w, batches, compiler
@@ -119,10 +135,30 @@ class _Compiled:
         self.twin: Workload | None = None
         self.executors: dict[str, GraphExecutor] = {}
 
+    def _anchor_kernels(self) -> Any:
+        """Where the anchor runs torch's own kernels: none of the backend's installed."""
+        if self.stock:
+            return core_linear.kernels_off(self.backend.device.type)
+        return contextlib.nullcontext()
+
     def reduce_overhead(self, step: Step, timer: Timer, iters: int) -> dict[str, Any]:
-        if self.ro is None:
-            self.ro = ReduceOverhead(self.backend, self.w.model, self.compiler)
-        return self.ro.measure(self.w, step, timer, iters)
+        with self._anchor_kernels():
+            if self.ro is None:
+                self.ro = ReduceOverhead(self.backend, self.w.model, self.compiler)
+            return self.ro.measure(self.w, step, timer, iters)
+
+    def reduce_overhead_step(self, step: Step) -> Callable[[], Any]:
+        """One reduce-overhead call on the step's static inputs (compiled by `measure`)."""
+        assert self.ro is not None
+        fn = self.ro.fn
+        ids, pos, ctx, _ = static_inputs(self.backend, self.w, step)
+
+        def call() -> Any:
+            torch.compiler.cudagraph_mark_step_begin()
+            with self._anchor_kernels(), torch.no_grad(), step_context(ctx):
+                return fn(ids, pos)
+
+        return call
 
     def _executor(self, key: str) -> GraphExecutor:
         """The executor over the twin compiled for `key` ("one": the token count dynamic, a
@@ -164,6 +200,8 @@ class _Compiled:
         return out
 
     def keys(self) -> list[str]:
+        if self.buckets == "none":  # reduce-overhead alone: a shorter run (decode-limit)
+            return []
         return ["one", "per-size"] if self.buckets == "both" else [self.buckets]
 
     def close(self) -> None:
@@ -183,6 +221,9 @@ def _finish(row: dict[str, Any], weights: int, bw: float | None) -> None:
     if best is not None:
         row["best_xgraph"], row["best_xgraph_s"] = best, t[best]
         row["best_xgraph_vs"] = {a: t[best] / t[a] for a in ANCHORS if a in t}
+    gate = fidelity_gate(row, best)
+    if gate is not None:
+        row["fidelity_gate"] = gate
 
 
 def _workload(
@@ -206,6 +247,7 @@ def _compiled_rows(
     timer: Timer,
     iters: int,
     save: Callable[[], None],
+    probes: Probes,
 ) -> None:
     """The compiled variants of each --compile batch, then the width check over the
     compiled twin (if the run has a check and the twin was built)."""
@@ -213,12 +255,15 @@ def _compiled_rows(
     for b in compiled.batches:
         step, row = steps[b], rows[b]
         attempt(row, "reduce_overhead", lambda s=step: compiled.reduce_overhead(s, timer, iters))
+        if "reduce_overhead_s" in row:
+            probes.observe(row, "reduce-overhead", step, compiled.reduce_overhead_step(step))
         for key in compiled.keys():
-            attempt(
-                row,
-                "xgraph_compiled" if key == "one" else "xgraph_per_size",
-                lambda s=step, k=key: compiled.xgraph(s, timer, iters, k),
-            )
+            name = "xgraph_compiled" if key == "one" else "xgraph_per_size"
+            attempt(row, name, lambda s=step, k=key: compiled.xgraph(s, timer, iters, k))
+            if key == "one" and f"{name}_s" in row:
+                ex = compiled.executors[key]
+                call = lambda e=ex, s=step: e(**s.kwargs())  # noqa: E731
+                probes.observe(row, "xgraph over compile", step, call)
         _progress(row)
         save()
     compiled.close()
@@ -257,26 +302,26 @@ def run(
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
     compile_scope: str = "layers",
     compile_buckets: str = "one",
+    anchor_kernels: str = "torch",
+    probe: bool = True,
 ) -> dict[str, Any]:
-    """Every row, then the width check, then the compiled rows; `checkpoint` gets the data
-    so far after each stage (a run stopped by a time limit keeps what it measured).
-    `compile_scope`: what the executor's compiled forward compiles ("layers": each decoder
-    layer, one graph they share; "forward": the whole forward as one graph).
-    `compile_buckets`: "one" compile for every batch size (the token count dynamic),
-    "per-size" (static shapes, a compile per batch size), or "both" (two rows)."""
+    """Every row, then the width check, then the compiled rows, then the fidelity of what was
+    sampled; `checkpoint` gets the data so far after each stage (a run stopped by a time
+    limit keeps what it measured). `compile_scope`: what the executor's compiled forward
+    compiles ("layers": each layer; "forward": the whole forward as one graph).
+    `compile_buckets`: "one" compile for every batch size, "per-size", or "both" (two rows).
+    `anchor_kernels`: the reduce-overhead anchor's ("torch": torch's own; "xgraph": the
+    backend's). `probe`: trace kernels and sample fidelity (`probes`)."""
     accel = backend.device.type != "cpu"
     batches = batches or ([1, 8, 64, 256] if accel else [1, 8, 32])
     if compile_batches is None:
         compile_batches = DEFAULT_COMPILE if accel else []
     w = _workload(backend, model, batches, table_check_batch, accel)
     timer = Timer(backend)
-    data = {
-        **header(backend, model, w),
-        "iters": iters,
-        "compile_scope": compile_scope,
-        "compile_buckets": compile_buckets,
-        "weight_bytes": roofline.weight_bytes(w.model),
-    }
+    settings = {"iters": iters, "compile_scope": compile_scope}
+    settings.update(compile_buckets=compile_buckets, anchor_kernels=anchor_kernels)
+    data = {**header(backend, model, w), **settings}
+    data["weight_bytes"] = roofline.weight_bytes(w.model)
     attempt(data, "bandwidth", lambda: roofline.bandwidth(backend, timer))
 
     def snapshot() -> dict[str, Any]:
@@ -291,14 +336,18 @@ def run(
     steps = _steps(w, batches, seed, accel)
     rows = {b: {"batch": b, "kv_bytes": roofline.kv_bytes(w.cache, steps[b])} for b in batches}
     data["rows"] = list(rows.values())
-    _eager_rows(backend, w, steps, rows, timer, iters, save)
+    probes = Probes(backend, w, probe)
+    _eager_rows(backend, w, steps, rows, timer, iters, save, probes)
     if table_check_batch:  # the eager forward's part now, the compiled one's with its rows
         data["table_check"] = check = table_check.start(table_check_batch, seed)
         table_check.run(backend, check, "xgraph", w.model, timer, iters)
         save()
     chosen = [b for b in batches if b in compile_batches]
-    compiled = _Compiled(backend, w, chosen, compiler, compile_scope, compile_buckets)
-    _compiled_rows(compiled, data, steps, timer, iters, save)
+    compiled = _Compiled(
+        backend, w, chosen, compiler, compile_scope, compile_buckets, anchor_kernels
+    )
+    _compiled_rows(compiled, data, steps, timer, iters, save, probes)
+    probes.finish(data["rows"])
     return snapshot()
 
 
@@ -310,118 +359,15 @@ def _eager_rows(
     timer: Timer,
     iters: int,
     save: Callable[[], None],
+    probes: Probes,
 ) -> None:
     """Each batch eagerly and through an executor over the eager forward."""
     batches = list(rows)
     ex = w.executor(w.model.forward, backend=backend, buckets=batches, on_capture_error="raise")
     eager = w.executor(w.model.forward, backend=backend, buckets=batches, mode="eager")
     for b in batches:
-        _measure(backend, w, steps[b], (ex, eager), timer, iters, rows[b])
+        _measure(backend, w, steps[b], (ex, eager), timer, iters, rows[b], probes)
         _progress(rows[b])
         save()
     ex.close()
     eager.close()
-
-
-def _ms(row: dict[str, Any], key: str, name: str) -> Any:
-    """Milliseconds of a measured key, "failed" where its attempt failed, else blank."""
-    if key in row:
-        return row[key] * 1e3
-    return "failed" if f"{name}_error" in row else ""
-
-
-ERROR_NAMES = {
-    "eager_s": "eager",
-    "xgraph_s": "xgraph",
-    "raw_graph_s": "raw_graph",
-    "raw_graph_inputs_s": "raw_graph",
-    "reduce_overhead_s": "reduce_overhead",
-    "reduce_overhead_inputs_s": "reduce_overhead",
-    "xgraph_compiled_s": "xgraph_compiled",
-    "xgraph_per_size_s": "xgraph_per_size",
-}
-
-
-def _step_table(data: dict[str, Any]) -> str:
-    """One line per batch and variant: step time and its place against the roofline."""
-    out = []
-    bw = data.get("bandwidth_bytes_per_s")
-    for r in data["rows"]:
-        for name, key in VARIANTS.items():
-            ms = _ms(r, key, ERROR_NAMES[key])
-            if ms == "":
-                continue
-            line: dict[str, Any] = {"batch": r["batch"], "variant": name, "ms": ms}
-            if isinstance(ms, float) and bw:
-                line["weight GB/s"] = data["weight_bytes"] / (ms / 1e3) / 1e9
-                line["% of bandwidth"] = 100 * r["roofline"][name]
-                line["bw-limit ms"] = r["roofline_s"] * 1e3
-            out.append(line)
-    cols = ["batch", "variant", "ms", "weight GB/s", "% of bandwidth", "bw-limit ms"]
-    return table(out, cols if bw else cols[:3])
-
-
-def _batch_table(data: dict[str, Any]) -> str:
-    """Per batch: the best executor row against each anchor, the limits, host overhead."""
-    out = []
-    for r in data["rows"]:
-        line: dict[str, Any] = {"batch": r["batch"], "best xgraph": r.get("best_xgraph", "")}
-        if "best_xgraph_s" in r:
-            line["best ms"] = r["best_xgraph_s"] * 1e3
-        for a, ratio in r.get("best_xgraph_vs", {}).items():
-            line[f"best / {a}"] = ratio
-        if "eager/xgraph" in r:
-            line["eager / xgraph"] = r["eager/xgraph"]
-        if "eager_wall_s" in r:
-            line["eager wall ms"] = r["eager_wall_s"] * 1e3
-        if "roofline_s" in r:
-            line["bw-limit ms"] = r["roofline_s"] * 1e3
-            line["bw-limit ms (+kv)"] = r["roofline_with_kv_s"] * 1e3
-        if "host_overhead_s" in r:
-            line["host us/step"] = r["xgraph_host_s"] * 1e6
-            line["raw replay host us"] = r["raw_replay_host_s"] * 1e6
-            line["overhead us"] = r["host_overhead_s"] * 1e6
-        if "xgraph_compiled_first_step_s" in r:
-            line["compile+capture s"] = r["xgraph_compiled_first_step_s"]
-        if "xgraph_compiled_compiles" in r:
-            line["compiles so far"] = r["xgraph_compiled_compiles"]
-        if "xgraph_per_size_first_step_s" in r:
-            line["per-size compile+capture s"] = r["xgraph_per_size_first_step_s"]
-        if "xgraph_compiled_s" in r and "xgraph_per_size_s" in r:
-            line["one / per-size compile"] = r["xgraph_compiled_s"] / r["xgraph_per_size_s"]
-        out.append(line)
-    cols = list(dict.fromkeys(k for line in out for k in line))
-    return table(out, cols)
-
-
-def _buckets_note(buckets: str) -> str:
-    return {
-        "one": "once for every batch size",
-        "per-size": "once per batch size",
-        "both": "once for every batch size (per-size compiles in their own row)",
-    }.get(buckets, buckets)
-
-
-def summarize(data: dict[str, Any]) -> str:
-    bw = data.get("bandwidth_bytes_per_s")
-    measured = f"{bw / 1e9:.0f} GB/s" if bw else f"not measured ({data.get('bandwidth_error')})"
-    head = (
-        f"{data['backend']} / {data['device']} / {data['model']} ({data['dtype']}); "
-        f"times: median {data['timing']}; memory bandwidth {measured} (copy of "
-        f"{data.get('bandwidth_copy_bytes', 0) / MiB:.0f} MiB); weights read per step "
-        f"{data['weight_bytes'] / MiB:.1f} MiB (layers + final norm); xgraph over compile "
-        f"compiles: {data.get('compile_scope', 'layers')}, "
-        f"{_buckets_note(data.get('compile_buckets', 'per-size'))}"
-    )
-    parts = [head, _step_table(data), _batch_table(data)]
-    errors = [
-        f"- batch {r['batch']} {k[:-6]}: {v}"
-        for r in data["rows"]
-        for k, v in r.items()
-        if k.endswith("_error")
-    ]
-    if errors:
-        parts.append("failures:\n" + "\n".join(errors))
-    if "table_check" in data:
-        parts.append(table_check.summarize(data["table_check"]))
-    return "\n\n".join(parts)

@@ -1,18 +1,21 @@
 """A Qwen3-style decoder in plain torch with a paged KV cache: the reference workload.
 
 RMSNorm, per-head QK-norm, grouped-query attention, neox RoPE and a SwiGLU MLP, with
-merged qkv and gate/up projections and the residual add fused into the norms (layers in
-`qwen3_layers`). Hugging Face checkpoints load by their own parameter names (the split
-projections are merged on load). Attention goes through `xgraph.attention`, so one model runs
-eager, as a full graph and piecewise, and compiled (`compile_forward`: the whole forward as
-one graph with the token count dynamic, one compile for every bucket; or `compile_layers`:
-each layer; the call site is a custom op, not a graph break). Everything in the forward is
+merged qkv and gate/up projections; the layers pass the residual stream, each projection
+carrying the ops around it as a fusion (`xgraph.fusion`: the backend's fused kernel where it
+has one, the unfused ops where not; layers in `qwen3_layers`). Hugging Face checkpoints load
+by their own parameter names (the split projections are merged on load). Attention goes
+through `xgraph.attention`, so one model runs eager, as a full graph and piecewise, and
+compiled (`compile_forward`: the whole forward as one graph with the token count dynamic,
+one compile for every bucket; or `compile_layers`: each layer; the call site is a custom
+op, not a graph break). Everything in the forward is
 graph-safe: no host reads, no host scalars derived from tensors, positions and cache slots
 come in as device tensors.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -52,6 +55,11 @@ def hf_parameters(c: Qwen3Config) -> list[tuple[str, tuple[int, ...]]]:
     if not c.tie_word_embeddings:
         out.append(("lm_head.weight", (c.vocab_size, h)))
     return out
+
+
+def parameter_count(c: Qwen3Config) -> int:
+    """How many parameters a checkpoint of this shape holds."""
+    return sum(math.prod(shape) for _, shape in hf_parameters(c))
 
 
 def _under_dispatch_mode() -> bool:
@@ -130,8 +138,13 @@ class Qwen3Model(nn.Module):
         device: torch.device | str = "cpu",
         seed: int = 0,
         weights: str | None = None,
+        draw_on_device: bool | None = None,
     ) -> Qwen3Model:
-        """Random weights (seeded, std 0.02), or a local Hugging Face safetensors folder."""
+        """Random weights (seeded, std 0.02), or a local Hugging Face safetensors folder.
+
+        `draw_on_device`: draw the random weights on `device` (`init_on_device`) instead of
+        the host; None (default): on the device for shapes of more than 2e9 parameters
+        (qwen3-8b: the host would take minutes), on the host otherwise."""
         if isinstance(config, str):
             config = Qwen3Config.from_hf(weights) if weights else Qwen3Config.named(config)
         cache = PagedKVCache(
@@ -148,8 +161,12 @@ class Qwen3Model(nn.Module):
         model = model.to_empty(device=device)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
+        if draw_on_device is None:
+            draw_on_device = parameter_count(config) > 2e9
         if weights:
             model.load_safetensors(weights)
+        elif draw_on_device:
+            model.init_on_device(seed)
         else:
             model.init_random(seed)
         model = model.to(dtype).eval().requires_grad_(False)
@@ -167,6 +184,20 @@ class Qwen3Model(nn.Module):
             r = torch.randn(shape, generator=g)
             state[name] = 1.0 + 0.1 * r if name.endswith("norm.weight") else 0.02 * r
         self.load_hf_state(state, f"init_random({seed})")
+
+    @torch.no_grad()
+    def init_on_device(self, seed: int) -> None:
+        """Seeded weights drawn on the parameters' device, in their dtype (norm weights
+        1 + 0.1 N(0, 1), the rest 0.02 N(0, 1)): the same seed gives the same weights on the
+        same kind of device, not the host's `init_random` weights."""
+        dev = self.model.embed_tokens.weight.device
+        g = torch.Generator(device=dev).manual_seed(seed)
+        for name, p in self.named_parameters():
+            p.normal_(0.0, 1.0, generator=g)
+            if name.endswith("norm.weight"):
+                p.mul_(0.1).add_(1.0)
+            else:
+                p.mul_(0.02)
 
     def load_safetensors(self, folder: str) -> None:
         from safetensors.torch import load_file  # optional dependency
@@ -195,16 +226,13 @@ class Qwen3Model(nn.Module):
         weights = self.model.embed_tokens.weight.dtype
         if weights != self.kv_cache.dtype:  # converted since construction (model.to(...))
             _check_cache(self.config, self.kv_cache, weights)
-        x = self.model.embed_tokens(input_ids)
-        # the first layer adds a zero residual like every other layer adds its own, so all
-        # layers run one compiled graph
-        residual = torch.zeros_like(x)
+        x = self.model.embed_tokens(input_ids)  # the residual stream
         cos_sin = self.rotary(positions)  # gathered once for every layer
         plain = _under_dispatch_mode()
         for layer, kv in zip(self.model.layers, self.kv_cache.layers):
-            x, residual = (layer.forward if plain else layer)(x, residual, cos_sin, kv)
+            x, _ = (layer.forward if plain else layer)(x, None, cos_sin, kv)
         norm = self.model.norm
-        return (norm.forward if plain else norm)(x, residual)[0]
+        return (norm.forward if plain else norm)(x)[0]
 
     def compile_layers(self, **options: object) -> Qwen3Model:
         """torch.compile each decoder layer whole (norms, attention block with the attention

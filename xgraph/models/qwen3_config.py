@@ -80,8 +80,24 @@ class Qwen3Config:
         )
 
     @classmethod
+    def qwen3_8b(cls) -> Qwen3Config:
+        """The shape of Qwen3-8B (36 layers, 32 q / 8 kv heads of 128, hidden 4096, untied
+        embeddings): where the weights, not the launches, set a decode step's time."""
+        return cls(
+            vocab_size=151_936,
+            hidden_size=4096,
+            intermediate_size=12_288,
+            num_layers=36,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            max_position=40_960,
+            tie_word_embeddings=False,
+        )
+
+    @classmethod
     def named(cls, name: str) -> Qwen3Config:
-        table = {"tiny": cls.tiny, "qwen3-0.6b": cls.qwen3_0_6b}
+        table = {n: getattr(cls, f) for n, f in NAMED.items()}
         if name not in table:
             raise ValueError(f"Unknown model config {name!r}; choose one of {sorted(table)}.")
         return table[name]()
@@ -103,6 +119,9 @@ class Qwen3Config:
             max_position=c.get("max_position_embeddings", 8192),
             tie_word_embeddings=c.get("tie_word_embeddings", True),
         )
+
+
+NAMED = {"tiny": "tiny", "qwen3-0.6b": "qwen3_0_6b", "qwen3-8b": "qwen3_8b"}  # name -> method
 
 
 def _name(field: str) -> str:

@@ -1,12 +1,23 @@
 """The layers of the reference Qwen3 decoder, written for few kernels eager and for fusion.
 
 Projections are merged (one `qkv_proj`, one `gate_up_proj` GEMM) and run through
-`xgraph.linear.linear` (the backend's kernel where it has a faster one); the residual add is
-folded into the next RMSNorm (vLLM-style `norm(x, residual) -> (normed, residual)`); QK-norm
-and neox rotary run once over the q and k heads together. Math stays in float32 and is cast
-back to the model dtype where the unfused model casts, so an fp32 model matches it to
-rounding. Hugging Face checkpoints keep loading by their names: a state-dict pre-hook merges
-q/k/v_proj and gate/up_proj weights into the merged layers.
+`xgraph.linear.linear` (the backend's kernel where it has a faster one). A layer runs in one
+of two forms, the same math in the same order:
+
+- the stream form (`forward(x, None, ...)`, the single-rank model): x is the residual
+  stream, and each projection carries the ops around it as a `Fusion`: the input RMSNorm and
+  the per-head QK-norm + rotary with the qkv projection, the residual add with o_proj, the
+  post-attention RMSNorm with gate/up, SiLU-mul and the residual add with down_proj. Where
+  the backend has a fused kernel that is five launches a layer with attention; where not,
+  `xgraph.fusion.reference` runs the unfused ops, bit for bit the second form's;
+- the folded form (`forward(x, residual, ...)`, the TP model, whose all-reduce sits between
+  a projection and its residual add): the residual add folded into the next RMSNorm
+  (vLLM-style `norm(x, residual) -> (normed, residual)`), QK-norm and rotary over the q and
+  k heads together.
+
+Math stays in float32 and is cast back to the model dtype where the unfused model casts, so
+an fp32 model matches it to rounding. Hugging Face checkpoints keep loading by their names:
+a state-dict pre-hook merges q/k/v_proj and gate/up_proj weights into the merged layers.
 """
 
 from __future__ import annotations
@@ -19,9 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import attention
+from ..fusion import Fusion, HeadNorm, apply_rotary, rms_norm
 from ..linear import linear
 from ..metadata import KVCache
 from .qwen3_config import Qwen3Config
+
+__all__ = ["MLP", "Attention", "DecoderLayer", "RMSNorm", "Rotary", "apply_rotary", "rms_norm"]
 
 
 def _merge_on_load(module: nn.Module, merged: str, parts: Sequence[str]) -> None:
@@ -33,18 +47,6 @@ def _merge_on_load(module: nn.Module, merged: str, parts: Sequence[str]) -> None
             state[f"{prefix}{merged}.weight"] = torch.cat([state.pop(n) for n in names])
 
     module.register_load_state_dict_pre_hook(hook)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight over the last dim, computed in float32, returned in x's dtype.
-
-    A 1-d weight goes into F.rms_norm (one fused kernel on CUDA eager); a per-head weight
-    [heads, dim] multiplies its result, the same product in the same order.
-    """
-    xf = x.float()
-    if weight.dim() == 1:
-        return F.rms_norm(xf, (x.shape[-1],), weight.float(), eps).to(x.dtype)
-    return (F.rms_norm(xf, (x.shape[-1],), None, eps) * weight.float()).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -84,13 +86,6 @@ class Rotary(nn.Module):
         return self.table[positions]
 
 
-def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [tokens, heads, dim] (q and k heads together) by its tokens' positions."""
-    cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
-    xf = x.float()
-    return (xf * cos + xf.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
-
-
 class Attention(nn.Module):
     """GQA self-attention: merged qkv GEMM, QK-norm and rotary over q and k at once."""
 
@@ -107,7 +102,17 @@ class Attention(nn.Module):
         self.scale = c.head_dim**-0.5
         _merge_on_load(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv_cache: KVCache,
+        norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """Attention of x (already normed); with `norm`, x is the residual stream and the
+        result the stream after attention (`fused`)."""
+        if norm is not None:
+            return self.fused(x, norm, cos_sin, kv_cache)
         t, hq, hkv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qkv = linear(x, self.qkv_proj.weight).view(t, hq + 2 * hkv, d)
         # per-head norm weights: q's for the first hq heads, k's for the next hkv
@@ -115,6 +120,19 @@ class Attention(nn.Module):
         qk = apply_rotary(rms_norm(qkv[:, : hq + hkv], w, self.q_norm.eps), cos_sin)
         o = attention(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], kv_cache, scale=self.scale)
         return linear(o.reshape(t, hq * d), self.o_proj.weight)
+
+    def fused(
+        self, h: torch.Tensor, norm: RMSNorm, cos_sin: torch.Tensor, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """The stream after attention: h + o_proj(attention(qkv(norm(h)))), the norm, QK-norm
+        and rotary fused with the qkv projection and the residual add with o_proj."""
+        t, hq, hkv, d = h.shape[0], self.heads, self.kv_heads, self.head_dim
+        heads = HeadNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos_sin, hq, hkv)
+        qkv = linear(h, self.qkv_proj.weight, Fusion(norm.weight, norm.eps, heads=heads))
+        qkv = qkv.view(t, hq + 2 * hkv, d)
+        q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+        o = attention(q, k, v, kv_cache, scale=self.scale)
+        return linear(o.reshape(t, hq * d), self.o_proj.weight, Fusion(residual=h))
 
 
 class MLP(nn.Module):
@@ -128,14 +146,26 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
         _merge_on_load(self, "gate_up_proj", ("gate_proj", "up_proj"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+        """The MLP of x (already normed); with `norm`, x is the residual stream and the
+        result the stream after the MLP (`fused`)."""
+        if norm is not None:
+            return self.fused(x, norm)
         gate, up = linear(x, self.gate_up_proj.weight).chunk(2, -1)
         return linear(F.silu(gate) * up, self.down_proj.weight)
 
+    def fused(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The stream after the MLP: h + down(silu_mul(gate_up(norm(h)))), the norm fused with
+        the gate/up projection, SiLU-mul and the residual add with down_proj."""
+        gate_up = linear(h, self.gate_up_proj.weight, Fusion(norm.weight, norm.eps))
+        return linear(gate_up, self.down_proj.weight, Fusion(gated=True, residual=h))
+
 
 class DecoderLayer(nn.Module):
-    """One decoder layer; `forward(x, residual, ...)` returns (mlp output, residual), and
-    the next layer (or the final norm) adds them, fused with its norm."""
+    """One decoder layer. `forward(x, None, ...)`: x is the residual stream, and the layer
+    returns (the stream after it, None), its adds fused into projections. `forward(x,
+    residual, ...)`: returns (mlp output, residual), and the next layer (or the final norm)
+    adds them, fused with its norm (the TP model's blocks all-reduce their outputs first)."""
 
     def __init__(
         self, c: Qwen3Config, attn: nn.Module | None = None, mlp: nn.Module | None = None
@@ -148,8 +178,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if residual is None:  # the stream form
+            # through the modules' calls, so hooks and launch sites see self_attn and mlp
+            h = self.self_attn(x, cos_sin, kv_cache, norm=self.input_layernorm)
+            return self.mlp(h, norm=self.post_attention_layernorm), None
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos_sin, kv_cache)
         h, residual = self.post_attention_layernorm(h, residual)

@@ -27,8 +27,29 @@ def _use_the_interpreter() -> None:
             delattr(xc, name)
 
 
+def _index_scalars_under_numpy_2() -> None:
+    """Triton 3.6's interpreter turns a scalar argument into an index with int() of a
+    one-element array, which numpy 2.4 refuses for arrays of one dimension; index through
+    the element instead (the interpreter calls _patch_lang_tensor at every launch)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # no triton: the kernel tests skip themselves
+        return
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "scalar_index", False):
+        return
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.scalar_index = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
 if not torch.cuda.is_available():
     _use_the_interpreter()
+    _index_scalars_under_numpy_2()
 
 
 @pytest.fixture

@@ -134,13 +134,46 @@ DECODE_LENS = [7, 1, 13, 4, 21]
 
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa2", "mha"])
 @pytest.mark.parametrize("splits", [1, 3, None], ids=["splits1", "splits3", "auto"])
-def test_decode_matches_the_reference(heads: tuple[int, int], splits: int | None) -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "three-launches"])
+def test_decode_matches_the_reference(
+    heads: tuple[int, int], splits: int | None, fused: bool
+) -> None:
     case = Case([1] * 5, DECODE_LENS, hq=heads[0], hkv=heads[1], pad_seqs=2, pad_tokens=0)
     want, want_cache = _run(PagedDecodeRunner(), case)
-    got, got_cache = _run(TritonPagedDecodeRunner(splits), case)
+    got, got_cache = _run(TritonPagedDecodeRunner(splits, fused=fused), case)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, **F32_TOL)
     _same_cache(got_cache, want_cache)
+
+
+def test_fused_decode_is_one_launch_and_bitwise_repeatable(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Store, split attention and merge in one launch (no store or merge kernel), the
+    splits merged in split order: two runs give the same bits, the counts are back at 0."""
+    from xgraph_cuda.kernels import arena
+    from xgraph_cuda.kernels import decode as decode_kernels
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a second launch")
+
+    monkeypatch.setattr(triton_runners, "store_kv", refuse)
+    monkeypatch.setattr(decode_kernels, "_merge", refuse)
+    case = Case([1] * 5, DECODE_LENS, pad_seqs=1, pad_tokens=0)
+    a, cache_a = _run(TritonPagedDecodeRunner(4, fused=True), case)
+    b, cache_b = _run(TritonPagedDecodeRunner(4, fused=True), case)
+    assert torch.equal(a, b)
+    _same_cache(cache_a, cache_b)
+    assert int(arena.counts(DEVICE).abs().sum()) == 0
+    torch.testing.assert_close(a, _run(PagedDecodeRunner(), case)[0], **F32_TOL)
+
+
+def test_the_decode_launches_follow_the_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(triton_runners.DECODE_ENV, "split")
+    assert not TritonPagedDecodeRunner().fused
+    monkeypatch.setenv(triton_runners.DECODE_ENV, "auto")
+    assert TritonPagedDecodeRunner().fused
+    monkeypatch.setenv(triton_runners.DECODE_ENV, "merged")
+    with pytest.raises(XGraphError, match="XGRAPH_CUDA_DECODE='merged'"):
+        TritonPagedDecodeRunner()
 
 
 @pytest.mark.parametrize(

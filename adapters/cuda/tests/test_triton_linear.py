@@ -60,10 +60,16 @@ def test_serves_one_row_anywhere_and_a_few_rows_into_narrow_outputs() -> None:
 
 
 def test_the_kernel_is_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from xgraph_cuda import projection
+
     monkeypatch.setenv(cuda_linear.LINEAR_ENV, "torch")
     assert cuda_linear.linear_kernel() is None
-    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "auto")
+    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "skinny")
     assert cuda_linear.linear_kernel() is skinny.linear
+    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "auto")
+    assert cuda_linear.linear_kernel() is skinny.linear  # the decode kernel is asked for
+    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "triton")
+    assert cuda_linear.linear_kernel() is projection.plain
     monkeypatch.setenv(cuda_linear.LINEAR_ENV, "cublas")
     with pytest.raises(XGraphError, match="XGRAPH_CUDA_LINEAR='cublas'; use one of"):
         cuda_linear.linear_kernel()
@@ -75,11 +81,13 @@ def test_the_reference_model_decodes_the_same_with_and_without_the_kernel(backen
     backend installs it) and agree with cuBLAS's within bf16 rounding."""
     import random
 
+    from xgraph_cuda import projection
+
     import xgraph.linear as core_linear
     from xgraph.models import Workload
 
     backend.activate()
-    assert core_linear.installed("cuda") is skinny.linear
+    assert core_linear.installed("cuda") is projection.plain
     w = Workload.tiny(device="cuda", dtype=torch.bfloat16, num_blocks=64, max_seqs=4)
     step = w.decode_step(random.Random(3), 1)
     calls: list[tuple[int, ...]] = []
@@ -94,6 +102,6 @@ def test_the_reference_model_decodes_the_same_with_and_without_the_kernel(backen
         core_linear.install("cuda", None, "test")
         slow = w.eager(step, forward=w.model.forward)
     finally:
-        core_linear.install("cuda", skinny.linear, "cuda")
+        backend.activate()
     assert len(calls) == 4 * w.model.config.num_layers
     torch.testing.assert_close(fast.float(), slow.float(), rtol=2e-2, atol=2e-2)

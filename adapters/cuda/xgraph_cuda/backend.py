@@ -21,7 +21,7 @@ from xgraph.adapter import (
     TorchRuntime,
 )
 
-from . import attention, linear, probe, staging
+from . import attention, linear, pdl, probe, staging
 from .runtime import CUDARuntime
 from .timing import LeadTimer
 from .vmm import CUDAVirtualMemory
@@ -53,9 +53,16 @@ class CUDABackend(TorchBackend):
     def kernels(self) -> Kernels:
         """Triton decode and prefill runners when triton imports, else SDPA prefill and the
         core's graph-safe reference decode (XGRAPH_CUDA_ATTENTION=triton|torch forces one);
-        the skinny Triton kernel for decode's few-row projections (XGRAPH_CUDA_LINEAR=torch:
-        cuBLAS for every call)."""
-        return Kernels(attention.attention_runners(), linear.linear_kernel())
+        the skinny projection kernel, or (XGRAPH_CUDA_LINEAR=triton) the decode projection
+        kernels for 1 to 64 rows, plain and fused with the ops around them
+        (XGRAPH_CUDA_LINEAR, XGRAPH_CUDA_FUSED choose; `linear`); programmatic
+        dependent launch in full graphs on Hopper and later (`pdl`)."""
+        return Kernels(
+            attention.attention_runners(),
+            linear.linear_kernel(),
+            linear.fused_kernel(),
+            pdl.CUDAProgrammaticLaunch(self.device),
+        )
 
     def host_copier(self, device: torch.Tensor, host: torch.Tensor) -> HostCopier | None:
         """cuMemcpyHtoDAsync and an event on the current stream, without torch's copy path

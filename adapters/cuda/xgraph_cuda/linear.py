@@ -1,9 +1,20 @@
-"""The CUDA adapter's kernel for `xgraph.linear`: the skinny Triton kernel for decode's
-few-row projections (`kernels.skinny`), when Triton imports.
+"""Which projection kernels the CUDA adapter gives `xgraph.linear`, chosen by environment.
 
-XGRAPH_CUDA_LINEAR=torch turns it off (F.linear, cuBLAS, for every call); `triton` insists
-on it and fails loudly where Triton is missing; `auto` (the default) uses it if Triton
-imports.
+XGRAPH_CUDA_LINEAR (the plain projection, `Kernels.linear`):
+- `auto` (default): the skinny kernel (kernels/skinny.py: one row, or up to four into
+  narrow outputs) when triton imports, else cuBLAS;
+- `triton`: the decode projection kernel (`projection.plain`, 1 to 64 rows; Triton
+  kernels/gemv.py), failing loudly where Triton is missing. Not the default: on an H200 its
+  logits were 1.15x further from float32 than reduce-overhead's at some buckets, past the
+  fidelity gate's 1.1 (docs/kernels.md);
+- `skinny`: the skinny kernel, as `auto` picks it;
+- `torch`: F.linear (cuBLAS) for every call.
+
+XGRAPH_CUDA_FUSED (`Kernels.fused_linear`: RMSNorm / SiLU-mul prologues, residual and
+per-head norm + rotary epilogues in the projection's kernel):
+- `auto` (default): on when the plain kernel is the decode projection kernel (`triton`);
+- `on`: on wherever triton imports (with any plain choice);
+- `off`: the fusion's reference ops around the plain projection.
 """
 
 from __future__ import annotations
@@ -11,32 +22,59 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
-
-import torch
+from typing import Any
 
 from xgraph.adapter import XGraphError
 
 LINEAR_ENV = "XGRAPH_CUDA_LINEAR"
-CHOICES = ("auto", "triton", "torch")
+FUSED_ENV = "XGRAPH_CUDA_FUSED"
+CHOICES = ("auto", "triton", "skinny", "torch")
+FUSED_CHOICES = ("auto", "on", "off")
 
 
-def linear_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
-    """The skinny kernel's entry point, or None (XGRAPH_CUDA_LINEAR=torch, or no Triton)."""
-    asked = os.environ.get(LINEAR_ENV, "auto").strip().lower() or "auto"
-    if asked not in CHOICES:
+def _asked(env: str, choices: tuple[str, ...], what: str) -> str:
+    asked = os.environ.get(env, "auto").strip().lower() or "auto"
+    if asked not in choices:
+        raise XGraphError(f"{env}={asked!r}; use one of {', '.join(choices)} ({what}).")
+    return asked
+
+
+def _has_triton(asked: str, env: str) -> bool:
+    if importlib.util.find_spec("triton") is not None:
+        return True
+    if asked in ("triton", "skinny", "on"):
         raise XGraphError(
-            f"{LINEAR_ENV}={asked!r}; use one of {', '.join(CHOICES)} (auto: the Triton "
-            "skinny kernel for decode projections when triton imports, else cuBLAS)."
+            f"{env}={asked} but triton is not installed. Install the CUDA build of torch (it "
+            "brings triton) or `pip install xgraph-cuda[triton]`."
         )
-    if asked == "torch":
-        return None
-    if importlib.util.find_spec("triton") is None:
-        if asked == "triton":
-            raise XGraphError(
-                f"{LINEAR_ENV}=triton but triton is not installed. Install the CUDA build of "
-                "torch (it brings triton) or `pip install xgraph-cuda[triton]`."
-            )
-        return None
-    from .kernels.skinny import linear
+    return False
 
-    return linear
+
+def linear_kernel() -> Callable[..., Any] | None:
+    """The plain projection kernel XGRAPH_CUDA_LINEAR picks, or None (cuBLAS)."""
+    asked = _asked(LINEAR_ENV, CHOICES, "auto: the skinny kernel when triton imports")
+    if asked == "torch" or not _has_triton(asked, LINEAR_ENV):
+        return None
+    if asked in ("auto", "skinny"):
+        from .kernels.skinny import linear
+
+        return linear
+    from .projection import plain
+
+    return plain
+
+
+def fused_kernel() -> Callable[..., Any] | None:
+    """The fused projection kernel XGRAPH_CUDA_FUSED picks, or None (the reference ops)."""
+    asked = _asked(FUSED_ENV, FUSED_CHOICES, "auto: on with the decode projection kernel")
+    if asked == "off":
+        return None
+    if asked == "auto":
+        plain = _asked(LINEAR_ENV, CHOICES, "")
+        if plain != "triton":
+            return None
+    if not _has_triton(asked, FUSED_ENV):
+        return None
+    from .projection import fused
+
+    return fused

@@ -10,6 +10,7 @@ every layer's single attention launch. Both store the step's k/v with one fused 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,8 @@ from triton.runtime.errors import OutOfResources
 
 from xgraph.adapter import AttentionMetadata, KVCache, PlannedRunner, XGraphError
 
-from .kernels import interpreting
+from . import pdl
+from .kernels import arena, interpreting, sm_count
 from .kernels.decode import paged_decode
 from .kernels.prefill import varlen_prefill
 from .kernels.store import store_kv
@@ -25,6 +27,20 @@ from .kernels.tiles import block_m_for, tile_table
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SPLITS = 32
+DECODE_ENV = "XGRAPH_CUDA_DECODE"
+DECODE_CHOICES = ("auto", "fused", "split")
+
+
+def decode_fused() -> bool:
+    """Whether XGRAPH_CUDA_DECODE asks for the one-launch decode (auto, fused) or for the
+    store, split attention and merge launches (split)."""
+    asked = os.environ.get(DECODE_ENV, "auto").strip().lower() or "auto"
+    if asked not in DECODE_CHOICES:
+        raise XGraphError(
+            f"{DECODE_ENV}={asked!r}; use one of {', '.join(DECODE_CHOICES)} (auto, fused: "
+            "one launch stores, attends and merges; split: three launches)."
+        )
+    return asked != "split"
 
 
 class AttentionKernelError(XGraphError, ValueError):
@@ -74,18 +90,6 @@ def _stored_rows(runner: str, md: AttentionMetadata, k: torch.Tensor, n: int) ->
     return n
 
 
-_SM_COUNT: dict[torch.device, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of the device (a small fixed number in the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
-
-
 def auto_splits(programs: int, max_context: int, sms: int, block_n: int) -> int:
     """Splits per (sequence, kv head) from shapes only (so a graph keeps one launch): enough
     programs for about two waves, each split at least two key tiles of the widest table. A
@@ -104,12 +108,14 @@ class TritonPagedDecodeRunner(PlannedRunner):
     tokens, causal inside the step), grid fixed by shapes.
 
     `num_splits` fixes the split-KV factor (None: chosen from the shapes and the device).
+    `fused`: one launch per decode step's layer (store, attention, merge) where the step has
+    one query token per sequence (None: XGRAPH_CUDA_DECODE decides).
     """
 
     graph_safe = True
     max_query_len = 8
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, fused: bool | None = None) -> None:
         super().__init__()
         if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
             raise AttentionKernelError(
@@ -117,6 +123,7 @@ class TritonPagedDecodeRunner(PlannedRunner):
                 "None (chosen from the shapes)."
             )
         self.num_splits = num_splits
+        self.fused = decode_fused() if fused is None else fused
 
     def run(
         self,
@@ -130,8 +137,6 @@ class TritonPagedDecodeRunner(PlannedRunner):
         md = self.planned()
         name = type(self).__name__
         check_inputs(name, q, k, out, kv_cache)
-        # like the reference decode runner: every row (padding too, to the dummy slot)
-        store_kv(k, v, kv_cache, md.slot_mapping, _stored_rows(name, md, k, k.shape[0]))
         k_cache = kv_cache[0]
         t, b = q.shape[0], md.num_seqs
         if not b or t % b:
@@ -139,13 +144,36 @@ class TritonPagedDecodeRunner(PlannedRunner):
                 f"{name}: {t} query tokens for {b} sequences; a decode step has the same "
                 "number of tokens for every sequence. Plan the runner on this step's metadata."
             )
+        # like the reference decode runner: every row (padding too, to the dummy slot)
+        n = _stored_rows(name, md, k, k.shape[0])
+        one = self.fused and t == b == n and k.stride(-1) == 1 and v.stride(-1) == 1
+        if not one:
+            store_kv(k, v, kv_cache, md.slot_mapping, n)
         block_n = 32 if k_cache.dtype == torch.float32 else 64
         splits = self.num_splits
         if splits is None:
             context = md.block_tables.shape[1] * k_cache.shape[1]
             splits = auto_splits(t * k_cache.shape[2], context, sm_count(q.device), block_n)
+        counts = None
+        if self.fused and splits > 1 and t * k_cache.shape[2] <= arena.SIZE:
+            counts = arena.counts(q.device)  # None inside a process's first capture
         tables, seq_lens = md.block_tables[:b], md.seq_lens[:b]
-        paged_decode(q, kv_cache, seq_lens, tables, out, scale, splits, block_n, query_len=t // b)
+        store = (k, v, md.slot_mapping) if one else None
+        on = pdl.launch_options(q.is_cuda)
+        paged_decode(
+            q,
+            kv_cache,
+            seq_lens,
+            tables,
+            out,
+            scale,
+            splits,
+            block_n,
+            query_len=t // b,
+            store=store,
+            counts=counts,
+            pdl=on,
+        )
 
 
 @dataclass(frozen=True)

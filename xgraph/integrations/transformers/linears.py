@@ -1,8 +1,10 @@
 """The model's projections through `xgraph.linear`: the backend's kernel where it serves.
 
 A backend may have a faster kernel than the vendor GEMM for some projections (the CUDA
-adapter's skinny kernel for decode's few-row calls, where cuBLAS leaves most of the GPU
-idle; `xgraph.linear`). transformers' layers call `nn.Linear` on [1, tokens, features].
+adapter's decode projection kernel for 1 to 64 rows, where cuBLAS leaves most of the GPU
+idle; `xgraph.linear`). The fused prologues and epilogues of `linear(x, w, fusion)` are not
+reached: a transformers layer's norms, rotary and residual adds are its own code.
+transformers' layers call `nn.Linear` on [1, tokens, features].
 `swap_linears` turns each `nn.Linear` of the model, except the LM head (which runs outside
 the graphs on the rows that sample), into an `XLinear`: the same module object with the
 same parameters, whose forward flattens the tokens into rows and calls

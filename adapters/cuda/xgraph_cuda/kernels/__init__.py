@@ -1,7 +1,11 @@
-"""Triton attention kernels of the CUDA adapter, one idea per module.
+"""Triton kernels of the CUDA adapter, one idea per module.
 
-`store` writes a step's k/v rows into the paged caches, `decode` attends one query token per
-sequence (graph-safe), `prefill` attends variable-length query tiles planned by `tiles`.
+Attention: `store` writes a step's k/v rows into the paged caches, `decode` attends one
+query token per sequence (graph-safe), `prefill` attends variable-length query tiles
+planned by `tiles`. Projections: `gemv` (decode's few-row products with the ops around them
+fused), `qkv` (the merged qkv projection with its per-head norm and rotary), over `operand`,
+`fixup` (split reductions finished by the last program, counts in `arena`) and `tuning`;
+`skinny` is the earlier few-row kernel.
 Importing this package loads no Triton; the kernel modules do, so only code that has checked
 for Triton imports them. Under TRITON_INTERPRET=1 the kernels run on CPU tensors.
 """
@@ -13,6 +17,28 @@ import os
 import torch
 
 _TRUE = ("1", "true", "on", "yes")
+
+
+_SM_COUNT: dict[torch.device, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of the device (a small fixed number in the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
+
+
+def pdl_options(launch: bool = False, waits: bool = False) -> dict:
+    """A launch's PDL constexpr and launch option: the predecessor wait compiled in with the
+    launch attribute (`launch`), or compiled in alone (`waits`: the same binary launched
+    without PDL, to compare launches that differ by the attribute only)."""
+    opts: dict = {"PDL": launch or waits}
+    if launch:
+        opts["launch_pdl"] = True
+    return opts
 
 
 def interpreting() -> bool:

@@ -8,8 +8,13 @@ length L sees positions < L - QLEN + 1 + j), so its cost follows the real contex
 table width. Positions >= seq_len are never loaded (masked loads, -inf
 scores), so whatever fills unused or dummy blocks cannot reach the output. With one split
 the program writes `out`; with several, each writes a normalized partial and its
-log-sum-exp, and a second kernel merges them. The launch shape depends only on tensor
-shapes, so the pair records into a CUDA graph.
+log-sum-exp, and a second kernel merges them, or (`counts` given) the last split of each
+(token, kv head) to finish merges them itself (`fixup`: in split order, so replays are
+bitwise repeatable), and one launch does it all. With `store` (decode, one query token per
+sequence), the split that holds the token's own position first writes the token's k and v
+at its slot, then walks the cache (a barrier between: its own threads read them back), so
+the step's store needs no launch of its own either. The launch shape depends only on tensor
+shapes, so the launches record into a CUDA graph.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import triton.language as tl
 
 from xgraph.adapter import KVCache
 
-from . import dot_precision, dot_upcast
+from . import dot_precision, dot_upcast, pdl_options
+from .fixup import arrive
 from .online import load_rows, page_slots, softmax_step
 
 LOG2E = 1.4426950408889634
@@ -60,17 +66,63 @@ def _walk(q, K, V, table_row, table_width, lo, hi, scale_log2,
 
 
 @triton.jit
+def _store_own(Knew, Vnew, K, V, Slots, b, h, num_slots, mine, d, dmask,
+               s_nb, s_nh, s_mb, s_mh, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+               PAGE: tl.constexpr):
+    """Write token b's k and v of kv head h (K, V point at it) at its slot, if `mine`; a slot
+    outside the cache is dropped rather than written past its end."""
+    slot = tl.load(Slots + b).to(tl.int64)
+    ok = dmask & mine & (slot >= 0) & (slot < num_slots)
+    blk, off = slot // PAGE, slot % PAGE
+    k = tl.load(Knew + b * s_nb + h * s_nh + d, mask=ok, other=0.0)
+    v = tl.load(Vnew + b * s_mb + h * s_mh + d, mask=ok, other=0.0)
+    tl.store(K + blk * s_kb + off * s_ks + d * s_kd, k.to(K.dtype.element_ty), mask=ok)
+    tl.store(V + blk * s_vb + off * s_vs + d * s_vd, v.to(V.dtype.element_ty), mask=ok)
+    tl.debug_barrier()  # the walk's loads of this slot come after these stores
+
+
+@triton.jit
+def _merge_here(Part, Lse, Out, b, heads, hq, qmask, d, gmask, s_ob, s_oh, s_od,
+                SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Out[b, heads] from the splits' partials, weighted by their share of the softmax mass,
+    in split order (the last split to finish runs this)."""
+    row = (b * hq + heads) * SPLITS
+    top = tl.full(heads.shape, float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        top = tl.maximum(top, tl.load(Lse + row + s, mask=gmask, other=float("-inf"),
+                                      cache_modifier=".cg"))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    acc = tl.zeros(qmask.shape, tl.float32)
+    total = tl.zeros(heads.shape, tl.float32)
+    for s in tl.static_range(SPLITS):
+        w = tl.exp2(tl.load(Lse + row + s, mask=gmask, other=float("-inf"),
+                            cache_modifier=".cg") - top)
+        part = tl.load(Part + (row + s)[:, None] * HEAD_DIM + d[None, :], mask=qmask, other=0.0,
+                       cache_modifier=".cg")
+        acc += part * w[:, None]
+        total += w
+    o = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(Out + b * s_ob + heads[:, None] * s_oh + d[None, :] * s_od,
+             o.to(Out.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_log2,
                    s_qb, s_qh, s_qd, s_ob, s_oh, s_od,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb,
+                   Knew, Vnew, Slots, num_slots, s_nb, s_nh, s_mb, s_mh, Count,
                    GROUP: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr, QLEN: tl.constexpr):
+                   PRECISION: tl.constexpr, QLEN: tl.constexpr, STORE: tl.constexpr,
+                   FIXUP: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # the query token
     h = tl.program_id(1)
     split = tl.program_id(2)
     seq = b // QLEN
+    if PDL:  # nothing the previous kernel writes is read, nor anything written, before this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # the keys this token sees: its sequence's, up to and including its own position
     seq_len = tl.load(SeqLens + seq) - (QLEN - 1 - b % QLEN)
     # whole key tiles per split, so a short context keeps to the first few splits
@@ -81,6 +133,11 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
     d = tl.arange(0, BLOCK_D)
     heads = h * GROUP + g
     qmask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    if STORE:  # the split holding the token's own position (split 0 of an empty context)
+        owner = tl.where(seq_len > 0, (seq_len - 1) // tl.maximum(share, 1), 0)
+        _store_own(Knew, Vnew, K + h * s_kh, V + h * s_vh, Slots, b, h, num_slots,
+                   split == owner, d, d < HEAD_DIM, s_nb, s_nh, s_mb, s_mh,
+                   s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE)
     q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd, mask=qmask, other=0.0)
     q = q.to(K.dtype.element_ty)
     if UPCAST:
@@ -97,10 +154,15 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
         o_ptr = Out + b * s_ob + heads[:, None] * s_oh + d[None, :] * s_od
         tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=qmask)
     else:
-        row = (b * tl.num_programs(1) * GROUP + heads) * SPLITS + split  # Part [b, hq, S, D]
+        hq = tl.num_programs(1) * GROUP
+        row = (b * hq + heads) * SPLITS + split  # Part [b, hq, S, D]
         tl.store(Part + row[:, None] * HEAD_DIM + d[None, :], o, mask=qmask)
         lse = tl.where(den > 0, m + tl.log2(safe), float("-inf"))
         tl.store(Lse + row, lse, mask=g < GROUP)
+        if FIXUP:
+            if arrive(Count, b * tl.num_programs(1) + h, SPLITS):
+                _merge_here(Part, Lse, Out, b, heads, hq, qmask, d, g < GROUP,
+                            s_ob, s_oh, s_od, SPLITS, HEAD_DIM)
 
 
 @triton.jit
@@ -127,6 +189,28 @@ def _merge_kernel(Part, Lse, Out, s_ob, s_oh, s_od,
 # fmt: on
 
 
+def _partials(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split's normalized output and log-sum-exp (unused with one split)."""
+    if splits == 1:
+        return out, out
+    b, hq, dim = out.shape
+    part = torch.empty((b, hq, splits, dim), dtype=torch.float32, device=out.device)
+    return part, torch.empty((b, hq, splits), dtype=torch.float32, device=out.device)
+
+
+def _store_args(
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    k_cache: torch.Tensor,
+    q: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple:
+    """The kernel's store arguments: new k, v, slots, the cache's slot count, k's and v's
+    token and head strides (stand-ins without a store)."""
+    knew, vnew, slots = store if store is not None else (q, q, seq_lens)
+    slots_total = k_cache.shape[0] * k_cache.shape[1]
+    return (knew, vnew, slots, slots_total, *knew.stride()[:2], *vnew.stride()[:2])
+
+
 def paged_decode(
     q: torch.Tensor,
     kv_cache: KVCache,
@@ -139,19 +223,18 @@ def paged_decode(
     num_warps: int = 4,
     num_stages: int = 2,
     query_len: int = 1,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    counts: torch.Tensor | None = None,
+    pdl: dict | None = None,
 ) -> None:
-    """out[t] = attention of q[t] [hq, dim], token t = sequence s, query j (t = s *
-    query_len + j), over the first seq_lens[s] - query_len + 1 + j positions of sequence s's
-    pages; `splits` programs share each (token, kv head)."""
+    """out[t] = attention of q[t] [hq, dim] (token t = s * query_len + j) over the first
+    seq_lens[s] - query_len + 1 + j positions of sequence s, `splits` programs per (token, kv
+    head); `store` = (k, v, slots): k[t], v[t] written at slots[t] first (query_len 1);
+    `counts` (the arena): the splits merge themselves, no second kernel."""
     k_cache, v_cache = kv_cache
-    b, hq, dim = q.shape
-    hkv = k_cache.shape[2]
-    group = hq // hkv
-    block_d = triton.next_power_of_2(dim)
-    part = lse = out  # unused with one split
-    if splits > 1:
-        part = torch.empty((b, hq, splits, dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    (b, hq, dim), hkv = q.shape, k_cache.shape[2]
+    group, block_d = hq // hkv, triton.next_power_of_2(dim)
+    part, lse = _partials(out, splits)
     _decode_kernel[(b, hkv, splits)](
         q,
         k_cache,
@@ -168,6 +251,8 @@ def paged_decode(
         *k_cache.stride()[:4],
         *v_cache.stride()[:4],
         block_tables.stride(0),
+        *_store_args(store, k_cache, q, seq_lens),
+        counts if counts is not None else seq_lens,
         GROUP=group,
         PAGE=k_cache.shape[1],
         SPLITS=splits,
@@ -180,8 +265,11 @@ def paged_decode(
         num_warps=num_warps,
         num_stages=num_stages,
         QLEN=query_len,
+        STORE=store is not None,
+        FIXUP=counts is not None,
+        **(pdl or pdl_options()),
     )
-    if splits > 1:
+    if splits > 1 and counts is None:
         _merge(part, lse, out, splits, block_d, dim)
 
 

@@ -1,0 +1,156 @@
+"""Decode projections: y = x @ w.T for 1 to 64 rows, with the ops around them fused.
+
+Program (column tile, split) streams BLOCK_N weight rows over its share of K once for all
+rows of x (`operand`: the weight tile is the tensor cores' left operand, pipelined through
+shared memory). The prologue is applied to the input tile as it is loaded: RMSNorm (x * g,
+the row's sum of squares accumulated on the way; 1 / rms scales the product at the end, so
+no pass over the row comes first) or SiLU(gate) * up. With a split, each program stores its
+partial and the tile's last program sums them in split order (`fixup`); then the epilogue:
+the norm's scale, the residual add, one rounding to the output dtype.
+
+The qkv projection with its per-head norm and rotary is `qkv.py`, over the same pieces.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import dot_precision, dot_upcast, pdl_options
+from .fixup import arrive, gather, gather_row, publish, publish_row, slot
+from .operand import accumulate, input_tile, weight_tile
+from .tuning import Config
+
+# fmt: off
+# Triton kernels take every pointer, stride and tile size as its own argument; one per line
+# would bury each kernel under its signature (as in decode.py), so these keep them packed.
+
+@triton.jit
+def _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm,
+            NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The epilogue of a column tile: scale by 1 / rms, add the residual, store."""
+    y = acc
+    if NORM:
+        y = y * (1.0 / tl.sqrt(ss / K + eps))[None, :]
+    mask = n_ok[:, None] & m_ok[None, :]
+    if RESIDUAL:
+        y += tl.load(R + rm[None, :] * s_rm + rn[:, None], mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + rm[None, :] * s_ym + rn[:, None], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            NORM: tl.constexpr, GATED: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One program's share of the product: acc [BLOCK_N, BLOCK_M] over k_per columns of K
+    from k (weight rows `rows`), and the input rows' sum of squares over them."""
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    for _ in range(0, k_per, BLOCK_K):
+        w = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
+        x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
+        ss += sq
+        acc = accumulate(acc, w, x, MMA, UPCAST, PRECISION)
+        k += BLOCK_K
+    return acc, ss
+
+
+@triton.jit
+def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, s_xm, s_wn, s_ym, s_rm, eps,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+                 RESIDUAL: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    n_ok, m_ok = rn < N, rm < M
+    if PDL:  # nothing the previous kernel writes is read, nor anything written, before this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc, ss = product(X, W, G, rn.to(tl.int64), rm, n_ok, m_ok,
+                      split * k_per + tl.arange(0, BLOCK_K), K, k_per, s_xm, s_wn,
+                      BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST, PRECISION)
+    if SPLIT == 1:
+        _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm, NORM, RESIDUAL)
+    else:
+        at = slot(Part, tile, split, SPLIT, BLOCK_N + 1, BLOCK_M)
+        publish(at, acc, 0, BLOCK_N, BLOCK_M)
+        publish_row(at, ss, BLOCK_N, BLOCK_M)
+        if arrive(Count, tile, SPLIT):
+            acc = gather(Part, tile, 0, SPLIT, BLOCK_N + 1, BLOCK_N, BLOCK_M)
+            ss = gather_row(Part, tile, BLOCK_N, SPLIT, BLOCK_N + 1, BLOCK_M)
+            _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm, NORM, RESIDUAL)
+
+# fmt: on
+
+
+def k_share(k: int, c: Config) -> tuple[int, int]:
+    """(K per split, a multiple of BLOCK_K; the number of splits that K needs)."""
+    per = triton.cdiv(triton.cdiv(k, c.split), c.block_k) * c.block_k
+    return per, triton.cdiv(k, per)
+
+
+def workspace(tiles: int, split: int, rows: int, c: Config, like: torch.Tensor) -> torch.Tensor:
+    """The split's float32 partials: one slot of `rows` x BLOCK_M per (tile, split); without
+    a split no slot is read, and `like` stands in."""
+    if split == 1:
+        return like
+    return torch.empty(tiles * split * rows * c.block_m, dtype=torch.float32, device=like.device)
+
+
+def launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    c: Config,
+    counts: torch.Tensor | None,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+    pdl: dict | None = None,
+) -> torch.Tensor:
+    """y [m, n] = epilogue(prologue(x) @ w.T) in x's dtype, with configuration `c` (its
+    split needs `counts`, the arena; without it the launch is unsplit)."""
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    per, split = k_share(k, c if counts is not None else c._replace(split=1))
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(n, c.block_n)
+    res = residual if residual is not None else y
+    _gemv_kernel[(tiles, split)](
+        x,
+        w,
+        y,
+        res,
+        norm if norm is not None else w,
+        workspace(tiles, split, c.block_n + 1, c, y),
+        counts if split > 1 else y,
+        m,
+        n,
+        k,
+        per,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+        res.stride(0),
+        eps,
+        BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k,
+        SPLIT=split,
+        NORM=norm is not None,
+        GATED=gated,
+        RESIDUAL=residual is not None,
+        MMA=c.mma,
+        EVEN=k % c.block_k == 0 and per * split == k,
+        UPCAST=dot_upcast(),
+        PRECISION=dot_precision(w.dtype),
+        num_warps=c.warps,
+        num_stages=c.stages,
+        **(pdl or pdl_options()),
+    )
+    return y

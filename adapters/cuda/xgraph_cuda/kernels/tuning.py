@@ -1,0 +1,82 @@
+"""Launch configurations of the projection kernels, chosen from shapes alone (no autotuning:
+a decode graph records one launch per projection, and the first step must not time kernels).
+
+A decode projection reads its weight matrix once and does next to no arithmetic, so what
+sets its time is how many weight bytes are in flight across the GPU. The rules, for a GPU
+of `sms` multiprocessors:
+
+- tensor-core form (`mma`) by default: 64 weight rows per program against the input rows
+  padded to 16 / 32 / 64, BLOCK_K = 128, three pipeline stages: 16 KiB of weights per stage,
+  48 KiB in flight per program, up to four programs per multiprocessor;
+- split K across `split` programs (a power of two, at most 16, each walking at least two
+  K tiles) until the grid holds about two programs per multiprocessor: a 1024-column output
+  has 16 column tiles, far too few alone; the split's partials are summed by the tile's
+  last program (`fixup`), in a fixed order;
+- the multiply-add form (`mma=False`, rows <= 2) is kept for the sweep
+  (adapters/cuda/tools/bench_kernels.py), which measures each form on the device.
+
+`candidates` lists the configurations the sweep tries per shape; `pick` is the default.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+MAX_ROWS = 64  # decode buckets up to here; prefill-sized calls go to cuBLAS
+MAX_SPLIT = 16
+
+
+class Config(NamedTuple):
+    mma: bool  # tensor-core dot (else float32 multiply-adds)
+    block_m: int  # input rows per program (padded)
+    block_n: int  # weight rows (output columns) per program; head_dim for the qkv kernel
+    block_k: int
+    split: int  # programs along K per column tile
+    warps: int
+    stages: int
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def block_m_for(m: int, mma: bool) -> int:
+    """Rows a program holds: the tensor cores' minimum of 16, else the rows themselves."""
+    return max(16, _pow2(m)) if mma else _pow2(m)
+
+
+def split_for(tiles: int, k: int, block_k: int, sms: int) -> int:
+    """The power-of-two K split that brings the grid to about two programs per
+    multiprocessor, keeping at least two K tiles per program."""
+    split = 1
+    while split < MAX_SPLIT and tiles * split * 2 <= 2 * sms and k >= 2 * block_k * split * 2:
+        split *= 2
+    return split
+
+
+def pick(m: int, n: int, k: int, sms: int, head_dim: int | None = None) -> Config:
+    """The default configuration of an [m, k] x [n, k]^T product (`head_dim`: the qkv
+    kernel, whose programs own whole heads)."""
+    block_n = head_dim or 64
+    tiles = -(-n // block_n)
+    block_k = 128 if head_dim is None or head_dim <= 128 else 64
+    split = split_for(tiles, k, block_k, sms)
+    return Config(True, block_m_for(m, True), block_n, block_k, split, 4, 3)
+
+
+def candidates(m: int, n: int, k: int, sms: int, head_dim: int | None = None) -> list[Config]:
+    """Configurations the device sweep compares for one shape: the default, a deeper and a
+    shallower split, a wider K step, and (rows <= 2, not qkv) the multiply-add form."""
+    base = pick(m, n, k, sms, head_dim)
+    out = [base]
+    for split in (base.split * 2, base.split // 2):
+        if 1 <= split <= MAX_SPLIT and k >= split * base.block_k:
+            out.append(base._replace(split=split))
+    out.append(base._replace(block_k=base.block_k * 2, stages=2))
+    if head_dim is None:
+        out.append(base._replace(block_n=32, split=min(MAX_SPLIT, base.split * 2)))
+    if m <= 2 and head_dim is None:
+        bm = block_m_for(m, False)
+        tiles = -(-n // 16)
+        out.append(Config(False, bm, 16, 256, split_for(tiles, k, 256, sms), 4, 1))
+    return list(dict.fromkeys(out))

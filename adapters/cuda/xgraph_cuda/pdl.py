@@ -1,0 +1,88 @@
+"""Programmatic dependent launch (PDL) for the adapter's Triton kernels, while a capture asks.
+
+Inside `enabled_for(True)` (the backend enters it around the capture of a full decode graph
+when the executor asks for PDL), the kernels are launched with the programmatic stream
+serialization attribute and wait for their predecessor in the kernel (`gdc_wait`) before
+they read or write anything, then let their successor launch (`gdc_launch_dependents`).
+Stream capture turns each such launch after a kernel into a programmatic edge of the graph.
+Anywhere else they launch as usual, with no wait compiled in. A kernel launched without the
+attribute (cuBLAS, Inductor's) keeps a full dependency on its predecessor, and a kernel that
+follows it waits for it to complete, so the two kinds mix safely.
+
+`CUDAProgrammaticLaunch` is the backend's `Kernels.pdl`: PDL in full graphs on GPUs of
+compute capability 9.0 and up (Hopper), and the count of a captured graph's programmatic
+edges (`edges`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+
+from xgraph.adapter import ProgrammaticLaunch
+
+from .kernels import pdl_options
+
+_local = threading.local()
+
+
+def enabled() -> bool:
+    """Whether launches in this thread use PDL now."""
+    return bool(getattr(_local, "on", False))
+
+
+def waits() -> bool:
+    """Whether launches in this thread compile the predecessor wait in without PDL."""
+    return bool(getattr(_local, "waits", False))
+
+
+@contextmanager
+def enabled_for(on: bool, waits_only: bool = False) -> Iterator[None]:
+    """Launch the adapter's kernels in this thread with PDL (`on`) until the block ends;
+    `waits_only`: without the attribute, but the same binaries PDL launches (the race
+    check's baseline: two graphs that differ by the launch attribute alone)."""
+    before = enabled(), waits()
+    _local.on, _local.waits = on, waits_only
+    try:
+        yield
+    finally:
+        _local.on, _local.waits = before
+
+
+def launch_options(is_cuda: bool) -> dict:
+    """The PDL constexpr and launch option of a kernel launched now (none off the GPU: the
+    interpreter has no grid dependency control)."""
+    return pdl_options(enabled() and is_cuda, waits() and is_cuda)
+
+
+def supported(device: torch.device) -> bool:
+    """Whether the device runs programmatic dependent launch (compute capability >= 9.0)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+class CUDAProgrammaticLaunch(ProgrammaticLaunch):
+    """PDL for the adapter's kernels in full graphs, where the device has it."""
+
+    def __init__(self, device: torch.device, available: bool | None = None) -> None:
+        self.available = supported(device) if available is None else available
+
+    def capture(self, kind: str, enabled: bool) -> AbstractContextManager[Any]:
+        return enabled_for(enabled and kind == "full" and self.available)
+
+    def baseline(self, kind: str) -> AbstractContextManager[Any]:
+        """The wait compiled in, no launch attribute: PDL's binaries in an ordinary graph."""
+        return enabled_for(False, waits_only=kind == "full" and self.available)
+
+    def programmatic_edges(self, graph: Any) -> int | None:
+        """Programmatic edges of a torch CUDAGraph captured with keep_graph=True (or of a raw
+        cudaGraph_t); None where its graph is no longer readable."""
+        from .edges import count_programmatic
+
+        raw = graph.raw_cuda_graph() if hasattr(graph, "raw_cuda_graph") else graph
+        return count_programmatic(int(raw)) if raw else None

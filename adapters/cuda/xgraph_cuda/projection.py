@@ -1,0 +1,114 @@
+"""The CUDA adapter's projection kernels as the core's duties: `plain` for `xgraph.linear`,
+`fused` for `linear(x, w, fusion)` (`Kernels.linear`, `Kernels.fused_linear`).
+
+Both serve decode's 1 to 64 rows (`kernels.tuning.MAX_ROWS`) of 16- or 32-bit float inputs
+with unit inner strides, on CUDA tensors (or CPU tensors in Triton's interpreter), and
+answer None for anything else (F.linear, or the fusion's reference ops, run those). A call
+that needs a split K and finds no arrival counts (the first call of a process made inside a
+capture, `kernels.arena`) runs unsplit. Launches made while a capture asked for
+programmatic dependent launch (`pdl`) wait for their predecessor in the kernel and let
+their successor start early. Importing this module loads no Triton (its kernels do).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xgraph.adapter import Fusion, HeadNorm
+
+from . import pdl
+from .kernels import arena, interpreting, sm_count
+from .kernels.tuning import MAX_ROWS, Config, pick
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HEAD_DIMS = (32, 64, 128, 256)  # half a head must fill the tensor cores' 16 rows
+
+
+def _on_device(*ts: torch.Tensor) -> bool:
+    return interpreting() or all(t.is_cuda for t in ts)
+
+
+def _pair_fits(x: torch.Tensor, w: torch.Tensor, width: int) -> bool:
+    """x [m, width] and w [n, k] that the kernels take: few rows, one float dtype, unit
+    inner strides, one device."""
+    return (
+        x.dim() == 2
+        and w.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.shape[1] == width
+        and x.dtype == w.dtype
+        and x.dtype in DTYPES
+        and x.stride(1) == 1
+        and w.stride(1) == 1
+        and x.device == w.device
+        and _on_device(x, w)
+    )
+
+
+def _heads_fit(h: HeadNorm, m: int, n: int) -> bool:
+    d = h.head_dim
+    cs = h.cos_sin
+    return (
+        d in HEAD_DIMS
+        and n == (h.heads + 2 * h.kv_heads) * d
+        and h.q_weight.shape == (d,) == h.k_weight.shape
+        and h.q_weight.is_contiguous()
+        and h.k_weight.is_contiguous()
+        and cs.dtype == torch.float32
+        and cs.dim() == 3
+        and cs.shape[0] >= m
+        and tuple(cs.shape[1:]) == (2, d)
+        and cs.stride(2) == 1
+        and cs.stride(1) == d
+    )
+
+
+def serves(x: torch.Tensor, w: torch.Tensor, f: Fusion | None = None) -> bool:
+    """Whether the kernels take this call (with its fusion)."""
+    f = f or Fusion()
+    k = w.shape[-1]
+    if not _pair_fits(x, w, 2 * k if f.gated else k):
+        return False
+    m, n = x.shape[0], w.shape[0]
+    if f.norm is not None and (f.norm.shape != (k,) or not f.norm.is_contiguous()):
+        return False
+    r = f.residual
+    if r is not None and (r.shape != (m, n) or r.dtype != x.dtype or r.stride(1) != 1):
+        return False
+    return f.heads is None or _heads_fit(f.heads, m, n)
+
+
+def config(x: torch.Tensor, w: torch.Tensor, f: Fusion | None = None) -> Config:
+    """The default launch configuration of this call (`kernels.tuning.pick`)."""
+    head_dim = f.heads.head_dim if f is not None and f.heads is not None else None
+    return pick(x.shape[0], w.shape[0], w.shape[1], sm_count(x.device), head_dim)
+
+
+def run(x: torch.Tensor, w: torch.Tensor, f: Fusion, c: Config) -> torch.Tensor:
+    """The call with configuration `c` (it must be served: `serves`)."""
+    from .kernels import gemv, qkv  # Triton: imported where it is known to be there
+
+    counts = arena.counts(x.device)
+    on = pdl.launch_options(x.is_cuda)
+    h = f.heads
+    if h is not None:
+        spec = (h.q_weight, h.k_weight, h.eps, h.cos_sin, h.heads, h.kv_heads)
+        return qkv.launch(x, w, c, counts, spec, norm=f.norm, eps=f.eps, pdl=on)
+    return gemv.launch(
+        x, w, c, counts, norm=f.norm, eps=f.eps, gated=f.gated, residual=f.residual, pdl=on
+    )
+
+
+def plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """`Kernels.linear`: x @ w.T for the calls served, else None."""
+    if not serves(x, w):
+        return None
+    f = Fusion()
+    return run(x, w, f, config(x, w, f))
+
+
+def fused(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> torch.Tensor | None:
+    """`Kernels.fused_linear`: the projection with its fusion for the calls served, else None."""
+    if not serves(x, w, f):
+        return None
+    return run(x, w, f, config(x, w, f))

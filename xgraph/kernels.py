@@ -1,0 +1,58 @@
+"""What a backend's kernels serve (`Backend.kernels`): one record of optional duties.
+
+Each duty is optional: the core runs its own reference where a backend leaves one out.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .fusion import Fusion
+    from .interfaces import AttentionRunner
+
+LinearKernel = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+FusedLinearKernel = Callable[[torch.Tensor, torch.Tensor, "Fusion"], "torch.Tensor | None"]
+
+
+class ProgrammaticLaunch(ABC):
+    """Programmatic dependent launch in captured graphs (`xgraph.pdl`)."""
+
+    @abstractmethod
+    def capture(self, kind: str, enabled: bool) -> AbstractContextManager[Any]:
+        """The context to warm up and record a graph of `kind` in; with `enabled`, kernels
+        recorded in a full graph overlap their predecessor's tail (a no-op elsewhere)."""
+
+    @abstractmethod
+    def programmatic_edges(self, graph: Any) -> int | None:
+        """How many edges of a captured graph are programmatic (None: not readable)."""
+
+    def baseline(self, kind: str) -> AbstractContextManager[Any]:
+        """The race check's other capture: the kernels `capture(kind, True)` records, launched
+        without PDL (by default an ordinary capture)."""
+        return nullcontext()
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """A device's faster kernels for the core's ops (`Backend.kernels`).
+
+    `attention`: runners by role, "decode" (graph-safe for full graphs) and "prefill"; the
+    core's reference runners fill in a role left out. `linear`: x @ w.T for `xgraph.linear`,
+    answering None for calls it does not serve (F.linear runs those). `fused_linear`: a
+    projection with the ops around it (`xgraph.fusion.Fusion`: RMSNorm or SiLU-mul before,
+    residual add or per-head QK-norm + rotary after) in one kernel, answering None for
+    calls it does not serve (`fusion.reference` runs those: the unfused ops around `linear`).
+    `pdl`: programmatic dependent launch in captured graphs, where the device has it.
+    """
+
+    attention: dict[str, AttentionRunner] = field(default_factory=dict)
+    linear: LinearKernel | None = None
+    fused_linear: FusedLinearKernel | None = None
+    pdl: ProgrammaticLaunch | None = None

@@ -318,9 +318,10 @@ def test_no_swapped_planner_and_ranks_agree_before_anything_is_staged():
 # -- one capture path: the capture transaction (xgraph/capture.py) ---------------------------
 
 # the graph layer itself, the suites that test it, and code that captures outside an
-# executor on purpose (the public `xgraph.graph()` demo, a benchmark's hand-captured anchor)
+# executor on purpose (the public `xgraph.graph()` demo, a benchmark's hand-captured anchor,
+# the PDL race check's pair of graphs over static inputs)
 GRAPH_LAYER = ("xgraph.graphs", "xgraph.device", "xgraph.backends", "xgraph.testing")
-OUTSIDE_AN_EXECUTOR = ("xgraph.demo", "xgraph.bench.distributed")
+OUTSIDE_AN_EXECUTOR = ("xgraph.demo", "xgraph.bench.distributed", "xgraph.pdl_check")
 
 
 def _begins_a_capture(node: ast.Call) -> bool:

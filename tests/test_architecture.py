@@ -270,6 +270,197 @@ def test_two_public_faces_stay_small():
         assert not missing, (face.__name__, missing)
 
 
+# -- the step path: check, decide, agree, stage (docs/executor.md) --------------------------
+
+
+def _calls_of(tree: ast.AST, name: str) -> list[int]:
+    """Lines calling a method or function called `name`."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Attribute) and node.func.attr == name)
+            or (isinstance(node.func, ast.Name) and node.func.id == name)
+        )
+    ]
+
+
+def test_no_swapped_planner_and_ranks_agree_before_anything_is_staged():
+    """Nothing replaces an executor's planner, and the agreement across ranks decides again
+    (which writes nothing) instead of staging: a step is staged once, after the ranks
+    agree (tests/test_distributed_dp.py counts the stagings per step on each rank)."""
+    swapped = []
+    for mod, path in _modules("xgraph").items():
+        tree = ast.parse(open(path).read(), path)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:  # another object's planner: `executor.planner = ...`
+                if (
+                    isinstance(t, ast.Attribute)
+                    and t.attr == "planner"
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                ):
+                    swapped.append(f"{mod}:{node.lineno}")
+    assert not swapped, f"a planner assigned outside the executor: {swapped}"
+    for mod, path in _modules("xgraph").items():
+        if not mod.startswith("xgraph.distributed"):
+            continue
+        tree = ast.parse(open(path).read(), path)
+        staged = _calls_of(tree, "stage") + _calls_of(tree, "plan")
+        assert not staged, f"{mod} stages a step (lines {staged}); it may only decide"
+    assert not any(
+        isinstance(n, ast.ClassDef) and n.name == "AgreedPlanner"
+        for n in ast.walk(ast.parse(open(_modules("xgraph")["xgraph.distributed.lockstep"]).read()))
+    )
+
+
+# -- one capture path: the capture transaction (xgraph/capture.py) ---------------------------
+
+# the graph layer itself, the suites that test it, and code that captures outside an
+# executor on purpose (the public `xgraph.graph()` demo, a benchmark's hand-captured anchor,
+# the PDL race check's pair of graphs over static inputs)
+GRAPH_LAYER = ("xgraph.graphs", "xgraph.device", "xgraph.backends", "xgraph.testing")
+OUTSIDE_AN_EXECUTOR = ("xgraph.demo", "xgraph.bench.distributed", "xgraph.pdl_check")
+
+
+def _begins_a_capture(node: ast.Call) -> bool:
+    f = node.func
+    if isinstance(f, ast.Attribute) and f.attr in ("capture_begin", "record_check"):
+        return True
+    if isinstance(f, ast.Name) and f.id in ("graph", "FullGraph", "PiecewiseGraph"):
+        return True
+    return (
+        isinstance(f, ast.Attribute)
+        and f.attr == "graph"
+        and isinstance(f.value, ast.Name)
+        and f.value.id in ("xgraph", "graphs", "cuda")
+    )
+
+
+def test_no_module_but_the_capture_transaction_begins_a_capture():
+    """Captures (`capture_begin`, `xgraph.graph()`, a recording made or its device check
+    recorded) happen in the capture transaction, or in the recordings it drives
+    (xgraph.piecewise); the planner, the device check, staging and the parameterization
+    check begin none."""
+    found = []
+    for mod, path in _modules("xgraph").items():
+        if mod in ("xgraph.capture", "xgraph.piecewise") or mod.startswith(
+            GRAPH_LAYER + OUTSIDE_AN_EXECUTOR
+        ):
+            continue
+        tree = ast.parse(open(path).read(), path)
+        found += [
+            f"{mod}:{n.lineno}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and _begins_a_capture(n)
+        ]
+    assert not found, found
+
+
+def test_every_capture_of_an_executor_passes_through_the_transaction(monkeypatch):
+    """At run time: every graph capture of misses, pre-capture, device-metadata checks and
+    the parameterization check starts in xgraph/capture.py, and the planner's three moves
+    make no graph at all (device metadata included)."""
+    import inspect
+    import random
+
+    import torch
+
+    import xgraph
+    from xgraph import AttentionInputs
+    from xgraph.graphs import CheckedGraph
+    from xgraph.models import Workload
+
+    backend = xgraph.get_backend("cpu")
+    transaction = os.path.join(PACKAGES["xgraph"], "capture.py")
+    outside, made = [], []
+    begin, new_graph = CheckedGraph.capture_begin, type(backend).new_graph
+
+    def counted_begin(self, *args, **kw):  # type: ignore[no-untyped-def]
+        files = [f.filename for f in inspect.stack()]
+        if transaction not in files:
+            outside.append(files[1:4])
+        return begin(self, *args, **kw)
+
+    monkeypatch.setattr(CheckedGraph, "capture_begin", counted_begin)
+    w = Workload.tiny(num_blocks=64, max_blocks=6, max_seqs=8)
+    ex = w.executor(backend=backend, buckets=[1, 2, 4, 8])
+    ex.planner.attn_check.cpu_is_device = True  # tensors take the device-metadata path
+    rng = random.Random(3)
+    ex.capture([2], progress=False)
+    for n in (3, 3, 5):
+        a = w.decode_step(rng, n)
+        tens = AttentionInputs(
+            a.attn.query_lens, torch.tensor(a.attn.seq_lens), a.attn.table(0, 6), a.attn.slots()
+        )
+        inputs = {"input_ids": a.input_ids, "positions": a.positions}
+        monkeypatch.setattr(type(backend), "new_graph", lambda b: made.append(1) or new_graph(b))
+        checked = ex.planner.check(inputs, tens)
+        step = ex.planner.stage(checked, ex.planner.decide(checked))
+        monkeypatch.setattr(type(backend), "new_graph", new_graph)
+        assert not made and step.device_check is not None, "the planner made a graph"
+        ex(attn=tens, **inputs)
+    ex.check_parameterization(sizes=[4], kind="full")
+    assert [sq for sq, g in ex.cache.checks() if g is not None] == [(4, 1), (8, 1)]
+    ex.close()
+    assert not outside, outside
+
+
+# -- the executor by responsibility: engine API, key cache, capture transaction -------------
+
+EXECUTOR_MODULES = ("xgraph.executor", "xgraph.keycache", "xgraph.capture")
+
+
+def test_no_mixin_base_on_the_graph_executor():
+    tree = ast.parse(open(_modules("xgraph")["xgraph.executor"]).read())
+    cls = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "GraphExecutor"
+    )
+    assert not cls.bases, [ast.unparse(b) for b in cls.bases]
+    assert "xgraph.release" not in _modules("xgraph")
+
+
+def _private_names(paths: list[str]) -> set[str]:
+    """`self._x` attributes assigned in these modules' classes."""
+    out = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            targets += [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            for t in targets:
+                for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name):
+                        if e.value.id == "self" and e.attr.startswith("_"):
+                            out.add(e.attr)
+    return out
+
+
+def test_no_module_reads_the_executors_private_state():
+    """Parameterization, sleep, the lockstep, the benchmarks and the testing kits use the
+    executor's public methods: no `ex._x` read, and none of the executor's, key cache's or
+    capture transaction's private names read on another object, outside those modules."""
+    mods = _modules("xgraph")
+    private = _private_names([mods[m] for m in EXECUTOR_MODULES])
+    assert {"_busy", "_bufs"} <= private  # the scan sees them
+    found = []
+    for mod, path in mods.items():
+        if mod in EXECUTOR_MODULES:
+            continue
+        for n in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
+                owner, name = n.value.id, n.attr
+                if owner == "self" or not name.startswith("_") or name.startswith("__"):
+                    continue
+                if name in private or owner in ("ex", "executor"):
+                    found.append(f"{mod}:{n.lineno} {owner}.{name}")
+            elif isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr":
+                args = n.args
+                if len(args) > 1 and isinstance(args[1], ast.Constant) and args[1].value in private:
+                    found.append(f"{mod}:{n.lineno} getattr(..., {args[1].value!r})")
+    assert not found, found
+
+
 # an adapter's whole contract is its two faces; a simulator of its device may also build on
 # the core's simulated runtime (the dummy adapter's runtime is that simulator)
 ADAPTER_FACES = ("xgraph.adapter", "xgraph.hooks")
@@ -323,3 +514,32 @@ def test_adapters_import_the_core_only_through_their_faces():
                 simulator = package == "xgraph_dummy" or os.path.join(base, "sim") in path
                 offenders += _past_the_faces(open(path).read(), rel, simulator)
     assert not offenders, "\n".join(offenders)
+
+
+def test_a_miss_costs_one_synchronize_and_no_empty_cache(monkeypatch):
+    """After the first capture (whose warm-up's cached memory goes back before the output
+    buffers are allocated, for good), a miss synchronizes the device at most once (the
+    backend's, at capture begin; the CPU backend's needs none) and never empties the
+    allocator's cache; a hit does neither."""
+    import random
+
+    import xgraph
+    from xgraph.models import Workload
+
+    backend = xgraph.get_backend("cpu")
+    calls: list[str] = []
+    cls = type(backend)
+    sync, empty = cls.synchronize, cls.empty_cache
+    monkeypatch.setattr(cls, "synchronize", lambda b: calls.append("sync") or sync(b))
+    monkeypatch.setattr(cls, "empty_cache", lambda b: calls.append("empty") or empty(b))
+    w = Workload.tiny(num_blocks=64, max_blocks=6, max_seqs=8)
+    ex = w.executor(backend=backend, buckets=[1, 2, 4, 8])
+    rng = random.Random(5)
+    ex(**w.decode_step(rng, 1).kwargs())  # the first capture
+    assert calls.count("empty") == 1, calls
+    for n, misses in ((2, 1), (3, 1), (4, 0), (7, 1), (8, 0)):  # 4 and 8: hits
+        calls.clear()
+        ex(**w.decode_step(rng, n).kwargs())
+        assert calls.count("sync") <= misses and "empty" not in calls, (n, calls)
+    assert ex.stats()["captures"] == 4
+    ex.close()

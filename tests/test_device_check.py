@@ -64,6 +64,11 @@ def tensors(step: Step, w: Workload, width: int, fill: int, int64: bool) -> Atte
     )
 
 
+def captured(ex) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
+    """(padded sequences, query length) of each key whose device check is a graph."""
+    return sorted(sq for sq, g in ex.cache.checks() if g is not None)
+
+
 def padded_seqs(n: int) -> int:
     return next(b for b in BUCKETS if b >= n)
 
@@ -113,14 +118,13 @@ def test_every_batch_composition_of_a_key_gives_what_host_metadata_gives(seed, s
             assert torch.equal(v, graph_extents(hex_, s, q)[name]), name
         for a, b in zip(dw.cache.tensors(), hw.cache.tensors()):
             assert torch.equal(a, b)
-    check = dex.planner.device_check
-    assert sorted(check.captured) == sorted(keys)  # one capture per key, whatever the batch
-    assert len(check._graphs) == len(keys)
+    assert captured(dex) == sorted(keys)  # one capture per key, whatever the batch
+    assert len(dex.cache.checks()) == len(keys)
     assert dex.stats()["hits"] == hex_.stats()["hits"]
     dex.synchronize()  # nothing found
     for ex in (dex, hex_):
         ex.close()
-    assert not check._graphs
+    assert not dex.cache.checks()
 
 
 def test_rows_an_earlier_step_left_in_the_raw_buffers_are_masked():
@@ -139,7 +143,7 @@ def test_rows_an_earlier_step_left_in_the_raw_buffers_are_masked():
     out, ref = run_both(dw, dex, hex_, small, rng)
     assert torch.equal(out, ref)
     dex.synchronize()  # rows 5..7 of the raw buffers were not read as sequences
-    assert dex.planner.device_check.captured == [(8, 1)]
+    assert captured(dex) == [(8, 1)]
     for ex in (dex, hex_):
         ex.close()
 
@@ -233,20 +237,19 @@ def _refused_end(backend):  # type: ignore[no-untyped-def]
         ("map of the pool failed", "private"),
     ],
 )
-def test_a_check_that_cannot_be_captured_runs_eagerly_and_still_guards(how, memory):
+def test_a_check_that_cannot_be_captured_runs_eagerly_and_still_guards(how, memory, monkeypatch):
     vm = xgraph.get_backend("cpu").virtual_memory()
     before = books(vm)
     (dw, _), (dex, hex_) = pair(12, memory=memory)
-    check = dex.planner.device_check
     rng = random.Random(12)
     first = dw.decode_step(rng, 3)
     a = first.attn
     lists = AttentionInputs(a.query_lens, a.seq_lens, a.block_tables, a.slot_mapping.tolist())
     hex_(**first.kwargs())
     dex(input_ids=first.input_ids, positions=first.positions, attn=lists)  # on the host
-    assert check.captured == []  # the step's graph only
-    if how == "capture_end refused":
-        check.backend = _refused_end(check.backend)
+    assert captured(dex) == []  # the step's graph only
+    if how == "capture_end refused":  # the key is captured: only its check's graph is new
+        monkeypatch.setattr(dex.backend, "new_graph", _refused_end(dex.backend).new_graph)
         fault = None
     else:
         fault = fail_driver_call(vm, "_map_chunk", nth=1)
@@ -258,7 +261,9 @@ def test_a_check_that_cannot_be_captured_runs_eagerly_and_still_guards(how, memo
     finally:
         if fault is not None:
             fault.__exit__(None, None, None)
-    assert torch.equal(out, ref) and check.captured == []
+        monkeypatch.undo()
+    assert torch.equal(out, ref) and captured(dex) == []
+    assert [g for _, g in dex.cache.checks()] == [None]  # its ops, issued eagerly
     bad = dw.decode_step(rng, 3)  # the eager check redirects and names as the graph does
     attn = tensors(bad, dw, dw.max_blocks, 0, False)
     attn.slot_mapping[2] = -4
@@ -281,7 +286,6 @@ def test_an_interrupt_while_the_check_captures_leaves_nothing_and_the_next_step_
     vm = xgraph.get_backend("cpu").virtual_memory()
     before = books(vm)
     (dw, _), (dex, hex_) = pair(13)
-    check = dex.planner.device_check
     rng = random.Random(13)
     real = DeviceCheck._check
 
@@ -295,10 +299,10 @@ def test_an_interrupt_while_the_check_captures_leaves_nothing_and_the_next_step_
     with pytest.raises(KeyboardInterrupt):
         attn = tensors(step, dw, dw.max_blocks, 0, False)
         dex(input_ids=step.input_ids, positions=step.positions, attn=attn)
-    assert check.captured == [] and check._graphs == []
+    assert dex.cache.checks() == [] and dex.stats()["keys"] == []  # the key rolled back
     monkeypatch.setattr(DeviceCheck, "_check", real)
     out, ref = run_both(dw, dex, hex_, step, rng)
-    assert torch.equal(out, ref) and check.captured == [(8, 1)]
+    assert torch.equal(out, ref) and captured(dex) == [(8, 1)]
     for ex in (dex, hex_):
         ex.close()
     assert books(vm) == before
@@ -313,7 +317,7 @@ def test_an_executor_dropped_without_close_gives_the_checks_graphs_back():
         rng = random.Random(14)
         for n in (2, 5, 9):
             run_both(dw, dex, hex_, dw.decode_step(rng, n), rng)
-    assert len(dex.planner.device_check.captured) == 3
+    assert len(captured(dex)) == 3
     del dex, hex_
     gc.collect()
     assert books(vm) == before
@@ -334,7 +338,7 @@ def test_sleep_gives_back_the_checks_memory_and_wake_replays_it():
     for s in steps:
         run_both(dw, dex, hex_, s, rng)
     check = dex.planner.device_check
-    graphs = list(check._graphs)
+    graphs = [g for _, g in dex.cache.checks()]
     raw = check._raw.seq_lens.data_ptr()
     assert dex.stats()["persistent_bytes"] - hex_.stats()["persistent_bytes"] == check.nbytes()
     released = dex.sleep().released_bytes
@@ -346,7 +350,8 @@ def test_sleep_gives_back_the_checks_memory_and_wake_replays_it():
     for s in steps:
         out, ref = run_both(dw, dex, hex_, s, rng)
         assert torch.equal(out, ref)
-    assert check._graphs == graphs and check._raw.seq_lens.data_ptr() == raw  # kept
+    assert [g for _, g in dex.cache.checks()] == graphs  # kept, as the raw buffers are
+    assert check._raw.seq_lens.data_ptr() == raw
     dex.synchronize()
     for ex in (dex, hex_):
         ex.close()

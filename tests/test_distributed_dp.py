@@ -22,6 +22,7 @@ from xgraph.models.moe import COMM_DIM, MoEConfig, MoEModel
 from xgraph.models.workload import Step
 from xgraph.options import Kind
 from xgraph.runners import PagedPrefillRunner
+from xgraph.staging import StepStaging
 
 BUCKETS = [1, 2, 4, 8, 16]
 COMM_BUCKETS = [4, 16]  # coarser than num_tokens': the comm dim is its own part of the key
@@ -52,6 +53,17 @@ def reference(ex, ref_w, step: Step | None, kind: str, tokens: int, comm: int):
         ]
 
 
+def count_stagings(counts: list[int]) -> None:
+    """Count writes of a step into the persistent buffers (this process only) in counts[-1]."""
+    stage = StepStaging.stage
+
+    def counted(self, *args):  # type: ignore[no-untyped-def]
+        counts[-1] += 1
+        return stage(self, *args)
+
+    StepStaging.stage = counted  # type: ignore[method-assign]
+
+
 def dp_worker(rank: int, world: int) -> dict:
     group = dist.group.WORLD
     ex_w, ref_w, dense = moe_workloads(group)
@@ -60,9 +72,12 @@ def dp_worker(rank: int, world: int) -> dict:
     ex = ex_w.executor(backend="cpu", buckets=BUCKETS, dims=dims, parallel=par)
     rng = random.Random(rank)
     rows = []
+    stagings: list[int] = []
+    count_stagings(stagings)
     for plan in PLAN:
         mine = plan[rank]
         before = ex.stats()["hits"]
+        stagings.append(0)
         step = None
         if mine == 0:
             ex.idle_step()
@@ -88,8 +103,15 @@ def dp_worker(rank: int, world: int) -> dict:
             row["dense"] = float((out - dense.eager(step)).abs().max())
         rows.append(row)
     st = ex.stats()
+    planner = type(ex.planner).__name__
     ex.close()
-    return {"rows": rows, "keys": st["keys"], "parallel": st["parallel"]}
+    return {
+        "rows": rows,
+        "keys": st["keys"],
+        "parallel": st["parallel"],
+        "stagings": stagings,
+        "planner": planner,
+    }
 
 
 def _size(x) -> int:
@@ -121,6 +143,11 @@ def test_dp_ep_ranks_with_different_counts_and_idle_ranks_agree_and_equal_eager(
         last = max(_size(x) for x in PLAN[-1])
         assert p["comm"] == {COMM_DIM: Buckets(COMM_BUCKETS).pad(last)}  # in stats()
     assert a["keys"] == b["keys"] and all(len(k) == 3 for k in a["keys"])
+    for o in outcomes:  # decided, agreed, then staged once: a rank padded up stages once too
+        ran = [0 if all(_size(p) == 0 for p in plan) else 1 for plan in PLAN]
+        assert o.value["stagings"] == ran, (o.rank, o.value["stagings"])
+        assert o.value["planner"] == "StepPlanner"  # the executor's own, not a stand-in
+        assert "replans" not in o.value["parallel"]
     for key, manifest in a["parallel"]["manifests"].items():
         assert manifest == b["parallel"]["manifests"][key]
         assert sum("alltoall_base_" in c for c in manifest) == 3  # dispatch, ids, combine

@@ -19,20 +19,20 @@ from xgraph.distributed.manifest import first_difference
 from xgraph.distributed.spawn import RanksFailed, run_ranks
 from xgraph.models import Workload
 from xgraph.options import Kind
+from xgraph.steps import Checked, Decision
 
 DIMS = ["num_tokens", "num_comm_tokens"]
 COMM = {"num_comm_tokens": Buckets([4, 16])}
 
 
-class _Step:
-    def __init__(self, kind, n, padded=None, reason=""):
-        self.kind, self.num_tokens, self.reason = kind, n, reason
-        self.padded = padded or {}
-        self.sizes = {"num_tokens": n}
+def _Step(kind, n, padded=None, reason=""):
+    """A rank's checked step of n tokens and its decision."""
+    checked = Checked({}, {"num_tokens": n}, [], None)
+    return checked, Decision(kind, None, padded or {}, reason)
 
 
 def table(*rows):
-    return [ag.message(s, st, DIMS, (2, 0), -1) for s, st in rows]
+    return [ag.message(st, *(s or (None, None)), DIMS, ag.Stamp(cache=(2, 0))) for s, st in rows]
 
 
 def test_the_least_path_wins_and_every_key_dim_is_padded_to_the_largest():
@@ -71,7 +71,7 @@ def test_all_idle_runs_nothing_and_diverged_caches_and_tp_groups_are_named():
     t[1][ag.F_GRAPHS] = 3
     assert "graph caches differ (rank 0: 2 graphs" in ag.divergence(t)
     t = [
-        ag.message(_Step(Kind.FULL, n, {"num_tokens": 4}), ag.OK, DIMS, (0, 0), leader)
+        ag.message(ag.OK, *_Step(Kind.FULL, n, {"num_tokens": 4}), DIMS, ag.Stamp(tp=leader))
         for n, leader in ((3, 0), (3, 0), (2, 2), (4, 2))
     ]
     msg = ag.tp_mismatch(t)

@@ -353,3 +353,67 @@ def test_an_undeclared_bad_index_in_a_replay_is_an_error_and_the_graph_survives(
         assert torch.equal(out, ref.eager(ref.padded(step, Buckets(BUCKETS), full=True))[:3])
     assert ex.stats()["hits"] == {("full", 4): 4}
     ex.close()
+
+
+@pytest.mark.parametrize("field,value", [("input_ids", 256), ("positions", 4096)])
+def test_an_undeclared_bad_index_before_its_keys_capture_is_the_replays_error(field, value):
+    """The warm-up of a key not captured yet meets the bad index first: the same error and
+    hint a replay gives, nothing captured, and the key captures at its next valid step."""
+    w, ref = (Workload.tiny(max_blocks=6, max_seqs=24) for _ in range(2))
+    ex = GraphExecutor(
+        w.model.forward_logits,
+        inputs=TOKEN_INPUTS,  # no bounds declared
+        backend="cpu",
+        buckets=BUCKETS,
+        attention=w.attention(),
+    )
+    rng = random.Random(2)
+    bad = w.decode_step(rng, 3)
+    kwargs = dict(bad.kwargs())
+    kwargs[field] = kwargs[field].clone()
+    kwargs[field][0] = value
+    with pytest.raises(
+        xgraph.errors.ReplayError, match="without bounds: input_ids, positions"
+    ) as e:
+        ex(**kwargs)
+    assert "IndexError" in str(e.value) and "in the warm-up before its capture" in str(e.value)
+    assert ex.stats()["keys"] == [] and ex.stats()["failed_keys"] == {}
+    for t, s in zip(w.cache.tensors(), ref.cache.tensors()):
+        assert torch.equal(t, s)
+    step = w.decode_step(rng, 3)
+    out = ex(**step.kwargs())
+    assert torch.equal(out, ref.eager(ref.padded(step, Buckets(BUCKETS), full=True))[:3])
+    assert ex.stats()["keys"] == [("full", 4)]
+    ex.close()
+
+
+@pytest.mark.parametrize("query_len", [0, -1, 2.0, True])
+def test_capture_refuses_a_query_length_that_is_not_an_int_of_at_least_one(query_len):
+    w = Workload.tiny(max_blocks=6, max_seqs=24)
+    ex = w.executor(backend="cpu", buckets=BUCKETS)
+    with pytest.raises(xgraph.InputError, match=rf"query_len={query_len!r}; give an int >= 1"):
+        ex.capture([2], query_len=query_len)
+    assert ex.stats()["keys"] == []  # refused before anything ran
+    ex.close()
+
+
+def test_close_raises_what_a_device_check_found_once_everything_is_given_back():
+    """An engine that closes right after a step whose device metadata was bad learns of it:
+    close() releases everything, then raises the InputError synchronize() would have."""
+    from xgraph import AttentionInputs
+
+    w = Workload.tiny(num_blocks=64, max_blocks=6, max_seqs=16)
+    mem = xgraph.GraphMemory(xgraph.get_backend("cpu"), "shared-physical")
+    ex = w.executor(backend="cpu", buckets=BUCKETS, memory=mem)
+    ex.planner.attn_check.cpu_is_device = True  # tensors take the device-metadata path
+    step = w.decode_step(random.Random(4), 3)
+    a = step.attn
+    table = a.table(0, w.max_blocks)
+    table[1, 0] = -7  # a block id outside the cache, found on the "device"
+    attn = AttentionInputs(a.query_lens, torch.tensor(a.seq_lens), table, a.slots())
+    ex(input_ids=step.input_ids, positions=step.positions, attn=attn)
+    with pytest.raises(xgraph.InputError, match=r"block_tables\[1\] = -7"):
+        ex.close()
+    assert ex.closed and ex.persistent_bytes() == 0 and mem.users() == []
+    ex.close()  # idempotent, and the error is not raised twice
+    mem.close()

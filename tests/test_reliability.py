@@ -100,7 +100,7 @@ def test_keyboard_interrupt_mid_capture_rolls_everything_back(stage, monkeypatch
     if stage in ("warm-up", "recording"):  # the warm-up is a capture's first forward call
         forward.arm(1 if stage == "warm-up" else 2)
     if stage == "output copy":
-        monkeypatch.setattr(ex, "_ensure_out_buffers", Interrupt(ex._ensure_out_buffers, 2))
+        monkeypatch.setattr(ex.cache, "check_outputs", Interrupt(ex.cache.check_outputs, 2))
     if piecewise:  # the second attention call of the capture: one piece done, one open
         cut = Interrupt(PiecewiseGraph.attend, 2)
         monkeypatch.setattr(PiecewiseGraph, "attend", lambda self, *a: cut(self, *a))

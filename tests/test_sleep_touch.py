@@ -136,7 +136,7 @@ def assert_books_agree(e) -> None:  # type: ignore[no-untyped-def]
 
     pool = e.ex.memory.physical
     extent = _asleep.get(pool)  # None: the failure came before the graph memory's turn
-    sets = ([regions(e.backend, [e.tag])[0].segments], [e.ex._arena.segments])
+    sets = ([regions(e.backend, [e.tag])[0].segments], [e.ex.arena.segments])
     for vm, held in zip(e.vms, sets):
         segs = [s for r in held for s in r.segments.values()]
         mapped = sum(s.size for s in segs if s.mapped)

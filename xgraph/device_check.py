@@ -15,46 +15,42 @@ them where they are, before its replay:
 So a step with bad metadata reads and writes nothing outside its own valid blocks and the
 dummy block, whatever the values.
 
-The check costs the host a few calls per step, whatever the batch: the given tensors are
-copied into persistent raw buffers of the largest shapes (three device-to-device copies),
-and a graph of the check's own ops, captured once per (padded sequences, query length)
-through the backend's Graph (a CUDA graph on a GPU, the tape on the CPU) on a lease of the
-executor's graph memory, is replayed before the step's graph. The graph reads the raw
-buffers at the key's padded sizes and the real counts (the sequences n and the table width
-w, known on the host and staged with the step's other host values in the same copy), so
-rows past n, columns past w and tokens past n * q, which hold earlier steps' values, are
-masked: one capture serves every batch composition of its key. It writes the padded
-metadata the step's graph reads, padding included. A key whose check cannot be captured
-runs the same ops eagerly (warned once). The raw buffers live where the executor's
-persistent buffers do (its arena): sleep gives them and the graphs' memory back, wake
-restores both; close resets the graphs with the executor's.
+The check costs the host a few calls per step, whatever the batch: staging copies the
+given tensors into persistent raw buffers of the largest shapes (three device-to-device
+copies; nothing else is written and no graph touched while staging), and the check's own
+ops are the first piece of the key's recording: the executor's capture transaction
+(xgraph.capture) records them as one graph through the backend's Graph (a CUDA graph on a
+GPU, the tape on the CPU), on the key's lease, before the forward, and a replay runs that
+graph before the step's. The ops read the raw buffers at the key's padded sizes and the
+real counts (the sequences n and the table width w, known on the host and staged with the
+step's other host values in the same copy), so rows past n, columns past w and tokens past
+n * q, which hold earlier steps' values, are masked: one recording serves every batch
+composition of its key. They write the padded metadata the step's graph reads, padding
+included. A capture that fails follows the executor's `on_capture_error`, as any capture
+does: rolled back, then raised, or the key's check issued eagerly from then on (as safe,
+more host time). The raw buffers live where the executor's persistent buffers do (its
+arena): sleep gives them and the graphs' memory back, wake restores both; close resets the
+check's graphs with the key's.
 
 The first problem is kept in a small device buffer (the field, the index, the value) and
-copied to pinned host memory behind the step; the next step whose copy has arrived, and
-`GraphExecutor.synchronize()`, raise it as an InputError naming the field. The redirected
-sequences' outputs are not valid: the error says so. `PagedAttention(validate="trusted")`
-skips the check for engines that guarantee their tables: the given tensors are copied into
-the metadata buffers as they are.
+copied to pinned host memory behind the step; the next step whose copy has arrived,
+`GraphExecutor.synchronize()` and `close()` raise it as an InputError naming the field.
+The redirected sequences' outputs are not valid: the error says so.
+`PagedAttention(validate="trusted")` skips the check for engines that guarantee their
+tables: the given tensors are copied into the metadata buffers as they are.
 """
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from .errors import InputError, XGraphError, XGraphWarning
-from .graphs import graph
-from .interfaces import Backend, Graph
-from .memory import GraphMemory
+from .errors import InputError
 from .paging import PagedAttention
 from .step_attention import StepAttention
-
-logger = logging.getLogger("xgraph")
 
 # what the error buffer's code names (0: no error)
 PROBLEMS = {
@@ -67,6 +63,22 @@ PROBLEMS = {
 # the staged buffer of a checked step's real counts: sequences n, block-table width w
 COUNTS = "device_counts"
 VIEWS_KEPT = 4096  # raw-buffer views kept for reuse, one per (sequences, width, tokens)
+
+
+@dataclass(frozen=True)
+class CheckOps:
+    """The check of one full-graph key, `seqs` padded sequences of `query_len` tokens: the
+    ops a recording captures, or that run eagerly (call it)."""
+
+    run: Callable[[], None]
+    seqs: int
+    query_len: int
+    sent: Callable[[], None]  # after it ran: its result on its way to the host
+
+    def __call__(self) -> None:
+        self.run()
+
+
 Allocate = Callable[[int], torch.Tensor] | None  # nbytes -> a uint8 device tensor
 ALIGN = 64  # bytes: each raw buffer starts on a cache line
 
@@ -136,8 +148,6 @@ class DeviceCheck:
         and tokens of a full graph; `allocate`: where the raw buffers live."""
         self.name, self.layout, self.device = name, layout, device
         self.counts, self.sizes, self.allocate = counts, sizes, allocate
-        self.backend: Backend | None = None  # attach(): the executor's
-        self.memory: GraphMemory | None = None
         pin = device.type != "cpu"
         self._host = torch.zeros(3, dtype=torch.int64, device="cpu", pin_memory=pin)
         self._host_np = self._host.numpy()  # read without torch's dispatch
@@ -145,40 +155,39 @@ class DeviceCheck:
         self.pending = False  # a check's result is on its way to the host
         self._raw: _Raw | None = None  # made at the first checked step
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
-        self._runs: dict[tuple[int, int], Callable[[], None]] = {}  # (seqs, q) -> check
-        self._graphs: list[Graph] = []
-        self._warned = False
-
-    def attach(self, backend: Backend, memory: GraphMemory) -> None:
-        """The backend whose graphs the check is captured as, and the graph memory they
-        take their pools from (so sleep gives them back with the executor's)."""
-        self.backend, self.memory = backend, memory
+        self._ops: dict[tuple[int, int], CheckOps] = {}  # (seqs, q) -> the key's check
 
     # -- per step --------------------------------------------------------------------------
 
-    def write(
+    def stage(
         self, h: StepAttention, out: dict[str, torch.Tensor], num_seqs: int, trusted: bool
-    ) -> None:
-        """Write the step's device metadata into the metadata buffers `out` (the views of a
-        full graph of `num_seqs` sequences, whose padding the host copy has sent): checked
-        and redirected where bad (trusted: as given); queued on the current stream, nothing
-        read on the host. A checked step's counts are staged already (`COUNTS`)."""
+    ) -> CheckOps | None:
+        """Write a step's device metadata where the key's graph reads it (the views `out`
+        of a full graph of `num_seqs` sequences, whose padding the host copy has sent):
+        trusted, into `out` as given (None returned); checked, into the raw buffers only,
+        and the key's check returned, to run before the step's graph (its first piece).
+        Queued on the current stream, nothing read on the host."""
         n, w = h.table.shape
         t = len(h.slots)
         if trusted:
             out["seq_lens"][:n].copy_(h.seq_lens)
             out["block_tables"][:n, :w].copy_(h.table)
             out["slot_mapping"][:t].copy_(h.slots)
-            return
+            return None
         sl, table, slots = self._raw_views(n, w, t)
         sl.copy_(h.seq_lens)
         table.copy_(h.table)
         slots.copy_(h.slots)
         q = h.query_len
-        run = self._runs.get((num_seqs, q))
-        if run is None:
-            run = self._prepare(out, num_seqs, q)
-        run()
+        ops = self._ops.get((num_seqs, q))
+        if ops is None:
+            ops = CheckOps(partial(self._issue, out, num_seqs, q), num_seqs, q, self.sent)
+            self._ops[(num_seqs, q)] = ops
+        return ops
+
+    def sent(self) -> None:
+        """After a step's check ran: its first problem on its way to the host (raised by
+        the next step whose copy has arrived, or `raise_pending(wait=True)`)."""
         self._host.copy_(self._raw.error, non_blocking=True)  # type: ignore[union-attr]
         if self._event is not None:
             self._event.record()
@@ -197,54 +206,10 @@ class DeviceCheck:
             self._views[(n, w, t)] = got
         return got
 
-    # -- the check of one key, captured ----------------------------------------------------
+    # -- the check of one key --------------------------------------------------------------
 
-    def _prepare(self, out: dict[str, torch.Tensor], s: int, q: int) -> Callable[[], None]:
-        """The check of a key: run once eagerly where the backend warms up (lazy
-        initialisation stays out of the capture; it checks this step), then captured on the
-        check's own pool. A capture that fails is rolled back and the key's check runs
-        eagerly from then on, as safe and slower (warned once)."""
-        check = partial(self._check, out, s, q)
-        if self.backend is None or self.memory is None:
-            raise XGraphError(f"{self.name}: the device check is not attached to an executor.")
-        with torch.no_grad():
-            with self.backend.warmup_context():
-                check()
-            try:
-                g = self._capture(check)
-            except Exception as exc:
-                self._capture_failed(s, q, exc)
-                self._runs[(s, q)] = check
-                return check
-        self._runs[(s, q)] = run = g.replay
-        return run
-
-    def _capture(self, check: Callable[[], None]) -> Graph:
-        """Captured on a lease of the executor's graph memory, rolled back if it fails."""
-        assert self.backend is not None and self.memory is not None
-        lease = self.memory.begin()
-        try:
-            g = self.backend.new_graph()
-            with graph(g, lease.pool):  # type: ignore[arg-type]  # a CheckedGraph
-                check()
-        except BaseException:
-            self.memory.rollback(lease)
-            raise
-        self._graphs.append(g)
-        return g
-
-    def _capture_failed(self, s: int, q: int, exc: Exception) -> None:
-        logger.debug("%s: capturing the device check failed", self.name, exc_info=True)
-        if self._warned:
-            return
-        self._warned = True
-        msg = (
-            f"{self.name}: the device-metadata check of {s} sequences of {q} tokens could not "
-            f"be captured ({type(exc).__name__}: {exc}); such keys check their metadata with "
-            "the same ops issued eagerly each step (as safe, more host time). Shown once."
-        )
-        warnings.warn(msg, XGraphWarning, stacklevel=7)  # the engine's step call
-        logger.warning(msg)
+    def _issue(self, out: dict[str, torch.Tensor], s: int, q: int) -> None:
+        self._check(out, s, q)  # looked up at each call: a recording or an eager run
 
     def _check(self, out: dict[str, torch.Tensor], s: int, q: int) -> None:
         """The check over the raw buffers at the key's sizes (s sequences of q tokens), masked
@@ -310,41 +275,35 @@ class DeviceCheck:
     def raise_pending(self, wait: bool = False) -> None:
         """Raise the kept problem as an InputError once its copy has reached the host (or,
         with `wait`, after waiting for it); nothing is waited for otherwise."""
+        found = self.pending_error(wait)
+        if found is not None:
+            raise found
+
+    def pending_error(self, wait: bool = False) -> InputError | None:
+        """The kept problem as an InputError, taken (as `raise_pending`), or None."""
         if not self.pending:
-            return
+            return None
         if self._event is not None:
             if wait:
                 self._event.synchronize()
             elif not self._event.query():
-                return
+                return None
         self.pending = False
         code, index, value = (int(x) for x in self._host_np)
         if not code:
-            return
+            return None
         if self._raw is not None:
             self._raw.error.zero_()
         self._host_np[:] = 0
         field, what = PROBLEMS[code]
         kind = "token" if field == "slot_mapping" else "sequence"
-        raise InputError(
+        return InputError(
             f"{self.name}: an earlier step's device metadata had {field}[{index}] = {value}, "
             f"which {what}. Nothing outside the dummy block was read or written for it: that "
             f"{kind} read and wrote the dummy block only, so its outputs in that step are not "
             "valid. Fix the engine's metadata (or check it on the host: pass host tensors)."
         )
 
-    def release(self) -> None:
-        """Reset the check's graphs (a captured graph's reset waits for the device); their
-        pools go with the graph memory."""
-        self._runs.clear()
-        while self._graphs:
-            self._graphs.pop().reset()
-
     def nbytes(self) -> int:
         """Bytes of the raw buffers and constants (0 before the first checked step)."""
         return 0 if self._raw is None else self._raw.nbytes()
-
-    @property
-    def captured(self) -> list[tuple[int, int]]:
-        """The keys (padded sequences, query length) whose check runs as a graph."""
-        return [k for k, run in self._runs.items() if not isinstance(run, partial)]

@@ -3,23 +3,20 @@
     ex = xgraph.GraphExecutor(model.forward, inputs=[...], attention=PagedAttention(...))
     out = ex(input_ids=ids, positions=pos, attn=xgraph.AttentionInputs(...))
 
-Per step: the planner validates everything (nothing is written before the step is known
-good), picks the kind (decode -> full graph, prefill / mixed -> piecewise), pads to the
-bucket and writes the persistent buffers; then the executor replays the cached graph for
-the key, or warms up, captures and caches it, or runs eagerly. Outputs are views of one
-persistent output buffer sliced to the real size, valid until the next step (`clone=True`
-copies).
+Per step, four moves in one direction: the planner checks the inputs and decides the step
+(kind: decode -> full graph, prefill / mixed -> piecewise; key and padding), both writing
+nothing; several ranks agree on the decision (xgraph.distributed); the planner stages it
+into the persistent buffers, once. Then the key cache replays the key's recording, or the
+capture transaction warms up, records and stores it (xgraph.capture), or the step runs
+eagerly. Outputs are views of one persistent output buffer sliced to the real size, valid
+until the next step (`clone=True` copies). The executor composes those parts and keeps
+the engine's API.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
-import warnings
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,49 +24,31 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import sleepmode
 from .arena import Arena
-from .attention import InlineRunner, step_context
 from .buckets import Buckets, Dim, Input
-from .distributed import Parallel, attach
-from .errors import (
-    CaptureError,
-    ConcurrentStepError,
-    ReplayError,
-    VirtualMemoryError,
-    XGraphError,
-    XGraphWarning,
-)
+from .capture import CaptureTransaction
+from .distributed import Lockstep, Parallel, attach
+from .errors import ConcurrentStepError, XGraphError
 from .interfaces import AttentionRunner, Backend
-from .lifetime import Entry, Holdings, Recording, release_when_collected
-from .memory import GraphMemory, Lease, OutsidePoolMeter, settle
+from .keycache import KeyCache, Runners
+from .lifetime import Holdings, Recording, release_when_collected
+from .memory import GraphMemory
 from .metadata import AttentionInputs
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
-from .piecewise import FullGraph, PiecewiseGraph, guarded_storages
+from .piecewise import guarded_storages
 from .plugins import get_backend
 from .pool import SharedPhysicalPool
-from .precapture import PreCapture
-from .release import Release
-from .runners import runners_for
-from .steps import Step, StepPlanner
+from .precapture import checked_sizes, query_sizes
+from .progress import progress as show_progress
+from .steps import Checked, Decision, Staged, StepPlanner
 
 if TYPE_CHECKING:
     from .launchdiff import ParameterizationReport
 
-logger = logging.getLogger("xgraph")
-
 DEFAULT_MAX_TOKENS = 512
 
 
-@dataclass
-class ExecutorStats:
-    captures: int = 0
-    replays: int = 0
-    eager: Counter = field(default_factory=Counter)  # reason -> steps
-    capture_seconds: float = 0.0
-    failed_keys: dict[tuple, str] = field(default_factory=dict)
-
-
-class GraphExecutor(PreCapture, Release):
+class GraphExecutor:
     """Runs a forward through cached graphs, one per bucket key (see the module docstring).
 
     Args:
@@ -118,74 +97,97 @@ class GraphExecutor(PreCapture, Release):
     ) -> None:
         self.mode = Mode.parse(mode, "mode")
         self.on_capture_error = Fallback.parse(on_capture_error, "on_capture_error")
-        self.forward, self.name, self.compiled = forward, name, compiled
+        self.name, self.compiled = name, compiled
         self.backend = get_backend(backend)
         self.backend.activate()  # its kernels serve the core's ops (xgraph.linear) from now on
         self.device = self.backend.device
-        self._arena = Arena.of(self.backend, name)  # persistent buffers sleep can give back
+        self.arena = Arena.of(self.backend, name)  # persistent buffers sleep can give back
         self.buckets = Buckets.of(buckets, DEFAULT_MAX_TOKENS)
         self.attention = attention
-        self.decode_runner, self.prefill_runner = self._runners(attention)
-        self.planner = StepPlanner(
+        self.runners = Runners.pick(attention, self.backend, self.mode)
+        self.planner = self._planner(inputs, dims, Fallback.parse(on_overflow, "on_overflow"))
+        self.memory = GraphMemory.of(self.backend, memory)
+        self._steps = self.memory.steps  # steps over shared memory run one at a time
+        self.holdings = self._holdings(not isinstance(memory, GraphMemory))
+        self._busy = self.holdings.busy  # one step at a time: outputs are shared buffers
+        self.cache = KeyCache(
+            name, forward, self.runners, self.planner.inputs, self.holdings.graphs, self.buckets.max
+        )
+        self._finalizer = release_when_collected(self, self.holdings)
+        self.lockstep = attach(parallel, self)
+        # several ranks: each step's decision is agreed before it is staged; one rank: None
+        self._agreeing: Lockstep | None = self.lockstep if self.lockstep.agrees else None
+        self.transaction = CaptureTransaction(
             name,
+            self.backend,
+            self.memory,
+            self.cache,
+            self.runners,
+            guarded=guarded_storages(attention.kv_tensors if attention else ()),
+            compiled=compiled,
+            on_capture_error=self.on_capture_error,
+            lockstep=self.lockstep,
+        )
+
+    @property
+    def forward(self) -> Callable[..., Any]:
+        """The model's forward every step, warm-up and capture calls."""
+        return self.cache.forward
+
+    @forward.setter
+    def forward(self, fn: Callable[..., Any]) -> None:
+        self.cache.forward = fn  # the one the key cache and the capture transaction call
+
+    def _planner(
+        self, inputs: Sequence[Input], dims: Sequence[Dim], overflow: Fallback
+    ) -> StepPlanner:
+        return StepPlanner(
+            self.name,
             inputs=inputs,
             dims=dims,
             buckets=self.buckets,
-            attention=attention,
+            attention=self.attention,
             device=self.device,
             mode=self.mode,
-            on_overflow=Fallback.parse(on_overflow, "on_overflow"),
+            on_overflow=overflow,
             copier=self.backend.host_copier,
-            decode_runner=self.decode_runner,
-            allocate=None if self._arena is None else self._arena.empty,
+            decode_runner=self.runners.decode,
+            allocate=None if self.arena is None else self.arena.empty,
         )
-        self._guarded = guarded_storages(attention.kv_tensors if attention else ())
-        self._eager_keys: dict[tuple, str] = {}
-        self._out_bufs: list[torch.Tensor] | None = None
-        self._out_spec: Any = None
-        self._out_views: dict[int, Any] = {}
-        self._stats = ExecutorStats()
-        self.memory = GraphMemory.of(self.backend, memory)
-        self._steps = self.memory.steps  # steps over shared memory run one at a time
-        self._outside = OutsidePoolMeter(self.memory)
-        self._held = self._holdings(not isinstance(memory, GraphMemory))
-        self._busy = self._held.busy  # one step at a time: outputs are shared buffers
-        self._graphs: dict[tuple, Entry] = self._held.graphs
-        self._finalizer = release_when_collected(self, self._held)
-        self.lockstep = attach(parallel, self)  # several ranks: self.planner agrees each step
-        # several ranks: a failure after the agreement stops the executor; one rank: none
-        self._lockstep_run = getattr(self.lockstep, "run", None)
 
     def _holdings(self, owns_memory: bool) -> Holdings:
         """Graphs and memory live apart from this object: released by close(), or when it is
         collected (xgraph.lifetime), whichever comes first. They hold the persistent buffers'
-        arena and the device check's graphs (on this graph memory), and share its sleep."""
+        arena and share the graph memory's sleep."""
         held = Holdings(self.name, self.backend, self.memory, owns_memory)
-        held.arena = self._arena
-        self.planner.attach(held)
+        held.arena = self.arena
         sleepmode.join(held)
         return held
 
-    def _runners(
-        self, attention: PagedAttention | None
-    ) -> tuple[AttentionRunner | None, AttentionRunner | None]:
-        if attention is None:
-            return None, None
-        decode, prefill = runners_for(self.backend, attention)
-        if self.mode in (Mode.AUTO, Mode.FULL) and not decode.graph_safe:
-            raise XGraphError(
-                f"{type(decode).__name__} is not graph-safe, so decode cannot run as a full "
-                f"graph (mode={self.mode.value!r}). Pass a graph-safe decode_runner, or use "
-                "mode='piecewise'."
-            )
-        return decode, prefill
+    @property
+    def decode_runner(self) -> AttentionRunner | None:
+        """The runner of full graphs and of eager decode steps (None without attention)."""
+        return self.runners.decode
+
+    @decode_runner.setter
+    def decode_runner(self, runner: AttentionRunner | None) -> None:
+        self.runners.decode = runner
+
+    @property
+    def prefill_runner(self) -> AttentionRunner | None:
+        """The runner of piecewise graphs and of other eager steps (None without attention)."""
+        return self.runners.prefill
+
+    @prefill_runner.setter
+    def prefill_runner(self, runner: AttentionRunner | None) -> None:
+        self.runners.prefill = runner
 
     def persistent_bytes(self) -> int:
         """Bytes of every persistent buffer the executor holds (inputs, attention metadata,
         outputs); 0 once closed, which gives them back."""
         if self.planner.closed:
             return 0
-        return self.planner.persistent_bytes() + sum(b.nbytes for b in self._out_bufs or [])
+        return self.planner.persistent_bytes() + self.cache.output_bytes()
 
     # -- step ------------------------------------------------------------------------------
 
@@ -202,17 +204,21 @@ class GraphExecutor(PreCapture, Release):
         if not self._busy.acquire(blocking=False):  # not a context manager: the hot path
             self._refuse("step")
         try:
-            if self._held.closed:
+            if self.holdings.closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
-            if self._held.asleep:
-                raise sleepmode.asleep_error(self.name, self._held.asleep)
-            step = self.planner.plan(inputs, attn)
-            self._steps.acquire(self.name)
-            try:
-                run = self._lockstep_run  # no frame between for one rank: warnings' lines
-                out = self._run(step) if run is None else run(self._run, step)
-            finally:
-                self._steps.release()
+            if self.holdings.asleep:
+                raise sleepmode.asleep_error(self.name, self.holdings.asleep)
+            lock = self._agreeing  # None: one rank, and nothing between the four moves
+            if lock is None:
+                checked = self.planner.check(inputs, attn)
+                step = self.planner.stage(checked, self.planner.decide(checked))
+                self._steps.acquire(self.name)
+                try:
+                    out = self._run(step)
+                finally:
+                    self._steps.release()
+            else:
+                out = self._agreed_step(lock, inputs, attn)
             if clone:  # inside the lock: the next step may overwrite the buffers right after
                 flat, spec = tree_flatten(out)
                 out = tree_unflatten([t.clone() for t in flat], spec)
@@ -233,208 +239,136 @@ class GraphExecutor(PreCapture, Release):
         if not self._busy.acquire(blocking=False):
             self._refuse(what)
         try:
-            if self._held.closed:
+            if self.holdings.closed:
                 raise XGraphError(f"{self.name} is closed; create a new executor.")
-            if self._held.asleep and what != "close":
-                raise sleepmode.asleep_error(self.name, self._held.asleep)
+            if self.holdings.asleep and what != "close":
+                raise sleepmode.asleep_error(self.name, self.holdings.asleep)
             yield
         finally:
             self._busy.release()
 
-    def _run(self, step: Step) -> Any:
-        if step.kind is Kind.EAGER:
-            self._stats.eager[step.reason] += 1
-            views = {k: v.to(self.device) for k, v in step.tensors.items()}
-            decode = step.attn is None or step.attn.is_decode
-            return self._eager_forward(views, step, Kind.FULL if decode else Kind.PIECEWISE)
-        assert step.key is not None
-        entry = self._graphs.get(step.key)
-        if entry is not None:
-            self._replay(entry, step, hit=True)
-            return self._outputs(step.num_tokens)
-        if step.key in self._eager_keys:
-            return self._run_padded(step, "capture failed earlier")
-        return self._capture(step)
-
-    def _runner(self, kind: Kind) -> AttentionRunner | None:
-        return self.decode_runner if kind is Kind.FULL else self.prefill_runner
-
-    def _replay(self, entry: Entry, step: Step, hit: bool) -> None:
-        entry.hits += hit
-        self._stats.replays += 1
-        if step.metadata is not None and (runner := self._runner(entry.kind)) is not None:
-            runner.plan(step.metadata)
-        try:
-            entry.graph.replay()
-        except ReplayError as exc:  # no cost on the hot path until a replay fails
-            raise self._replay_failed(step, exc) from exc
-
-    def _replay_failed(self, step: Step, exc: ReplayError) -> ReplayError:
-        specs = self.planner.inputs
-        loose = [i.name for i in specs if not i.dtype.is_floating_point and i.bounds is None]
-        hint = (
-            f"Integer inputs without bounds: {', '.join(loose)}; an index outside its table "
-            "(a token id past the vocabulary, a position past the rotary table) fails so. "
-            "Declare Input(..., bounds=(low, high)) (the reference model's inputs() does) so "
-            "such a step is refused before anything runs."
-            if loose
-            else "Check the step's inputs against the model."
-        )
-        return ReplayError(
-            f"{self.name}: {exc} (key {step.key}). {hint} The graph is unchanged and "
-            "replays valid steps; this step's result is not available."
-        )
-
-    def _outputs(self, n: int) -> Any:
-        out = self._out_views.get(n)  # views of the output buffers, made once per size
-        if out is None:
-            assert self._out_bufs is not None
-            out = tree_unflatten([b[:n] for b in self._out_bufs], self._out_spec)
-            self._out_views[n] = out
-        return out
-
-    # -- eager paths -----------------------------------------------------------------------
-
-    def _eager_forward(self, views: Mapping[str, torch.Tensor], step: Step, kind: Kind) -> Any:
-        runner = self._runner(kind)
-        with torch.no_grad():
-            if runner is None or step.metadata is None:
-                return self.forward(**views)
-            runner.plan(step.metadata)
-            with step_context(InlineRunner(runner)):
-                return self.forward(**views)
-
-    def _run_padded(self, step: Step, reason: str) -> Any:
-        """Eager on the padded buffers (a key whose capture failed)."""
-        self._stats.eager[reason] += 1
-        flat, spec = tree_flatten(self._eager_forward(step.views, step, step.kind))
-        return tree_unflatten([t[: step.num_tokens] for t in flat], spec)
-
-    # -- capture ---------------------------------------------------------------------------
-
-    def _ensure_out_buffers(self, result: Any, tb: int) -> list[tuple] | None:
-        """Check the outputs; the first time, the (shape, dtype, device) of the buffers."""
-        flat, spec = tree_flatten(result)
-        for t in flat:
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != tb:
-                raise XGraphError(
-                    f"{self.name}: every forward output must be a tensor whose first dim is the "
-                    f"padded number of tokens ({tb}); got {type(t).__name__} "
-                    f"{tuple(getattr(t, 'shape', ()))}."
-                )
-        if self._out_bufs is None:
-            self._out_spec = spec
-            return [(t.shape[1:], t.dtype, t.device) for t in flat]
-        if spec != self._out_spec or any(
-            b.shape[1:] != t.shape[1:] or b.dtype != t.dtype for b, t in zip(self._out_bufs, flat)
-        ):
-            raise XGraphError(
-                f"{self.name}: the forward's outputs changed structure, shape or dtype between "
-                "buckets; they must stay the same."
-            )
-        return None
-
-    def _recording(self, kind: Kind, lease: Lease) -> Recording:
-        checks = not self.compiled  # per-op checks would make Dynamo run the forward eagerly
-        if kind is Kind.FULL:
-            return FullGraph(self.backend, lease.pool, self.decode_runner, checks)
-        return PiecewiseGraph(self.backend, lease.pool, self.prefill_runner, self._guarded, checks)
-
-    def _record(self, step: Step, graph: Recording) -> None:
-        """Record the forward and the copy of its outputs into the persistent buffers."""
-        tb = step.padded["num_tokens"]
-        if step.kind is Kind.PIECEWISE and step.metadata is not None and self.prefill_runner:
-            self.prefill_runner.plan(step.metadata)
-        graph.begin()
-        with torch.no_grad():
-            if graph.context is None:
-                result = self.forward(**step.views)
-            else:
-                with step_context(graph.context):
-                    result = self.forward(**step.views)
-            self._ensure_out_buffers(result, tb)
-            assert self._out_bufs is not None
-            for buf, t in zip(self._out_bufs, tree_flatten(result)[0]):
-                buf[:tb].copy_(t)
-            del result
-        graph.end()
-
-    def _capture(self, step: Step) -> Any:
-        assert step.key is not None
-        t0 = time.perf_counter()
-        # warm-up: the forward runs eagerly once (lazy init, autotuning, workspaces) and its
-        # outputs fix the persistent output buffers
-        with self.backend.warmup_context(), self.lockstep.warm_up(step):
-            warm = self._eager_forward(step.views, step, step.kind)
-        layout = self._ensure_out_buffers(warm, step.padded["num_tokens"])
-        del warm
-        # the warm-up's activations go back to the device before anything persistent is
-        # allocated, so neither the output buffers nor a graph pool pin a warm-up segment
-        settle(self.backend)
-        if layout is not None:
-            self._out_bufs = [
-                torch.empty((self.buckets.max, *shp), dtype=dt, device=dev)
-                for shp, dt, dev in layout
-            ]
-        self._outside.start()
-        lease: Lease | None = None
-        graph: Recording | None = None
-        try:  # a reservation that fails is a failed capture like any other
-            lease = self.memory.begin()
-            graph = self.lockstep.checked(step, self._recording(step.kind, lease))
-            self._record(step, graph)
-        except BaseException as exc:  # a transaction: Ctrl-C mid-capture rolls back too
+    @contextlib.contextmanager
+    def hold(self, what: str) -> Iterator[None]:
+        """Run `what` as a step would: no step of this executor, and none over its shared
+        graph memory, runs meanwhile (ConcurrentStepError, or the documented errors of a
+        closed or sleeping executor)."""
+        with self._exclusive(what):
+            self._steps.acquire(self.name)
             try:
-                if graph is not None:
-                    graph.abort()
+                yield
             finally:
-                if lease is not None:
-                    self.memory.rollback(lease)
-            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: re-raised
-                raise
-            failure = lease.space.failure if lease and lease.space else None
-            return self._capture_failed(step, failure or exc)
-        seconds = time.perf_counter() - t0
-        entry = Entry(step.kind, graph, lease, seconds)
-        self._graphs[step.key] = entry
-        self._stats.captures += 1
-        self._stats.capture_seconds += seconds
-        self._outside.stop()
-        logger.info("%s: captured %s in %.3f s", self.name, step.key, seconds)
-        self._replay(entry, step, hit=False)  # the capture step's own result
-        return self._outputs(step.num_tokens)
+                self._steps.release()
 
-    def _capture_failed(self, step: Step, exc: Exception) -> Any:
-        key = step.key
-        assert key is not None
-        reason = f"{type(exc).__name__}: {exc}"
-        self._stats.failed_keys[key] = reason
-        if self.on_capture_error is Fallback.RAISE:
-            if isinstance(exc, (CaptureError, VirtualMemoryError)):
-                raise exc
-            raise CaptureError(
-                f"{self.name}: capturing {key} failed ({reason}). Nothing was kept; fix the "
-                "model or use on_capture_error='eager'."
-            ) from exc
-        self._eager_keys[key] = reason
-        msg = (
-            f"{self.name}: capturing {key} failed and was rolled back; this key runs eagerly "
-            f"from now on (on_capture_error='eager'). Cause: {reason}"
-        )
-        warnings.warn(msg, XGraphWarning, stacklevel=5)  # the engine's step call
-        logger.warning(msg)
-        return self._run_padded(step, "capture failed")
+    def _agreed_step(
+        self,
+        lock: Lockstep,
+        inputs: Mapping[str, Any],
+        attn: AttentionInputs | None,
+        kind: Kind | None = None,
+        synthetic: bool = False,
+    ) -> Any:
+        """check, decide, agree with the peers, stage and run (a refusal told to them)."""
+        lock.usable()
+        try:
+            checked = self.planner.check(inputs, attn, synthetic)
+            decision = self.planner.decide(checked, kind)
+        except Exception as exc:
+            lock.refuse(exc)  # every rank learns why; no rank runs the step
+            raise
+        decision = lock.agree(checked, decision)
+        self._steps.acquire(self.name)  # steps over shared memory run one at a time
+        try:
+            return lock.run(self._stage_and_run, checked, decision)
+        finally:
+            self._steps.release()
+
+    def _stage_and_run(self, checked: Checked, decision: Decision) -> Any:
+        return self._run(self.planner.stage(checked, decision))
+
+    def _run(self, step: Staged) -> Any:
+        cache = self.cache
+        if step.kind is Kind.EAGER:
+            with self.lockstep.eager(step):  # several ranks: its collectives checked
+                return cache.run_eager(step, self.device)
+        assert step.key is not None
+        entry = cache.entries.get(step.key)
+        if entry is not None:
+            if step.device_check is not None and not entry.graph.has_check:  # type: ignore[attr-defined]
+                self.transaction.add_check(entry, step)  # its first device-metadata step
+            cache.replay(entry, step)
+            return cache.outputs(step.num_tokens)
+        if step.key in cache.eager_keys:
+            with self.lockstep.eager(step):
+                return cache.run_padded(step, "capture failed earlier")
+        return self.transaction.capture(step)
+
+    # -- the executor's own steps ----------------------------------------------------------
+
+    def capture(
+        self,
+        sizes: Iterable[int] | None = None,
+        kind: Kind | str = Kind.FULL,
+        progress: bool = True,
+        query_len: int = 1,
+        **key_dims: int,
+    ) -> None:
+        """Capture graphs before serving: one per num_tokens size, in the order given.
+
+        Default: every bucket, largest first (what a shared native pool needs). Each capture
+        runs on a synthetic step that touches only the dummy slot and block; `key_dims` fix
+        the sizes of other shape-determining dims. Sizes are ints from 1 to the largest
+        bucket (InputError otherwise); one between buckets is padded to the next.
+        `query_len` (an int >= 1) > 1 captures the full graphs of steps of that many tokens
+        per sequence (speculative verification); sizes then count sequences.
+        """
+        k = Kind.parse(kind, "kind")
+        if k is Kind.EAGER:
+            raise XGraphError("kind='eager': choose 'full' or 'piecewise'.")
+        what = f"{self.name}: capturing {k.value} graphs"
+        todo = query_sizes(sizes, self.buckets, query_len, what)
+        for n in show_progress(todo, what, progress):
+            self._synthetic_step(n, k, k, key_dims, query_len)
+
+    def warm_up(
+        self, sizes: Iterable[int] | None = None, kind: Kind | str = Kind.FULL, **key_dims: int
+    ) -> None:
+        """Run the synthetic steps `capture` would record, eagerly, recording nothing: kernels
+        compile and load, and libraries set up, before any capture or memory reading."""
+        k = Kind.parse(kind, "kind")
+        if k is Kind.EAGER:
+            raise XGraphError("kind='eager': choose the layout, 'full' or 'piecewise'.")
+        for n in checked_sizes(sizes, self.buckets, f"{self.name}: warm-up"):
+            self._synthetic_step(n, k, Kind.EAGER, key_dims)
+
+    def _synthetic_step(
+        self, n: int, layout: Kind, run: Kind, key_dims: Mapping[str, int], query_len: int = 1
+    ) -> None:
+        """One of the executor's own steps, down the path of every step."""
+        tensors, attn = self.planner.synthetic(n, layout, key_dims, query_len)
+        with self._exclusive("capture"):
+            lock = self._agreeing
+            if lock is not None:
+                self._agreed_step(lock, tensors, attn, run, True)
+                return
+            checked = self.planner.check(tensors, attn, True)
+            step = self.planner.stage(checked, self.planner.decide(checked, run))
+            self._steps.acquire(self.name)  # as a step: one at a time over shared memory
+            try:
+                self._run(step)
+            finally:
+                self._steps.release()
 
     def idle_step(self) -> None:
         """Under data parallelism, a step with no tokens on this rank: it runs the step the
         others agree on over dummy tokens, so its collectives meet theirs. Returns nothing."""
         with self._exclusive("idle step"):
-            step = self.lockstep.idle()  # None: no rank has tokens, nothing runs
-            if step is None:
+            agreed = self.lockstep.idle()  # None: no rank has tokens, nothing runs
+            if agreed is None:
                 return
+            assert self._agreeing is not None  # idle() refused one rank already
             self._steps.acquire(self.name)  # as a step: one at a time over shared memory
             try:
-                self.lockstep.run(self._run, step)  # idle() refused one rank already
+                self._agreeing.run(self._stage_and_run, *agreed)
             finally:
                 self._steps.release()
 
@@ -455,25 +389,25 @@ class GraphExecutor(PreCapture, Release):
 
         return check_parameterization(self, sizes, kind, steps, vary, key_dims, query_lens)
 
-    # -- reporting and teardown ------------------------------------------------------------
+    # -- reporting -------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """Captures, replays, eager steps by reason, capture seconds, hits per key, bytes."""
-        s = self._stats
+        tx, cache = self.transaction, self.cache
         return {
-            "captures": s.captures,
-            "replays": s.replays,
-            "eager": dict(s.eager),
-            "capture_seconds": s.capture_seconds,
-            "hits": {k: e.hits for k, e in self._graphs.items()},
-            "eager_keys": dict(self._eager_keys),
-            "failed_keys": dict(s.failed_keys),
+            "captures": tx.captures,
+            "replays": cache.replays,
+            "eager": dict(cache.eager),
+            "capture_seconds": tx.seconds,
+            "hits": cache.hits(),
+            "eager_keys": dict(cache.eager_keys),
+            "failed_keys": dict(tx.failed_keys),
             "persistent_bytes": self.persistent_bytes(),
-            "outside_pool_bytes": self._outside.bytes,
+            "outside_pool_bytes": tx.outside.bytes,
             "graph_bytes": self.memory.graph_bytes(),
             "memory": self.memory.stats(),
-            "asleep": sorted(self._held.asleep),
-            "keys": sorted(self._graphs, key=repr),
+            "asleep": sorted(self.holdings.asleep),
+            "keys": cache.keys(),
             "parallel": self.lockstep.stats(),  # None for one rank
         }
 
@@ -485,8 +419,46 @@ class GraphExecutor(PreCapture, Release):
 
     def graph(self, key: tuple) -> Recording | None:
         """The cached recording of a key (describe() lists its pieces), or None."""
-        e = self._graphs.get(key)
+        e = self.cache.lookup(key)
         return e.graph if e else None
+
+    # -- giving memory back: for a while (docs/sleep.md) or for good -----------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran (or the executor was released when collected)."""
+        return self.holdings.closed
+
+    def sleep(self) -> sleepmode.SleepReport:
+        """Give back the physical memory of graph memory and persistent buffers, keeping every
+        address: steps raise AsleepError until wake(), which replays every key with no
+        recapture. Executors sharing the graph memory sleep too (docs/sleep.md)."""
+        return sleepmode.sleep(self, tags=())
+
+    def wake(self) -> sleepmode.WakeReport:
+        """Map fresh memory at the addresses sleep() kept; idempotent (docs/sleep.md)."""
+        return sleepmode.wake(self, tags=())
+
+    def close(self) -> None:
+        """Wait for queued work, reset every graph, give back the persistent buffers and
+        graph memory (if owned); any use afterwards raises XGraphError.
+
+        Safe right after steps, with no synchronize of the caller's: replays still queued
+        on the device finish before any memory they use is unmapped or freed. What a
+        device-side metadata check found and no call raised yet is raised here, as
+        `synchronize()` would, once everything is given back. An executor dropped without
+        close() releases the same when it is collected (xgraph.lifetime).
+        """
+        if self.holdings.closed:
+            return
+        with self._exclusive("close"):
+            self._finalizer.detach()
+            found = self.planner.pending_error()  # read before its buffers go
+            self.planner.close()  # first: nothing plans into the buffers that go below
+            self.cache.drop_outputs()  # their memory goes with the caller's last view
+            self.holdings.release(buffers=True)
+        if found is not None:
+            raise found
 
     def __enter__(self) -> GraphExecutor:
         return self

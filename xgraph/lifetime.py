@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,7 +33,8 @@ logger = logging.getLogger("xgraph")
 
 
 class Recording(Protocol):
-    """A captured forward (FullGraph or PiecewiseGraph) as the executor caches it."""
+    """A captured forward (FullGraph or PiecewiseGraph) as the executor caches it; the
+    capture transaction (xgraph.capture) begins, ends or aborts it, the key cache replays."""
 
     context: object
 
@@ -65,8 +65,7 @@ class Holdings:
         self.backend = backend
         self.memory = memory
         self.owns_memory = owns_memory
-        self.graphs: dict[tuple, Entry] = {}
-        self.closers: list[Callable[[], None]] = []  # more graphs of the executor's, reset
+        self.graphs: dict[tuple, Entry] = {}  # each key's recording (its pieces all)
         self.closed = False
         self.busy = threading.Lock()  # held by each step (and by sleep, to wait for one)
         self.asleep: set[str] = set()  # what sleep() gave back that its graphs use
@@ -87,9 +86,7 @@ class Holdings:
         self.backend.synchronize()  # replays still queued on the device use this memory
         while self.graphs:
             _, entry = self.graphs.popitem()
-            entry.graph.reset()
-        while self.closers:
-            self.closers.pop()()
+            entry.graph.reset()  # every piece, the device check's too
         if self.arena is not None:
             if buffers:
                 self.arena.close()

@@ -204,8 +204,10 @@ class GraphMemory:
                 self.physical.close()
 
 
-def settle(backend: Backend) -> int | None:
-    """Synchronize, return cached free memory to the device, read the memory in use."""
+def settled_reading(backend: Backend) -> int | None:
+    """Wait for queued work, give cached free memory back to the device, then read the
+    memory in use: a reading comparable across phases (sleep, benchmarks), at the cost of
+    a device synchronize and an `empty_cache`."""
     backend.synchronize()
     backend.empty_cache()
     return backend.memory_in_use()
@@ -214,12 +216,13 @@ def settle(backend: Backend) -> int | None:
 class OutsidePoolMeter:
     """Device memory that captures leave in use outside graph memory, by the backend's reading.
 
-    Around each capture: the reading once queued work is done and cached free memory is
-    returned (`settle`, which the caller runs right before `start`), before and after,
-    minus what graph memory grew by. What remains is the
-    captures' own cost outside any pool (graph executables: the driver keeps each graph's
-    nodes in device memory) plus anything else a capture left allocated. None where the
-    backend reports no memory in use. Other users of the device in the meantime count too.
+    Around each capture, the reading before and after, minus what graph memory grew by:
+    the captures' own cost outside any pool (graph executables: the driver keeps each
+    graph's nodes in device memory) plus anything else a capture left allocated. The
+    readings bracket the capture alone, which allocates only from its graph pool, so the
+    default allocator's cache is the same at both and cancels out: no synchronize and no
+    `empty_cache` are needed. None where the backend reports no memory in use. Other users
+    of the device in the meantime count too.
     """
 
     def __init__(self, memory: GraphMemory) -> None:
@@ -228,11 +231,11 @@ class OutsidePoolMeter:
         self._before: tuple[int | None, int] = (None, 0)
 
     def start(self) -> None:
-        """Take the reading before a capture; the device must be settled already."""
+        """Take the reading before a capture."""
         self._before = (self.memory.backend.memory_in_use(), self.memory.graph_bytes())
 
     def stop(self) -> None:
-        after, (before, graph_before) = settle(self.memory.backend), self._before
+        after, (before, graph_before) = self.memory.backend.memory_in_use(), self._before
         if before is None or after is None:
             return
         grown = (after - before) - (self.memory.graph_bytes() - graph_before)

@@ -25,16 +25,14 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .attention import step_context
 from .distributed.lockstep import SingleRank
 from .errors import InputError, XGraphError
-from .interfaces import Backend, CapturePool, Graph
+from .interfaces import Backend, Graph
 from .launchdiff import PER_CALL, KeyCheck, ParameterizationReport, Site, compare, unchecked
 from .launches import root_module, tracking
 from .options import Kind, Mode
-from .piecewise import FullGraph, PiecewiseGraph
+from .piecewise import FullGraph
+from .precapture import checked_sizes
 from .safety import register_library_path
 from .variants import VARIATIONS, Variant, Variants, describe_steps
 
@@ -43,7 +41,7 @@ logger = logging.getLogger("xgraph")
 if TYPE_CHECKING:
     from .executor import GraphExecutor
     from .lifetime import Recording
-    from .steps import Step
+    from .steps import Staged
 
 
 class _Readable:
@@ -89,14 +87,6 @@ def supported(backend: Backend) -> bool:
 # -- one recording -------------------------------------------------------------------------
 
 
-def _recording(ex: GraphExecutor, kind: Kind, pool: CapturePool) -> Recording:
-    backend: Any = _Readable(ex.backend)  # FullGraph / PiecewiseGraph call new_graph only
-    checks = not ex.compiled
-    if kind is Kind.FULL:
-        return FullGraph(backend, pool, ex.decode_runner, checks)
-    return PiecewiseGraph(backend, pool, ex.prefill_runner, ex._guarded, checks)
-
-
 def _sites(rec: Recording) -> list[Site]:
     full = isinstance(rec, FullGraph)
     pieces = [rec.graph] if full else [i for i in rec.items if isinstance(i, Graph)]  # type: ignore[attr-defined]
@@ -106,44 +96,13 @@ def _sites(rec: Recording) -> list[Site]:
     return out
 
 
-def _capture(ex: GraphExecutor, step: Step, rec: Recording, root: Any) -> list[Site]:
-    if step.kind is Kind.PIECEWISE and step.metadata is not None and ex.prefill_runner:
-        ex.prefill_runner.plan(step.metadata)
+def record(ex: GraphExecutor, step: Staged, root: Any) -> list[Site]:
+    """Warm up, capture the step on a pool of its own, read its launches, release it all
+    (the executor's capture transaction records it and keeps nothing)."""
     # module hooks name the layers; a compiled forward would recompile under them
     layers = tracking(root) if not ex.compiled else contextlib.nullcontext()
-    rec.begin()
-    with torch.no_grad(), layers:
-        if rec.context is None:
-            result = ex.forward(**step.views)
-        else:
-            with step_context(rec.context):  # type: ignore[arg-type]
-                result = ex.forward(**step.views)
-        del result  # pool memory: gone before the recording is read and reset
-    rec.end()
-    return _sites(rec)
-
-
-def record(ex: GraphExecutor, step: Step, root: Any) -> list[Site]:
-    """Warm up, capture the step on a pool of its own, read its launches, release it all."""
-    backend = ex.backend
-    with backend.warmup_context():
-        warm = ex._eager_forward(step.views, step, step.kind)
-    del warm
-    backend.synchronize()
-    pool = backend.new_pool()
-    rec: Recording | None = None
-    try:
-        rec = _recording(ex, step.kind, pool)
-        sites = _capture(ex, step, rec, root)
-        rec.reset()
-        return sites
-    except BaseException:
-        if rec is not None:
-            rec.abort()
-        raise
-    finally:
-        backend.synchronize()
-        pool.close()
+    with ex.transaction.apart(step, _Readable(ex.backend), layers) as rec:  # type: ignore[arg-type]
+        return _sites(rec)
 
 
 # -- the check -----------------------------------------------------------------------------
@@ -174,7 +133,7 @@ def _sizes(ex: GraphExecutor, sizes: Iterable[int] | None) -> list[int]:
         big = [s for s in ex.buckets.sizes if s >= 4]
         return [min(big) if big else ex.buckets.max]
     out: list[int] = []
-    for n in ex._sizes(sizes, f"{ex.name}: check_parameterization"):
+    for n in checked_sizes(sizes, ex.buckets, f"{ex.name}: check_parameterization"):
         b = ex.buckets.pad(n)
         if b is not None and b not in out:
             out.append(b)
@@ -252,7 +211,7 @@ class _Check:
         self.root = root_module(ex.forward)
         self.report = ParameterizationReport(ex.backend.name)
 
-    def plan(self, v: Variant, kind: Kind | None, synthetic: bool) -> Step:
+    def plan(self, v: Variant, kind: Kind | None, synthetic: bool) -> Staged:
         step = self.ex.planner.plan(v.tensors, v.attn, kind=kind, synthetic=synthetic)
         if step.kind is Kind.EAGER or step.key is None:
             raise XGraphError(
@@ -313,15 +272,11 @@ def check_parameterization(
         raise unsupported(ex.backend)
     _as_library(ex.backend)
     check = _Check(ex)
-    with ex._exclusive("parameterization check"):
-        ex._steps.acquire(ex.name)  # as a step: one at a time over shared memory
-        try:
-            if steps is not None:
-                check.key(describe_steps(list(steps)), None, False, [])
-            for k, n, q in todo:
-                logger.info("%s: parameterization check of %s %d (q %d)", ex.name, k.value, n, q)
-                v = Variants(ex.planner, n, k, key_dims, q)
-                check.key(v.build(names), k, True, v.not_varied)
-        finally:
-            ex._steps.release()
+    with ex.hold("parameterization check"):  # as a step: one at a time over shared memory
+        if steps is not None:
+            check.key(describe_steps(list(steps)), None, False, [])
+        for k, n, q in todo:
+            logger.info("%s: parameterization check of %s %d (q %d)", ex.name, k.value, n, q)
+            v = Variants(ex.planner, n, k, key_dims, q)
+            check.key(v.build(names), k, True, v.not_varied)
     return check.report

@@ -1,7 +1,11 @@
 """Full and piecewise recordings of one forward: what the executor caches per key.
 
 Full: one graph; attention runs inline inside it (a graph-safe runner, reading every
-per-step value from device buffers).
+per-step value from device buffers). A full graph key that serves device-resident
+metadata has the device check (xgraph.device_check) as its first piece: one graph of the
+check's ops on the key's pool, run before the forward's graph on the steps whose
+metadata is on the device (host metadata is checked on the host), or, where it could not
+be recorded and the policy allows, the same ops issued eagerly.
 
 Piecewise: during capture each `xgraph.attention` call ends the current piece (its output
 is allocated in the pool first, inside the piece), records a runner instruction holding q,
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from .attention import InlineRunner, StepContext
+from .device_check import CheckOps
 from .errors import CaptureError, XGraphError
 from .interfaces import AttentionRunner, Backend, CapturePool, Graph
 from .metadata import KVCache
@@ -29,7 +34,8 @@ from .safety import ScopedPatch, model_location
 
 
 class FullGraph:
-    """One graph for the whole forward; `context` runs attention inline while it records."""
+    """One graph for the whole forward, and the device check's graph before it where the
+    key serves device metadata; `context` runs attention inline while it records."""
 
     def __init__(
         self,
@@ -38,6 +44,7 @@ class FullGraph:
         runner: AttentionRunner | None,
         check_ops: bool = True,
     ):
+        self.backend = backend
         self.graph = backend.new_graph()
         self.pool = pool
         self.check_ops = check_ops
@@ -47,6 +54,9 @@ class FullGraph:
                 "graph. Use a graph-safe runner for decode, or the piecewise mode."
             )
         self.context: StepContext | None = InlineRunner(runner) if runner is not None else None
+        self.check_graph: Graph | None = None  # the device check's graph, its first piece
+        self.device_check: CheckOps | None = None  # the check it serves (recorded or eager)
+        self._eager_check = False  # where it could not be recorded: its ops, issued eagerly
 
     def begin(self) -> None:
         self.graph.capture_begin(self.pool, check_ops=self.check_ops)
@@ -55,16 +65,60 @@ class FullGraph:
         self.graph.capture_end()
 
     def abort(self) -> None:
-        self.graph.abort()
+        try:
+            self.graph.abort()
+        finally:
+            self.drop_check()
+
+    # -- the device check, the first piece --------------------------------------------------
+
+    def record_check(self, ops: CheckOps, pool: CapturePool | None = None) -> None:
+        """Record the device check's ops as one graph on `pool` (default: the forward's);
+        a failed recording leaves no check."""
+        g = self.backend.new_graph()
+        self.check_graph = g  # kept first, so drop_check resets it whatever fails below
+        try:
+            g.capture_begin(pool or self.pool, check_ops=self.check_ops)
+            ops()
+            g.capture_end()
+        except BaseException:
+            self.drop_check()
+            raise
+        self.device_check = ops
+
+    def run_check_eagerly(self, ops: CheckOps) -> None:
+        """From now on the key's check issues its ops eagerly each step (not recorded)."""
+        self.device_check, self._eager_check = ops, True
+
+    @property
+    def has_check(self) -> bool:
+        return self.device_check is not None
+
+    def run_check(self) -> None:
+        """The check before a device-metadata step's replay (recorded or eager)."""
+        if self.check_graph is not None:
+            self.check_graph.replay()
+        else:
+            assert self.device_check is not None and self._eager_check
+            self.device_check()
+
+    def drop_check(self) -> None:
+        g, self.check_graph = self.check_graph, None
+        self.device_check, self._eager_check = None, False
+        if g is not None:
+            g.abort()  # a reset, whatever state a failed capture left
 
     def replay(self) -> None:
         self.graph.replay()
 
     def reset(self) -> None:
-        self.graph.reset()
+        try:
+            self.graph.reset()
+        finally:
+            self.drop_check()
 
     def describe(self) -> list[str]:
-        return ["graph"]
+        return (["check"] if self.device_check is not None else []) + ["graph"]
 
 
 @dataclass

@@ -32,7 +32,7 @@ from .backends.cpu.vmm import resident_in
 from .errors import AsleepError, ConcurrentStepError, XGraphError
 from .interfaces import Backend
 from .lifetime import Holdings
-from .memory import settle
+from .memory import settled_reading
 from .plugins import get_backend
 from .pool import SharedPhysicalPool
 from .pool_sleep import is_asleep, sleep_pool, wake_pool
@@ -94,7 +94,7 @@ def _reason(r: Region) -> str:
 
 
 def _holdings(executor: Any) -> Holdings:
-    held = getattr(executor, "_held", None)
+    held = getattr(executor, "holdings", None)
     if not isinstance(held, Holdings):
         raise XGraphError(f"sleep/wake take GraphExecutors; got {type(executor).__name__}.")
     if held.closed:
@@ -302,4 +302,4 @@ def memory_reading(backend: Backend, ranges: list[tuple[int, int]]) -> int | Non
     device's memory in use once queued work is done and cached memory returned."""
     if backend.device.type == "cpu":
         return resident_in(ranges)
-    return settle(backend)
+    return settled_reading(backend)

@@ -19,7 +19,7 @@ import torch
 
 from .buckets import Input
 from .buffers import StagedBuffers, Target, has_numpy_twin, write_prefix
-from .device_check import COUNTS, DeviceCheck
+from .device_check import COUNTS, CheckOps, DeviceCheck
 from .metadata import AttentionMetadata
 from .padding import PaddedArrays, pad_into, query_starts
 from .paging import PagedAttention
@@ -99,10 +99,10 @@ class StepStaging:
         arrays: Sequence[np.ndarray | None],
         attn: StepAttention | None,
         num_seqs: int,
-    ) -> tuple[dict[str, torch.Tensor], AttentionMetadata | None]:
+    ) -> tuple[dict[str, torch.Tensor], AttentionMetadata | None, CheckOps | None]:
         """Write a step (token inputs at the key's extents; attention padded to the key's
         tokens and `num_seqs` sequences: a full graph's, or the step's own) and send it:
-        (input views, metadata)."""
+        (input views, metadata, the device check to run before the step's graph)."""
         st = self.staged
         bank = st.begin()  # this bank's last copy has read it
         plan = self.input_views(key, padded, bank)
@@ -127,11 +127,12 @@ class StepStaging:
         st.send(nbytes)
         for view, value, fill in later or ():
             write_prefix(view, value, fill)
+        check = None
         if attn is not None and attn.on_device:
             # the host copy has sent the padding; the real rows follow on the device
             assert self.device_check is not None
-            self.device_check.write(attn, m.device, num_seqs, self.trusted)
-        return plan.views, md
+            check = self.device_check.stage(attn, m.device, num_seqs, self.trusted)
+        return plan.views, md, check
 
     def _counts(self, h: StepAttention, bank: int) -> int:
         """Stage a checked device step's real counts (sequences, table width) for the

@@ -1,65 +1,97 @@
-"""The step planner: one `plan()` per step validates, classifies, buckets and stages it.
+"""The step planner: a step checked, decided and staged, in that order, each move once.
 
-    step = planner.plan(inputs, attn)   # Kind.FULL / PIECEWISE with a key and staged views,
-                                        # or Kind.EAGER with the reason
+    checked = planner.check(inputs, attn)       # validated; writes nothing
+    decision = planner.decide(checked)          # kind, key, padded sizes, reason; writes nothing
+    # several ranks: decision = lockstep.agree(checked, decision)  (xgraph.distributed)
+    step = planner.stage(checked, decision)     # the one write into the persistent buffers
 
-One path for every step: the token inputs are checked (`xgraph.validation`), the attention
-inputs normalized and checked (`xgraph.step_attention`), the kind and key chosen here, and
-the step written into the persistent buffers (`xgraph.staging`, padded by
-`xgraph.padding`). Nothing is written before the step is known good.
+`plan()` makes the three moves in one call (one rank). The token inputs are checked in
+`xgraph.validation`, the attention inputs normalized and checked in `xgraph.step_attention`,
+the kind and key chosen here, and the step written into the persistent buffers by
+`xgraph.staging` (padded by `xgraph.padding`). Nothing is written before the step is known
+good, and nothing is written twice: ranks agree on the decision, not on staged buffers.
+The planner never touches a graph: device-resident metadata is staged into the check's raw
+buffers, and the check itself is the first piece of the key's recording, which the
+executor's capture transaction records and its key cache replays (xgraph.device_check).
 
-Classification: decode steps (one token per sequence, or no attention) run as full graphs,
-other steps piecewise, as the mode allows. Bucketing pads every shape-determining dim to
-its bucket (dims declared `pad_like` follow num_tokens), or to at least the sizes a caller
-forces (`pad_to`: ranks that agreed on a key); a step above the largest bucket runs eagerly
-or raises, by policy.
+Deciding: decode steps (one token per sequence, or no attention) run as full graphs,
+other steps piecewise, as the mode allows. Every shape-determining dim is padded to its
+bucket (dims declared `pad_like` follow num_tokens), or to at least the sizes a caller
+forces (`pad_to`: ranks that agreed on a key); a step above the largest bucket runs
+eagerly or raises, by policy.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import numpy as np
 import torch
 
 from .buckets import Buckets, Dim, Input
 from .buffers import BufferSpec, CopierFactory, StagedBuffers
-from .device_check import COUNTS, DeviceCheck
-from .errors import BucketOverflowError, InputError, XGraphError, XGraphWarning
+from .callsite import warn_at_caller
+from .device_check import COUNTS, CheckOps, DeviceCheck
+from .errors import BucketOverflowError, InputError, XGraphError
 from .interfaces import AttentionRunner
 from .metadata import AttentionInputs, AttentionMetadata
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
 from .staging import StepStaging
 from .step_attention import AttentionCheck, StepAttention
+from .synthetic import SyntheticSteps
 from .validation import NUM_TOKENS, TokenCheck
-
-if TYPE_CHECKING:
-    from .lifetime import Holdings
 
 logger = logging.getLogger("xgraph")
 
 
-@dataclass
-class Step:
-    """A validated step: its tensors, real dim sizes, and (graph kinds) key, padding and views."""
+@dataclass(slots=True)
+class Checked:
+    """A step's inputs, validated: the token tensors, the size of every symbolic dim, the
+    numpy views staging writes from, and the attention arrays (None: no attention)."""
 
-    kind: Kind
     tensors: dict[str, torch.Tensor]
     sizes: dict[str, int]
-    attn: StepAttention | None = None
-    key: tuple | None = None
-    padded: dict[str, int] = field(default_factory=dict)
-    views: dict[str, torch.Tensor] = field(default_factory=dict)
-    metadata: AttentionMetadata | None = None
-    reason: str = ""  # why it runs eagerly
+    arrays: list[np.ndarray | None]
+    attn: StepAttention | None
+    synthetic: bool = False  # the executor's own step (it may name the dummy block)
 
     @property
     def num_tokens(self) -> int:
         return self.sizes[NUM_TOKENS]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """How a checked step runs: its kind, key and padded key dims (graph kinds), or why it
+    runs eagerly. `attn` replaces the checked attention where the kind reads device-resident
+    metadata on the host (a step that is not a full graph), else None."""
+
+    kind: Kind
+    key: tuple | None = None
+    padded: dict[str, int] = field(default_factory=dict)
+    reason: str = ""  # why it runs eagerly
+    attn: StepAttention | None = None
+
+
+@dataclass(slots=True)
+class Staged:
+    """A staged step: the decision, the real sizes, and (graph kinds) the views of the
+    persistent buffers the step was written to and the metadata its runner reads."""
+
+    kind: Kind
+    key: tuple | None
+    padded: dict[str, int]
+    reason: str
+    num_tokens: int
+    tensors: dict[str, torch.Tensor]
+    attn: StepAttention | None
+    views: dict[str, torch.Tensor]
+    metadata: AttentionMetadata | None
+    device_check: CheckOps | None = None  # device metadata: the check to run before replay
 
 
 def declare_dims(name: str, buckets: Buckets, dims: Sequence[Dim]) -> dict[str, Dim]:
@@ -108,7 +140,11 @@ class _Overflow(Exception):
 
 
 class StepPlanner:
-    """Turns a step call into a planned Step over the executor's persistent buffers."""
+    """Turns a step call into a staged step over the executor's persistent buffers.
+
+    The planner never touches a graph: it checks, decides and writes buffers; recording
+    and replaying (the device check's graph included) are the executor's capture
+    transaction's and key cache's."""
 
     def __init__(
         self,
@@ -140,7 +176,7 @@ class StepPlanner:
         self.tokens_only_key = list(self.key_buckets) == [NUM_TOKENS] and not self.pad_like
         # (forced kind, num_tokens, q) -> (kind, key, padded sizes), where nothing else
         # decides them (no pad_to, num_tokens the only key dim)
-        self._simple: dict[tuple[Kind | None, int, int], tuple[Kind, tuple, dict[str, int]]] = {}
+        self._simple: dict[tuple[Kind | None, int, int], Decision] = {}
         self.full_query_len = attention.max_query_len if attention else 1
         if decode_runner is not None and self.full_query_len > decode_runner.max_query_len:
             raise XGraphError(
@@ -167,6 +203,9 @@ class StepPlanner:
             AttentionCheck(name, attention, self.max_seqs, device) if attention else None
         )
         self._warned_overflow = False
+        self._synthetic = SyntheticSteps(
+            name, self.inputs, self.dims, attention, self.full_query_len
+        )
 
     @property
     def staged(self) -> StagedBuffers:
@@ -206,7 +245,71 @@ class StepPlanner:
             ]
         return specs
 
-    # -- plan ------------------------------------------------------------------------------
+    # -- the moves ---------------------------------------------------------------------------
+
+    def check(
+        self, inputs: Mapping[str, Any], attn: AttentionInputs | None, synthetic: bool = False
+    ) -> Checked:
+        """Validate a step's inputs (InputError at the first problem); writes nothing.
+        `synthetic` marks the executor's own steps (pre-capture, idle ranks: dummy block
+        only). Raises first what an earlier step's device-side check found."""
+        if self.closed:
+            raise self._closed_error()
+        dc = self.device_check
+        if dc is not None and dc.pending:
+            dc.raise_pending()
+        tokens = self.tokens.check(inputs)
+        h = self._attention(attn, tokens.num_tokens, synthetic)
+        return Checked(tokens.tensors, tokens.sizes, tokens.arrays, h, synthetic)
+
+    def decide(
+        self, checked: Checked, kind: Kind | None = None, pad_to: Mapping[str, int] | None = None
+    ) -> Decision:
+        """The step's kind, key and padding, or why it runs eagerly; writes nothing. `kind`
+        forces the kind; `pad_to` pads key dims to at least these sizes (ranks agreeing on
+        one key; a key dim no input uses, such as a communication dim, joins the key at its
+        padded size). Above the buckets: the overflow policy (raise, or eager)."""
+        d = self._classify(checked, kind, pad_to)
+        h = checked.attn
+        if h is not None and h.on_device and d.kind is not Kind.FULL:
+            # host-planned runners and eager steps read the lengths on the host: copied
+            # there (a sync) and checked like host metadata
+            assert self.attn_check is not None
+            host = self.attn_check.check(h.on_host(), checked.num_tokens, checked.synthetic, True)
+            d = Decision(d.kind, d.key, d.padded, d.reason, host)
+        return d
+
+    def stage(self, checked: Checked, decision: Decision) -> Staged:
+        """Write the decided step into the persistent buffers (graph kinds; the one write of
+        the step) and send it to the device; an eager step's metadata in fresh tensors."""
+        if self.closed:
+            raise self._closed_error()
+        h = decision.attn if decision.attn is not None else checked.attn
+        kind = decision.kind
+        if kind is Kind.EAGER:
+            md = h.metadata(self.device) if h is not None else None
+            return Staged(
+                kind, None, {}, decision.reason, checked.num_tokens, checked.tensors, h, {}, md
+            )
+        seqs = 0
+        if h is not None:  # a full graph sees the padded sequence count
+            padded_tokens = decision.padded[NUM_TOKENS]
+            seqs = padded_tokens // h.query_len if kind is Kind.FULL else h.num_seqs
+        views, md, check = self.staging.stage(
+            decision.key, decision.padded, checked.tensors, checked.arrays, h, seqs
+        )
+        return Staged(
+            kind,
+            decision.key,
+            decision.padded,
+            decision.reason,
+            checked.num_tokens,
+            checked.tensors,
+            h,
+            views,
+            md,
+            check,
+        )
 
     def plan(
         self,
@@ -215,49 +318,20 @@ class StepPlanner:
         kind: Kind | None = None,
         pad_to: Mapping[str, int] | None = None,
         synthetic: bool = False,
-    ) -> Step:
-        """Validate, classify, bucket and stage one step. `kind` forces the graph kind;
-        `pad_to` pads key dims to at least these sizes (ranks agreeing on one key; a key dim
-        no input uses, such as a communication dim, joins the key at its padded size);
-        `synthetic` marks the executor's own pre-capture steps (dummy block only)."""
-        if self.closed:
-            raise self._closed_error()
-        dc = self.device_check
-        if dc is not None and dc.pending:
-            dc.raise_pending()  # what an earlier step's device-side check found
-        tokens = self.tokens.check(inputs)
-        h = self._attention(attn, tokens.num_tokens, synthetic)
-        step = Step(Kind.EAGER, tokens.tensors, tokens.sizes, attn=h)
-        self._classify(step, kind, pad_to, synthetic)
-        if h is not None and h.on_device and step.kind is not Kind.FULL:
-            # host-planned runners and eager steps read the lengths on the host: copied
-            # there (a sync) and checked like host metadata
-            assert self.attn_check is not None
-            h = step.attn = self.attn_check.check(h.on_host(), step.num_tokens, synthetic, True)
-        if step.kind is Kind.EAGER:
-            if h is not None:
-                step.metadata = h.metadata(self.device)
-            return step
-        seqs = 0
-        if h is not None:  # a full graph sees the padded sequence count
-            full = step.kind is Kind.FULL
-            seqs = step.padded[NUM_TOKENS] // h.query_len if full else h.num_seqs
-        step.views, step.metadata = self.staging.stage(
-            step.key, step.padded, step.tensors, tokens.arrays, h, seqs
-        )
-        return step
+    ) -> Staged:
+        """check, decide and stage in one call: a step of one rank (see the module doc)."""
+        checked = self.check(inputs, attn, synthetic)
+        return self.stage(checked, self.decide(checked, kind, pad_to))
 
     def raise_pending(self, wait: bool = False) -> None:
         """Raise what the device-side check of an earlier step found (`wait`: for it)."""
         if self.device_check is not None:
             self.device_check.raise_pending(wait)
 
-    def attach(self, held: Holdings) -> None:
-        """The executor's holdings: the device check captures on its backend and graph
-        memory, and its graphs are reset when they are released."""
-        if self.device_check is not None:
-            self.device_check.attach(held.backend, held.memory)
-            held.closers.append(self.device_check.release)
+    def pending_error(self) -> Exception | None:
+        """What the device-side check of an earlier step found and no call raised yet,
+        waited for and taken (close() raises it), or None."""
+        return None if self.device_check is None else self.device_check.pending_error(True)
 
     def persistent_bytes(self) -> int:
         """Bytes of the staged buffers and of the device check's raw buffers."""
@@ -281,20 +355,19 @@ class StepPlanner:
         return self.attn_check.check(attn, num_tokens, synthetic)
 
     def _classify(
-        self, step: Step, forced: Kind | None, pad_to: Mapping[str, int] | None, synthetic: bool
-    ) -> None:
+        self, checked: Checked, forced: Kind | None, pad_to: Mapping[str, int] | None
+    ) -> Decision:
         """Choose the kind and the key; above the buckets: the overflow policy."""
-        h = step.attn
+        h = checked.attn
         q = 1 if h is None else h.query_len
+        n = checked.num_tokens
         if pad_to is None:  # where nothing but the kind, num_tokens and q decide: kept
-            got = self._simple.get((forced, step.num_tokens, q))
+            got = self._simple.get((forced, n, q))
             if got is not None:
-                step.kind, step.key, step.padded = got
-                return
+                return got
         uniform = 1 <= q <= self.full_query_len  # a full graph can run it
         if forced is Kind.EAGER:
-            step.reason = "warm-up" if synthetic else "forced"
-            return
+            return Decision(Kind.EAGER, reason="warm-up" if checked.synthetic else "forced")
         if forced is not None:
             if forced is Kind.FULL and not uniform:
                 raise InputError(
@@ -304,30 +377,27 @@ class StepPlanner:
                 )
             kind = forced
         elif self.mode is Mode.EAGER:
-            step.reason = "mode"
-            return
+            return Decision(Kind.EAGER, reason="mode")
         elif uniform:
             kind = Kind.PIECEWISE if self.mode is Mode.PIECEWISE else Kind.FULL
         elif self.mode is Mode.FULL:
-            step.reason = "not decode (mode='full')"
-            return
+            return Decision(Kind.EAGER, reason="not decode (mode='full')")
         else:
             kind = Kind.PIECEWISE
-        if kind is Kind.FULL and q > 1 and self._sequences(step, q, pad_to) is None:
+        if kind is Kind.FULL and q > 1 and self._sequences(checked, q, pad_to) is None:
             if forced is Kind.FULL or self.mode is Mode.FULL:
-                self._overflow(step, NUM_TOKENS, self.buckets.max, pad_to, q)
-                return
+                return self._overflow(checked, NUM_TOKENS, self.buckets.max, pad_to, q)
             kind = Kind.PIECEWISE  # a piecewise graph serves it, at other padded sizes
         try:
-            step.key, step.padded = self._key(step, kind, q if kind is Kind.FULL else 1, pad_to)
+            key, padded = self._key(checked, kind, q if kind is Kind.FULL else 1, pad_to)
         except _Overflow as o:
-            self._overflow(step, o.dim, o.largest, pad_to)
-            return
-        step.kind = kind
+            return self._overflow(checked, o.dim, o.largest, pad_to)
+        d = Decision(kind, key, padded)
         if self.tokens_only_key and pad_to is None:
-            self._simple[(forced, step.num_tokens, q)] = (kind, step.key, step.padded)
+            self._simple[(forced, n, q)] = d
+        return d
 
-    def _sequences(self, step: Step, q: int, pad_to: Mapping[str, int] | None) -> int | None:
+    def _sequences(self, step: Checked, q: int, pad_to: Mapping[str, int] | None) -> int | None:
         """The padded sequence count of a full graph of query length q > 1 (a bucket, q
         tokens each, within the largest bucket), or None where it does not fit."""
         assert step.attn is not None
@@ -336,7 +406,7 @@ class StepPlanner:
         return sb if sb is not None and sb * q <= self.buckets.max else None
 
     def _key(
-        self, step: Step, kind: Kind, q: int, pad_to: Mapping[str, int] | None
+        self, step: Checked, kind: Kind, q: int, pad_to: Mapping[str, int] | None
     ) -> tuple[tuple, dict[str, int]]:
         """(key, padded sizes) of a step of this kind and (full graphs) query length."""
         padded = self._pad(step, q, pad_to)
@@ -348,7 +418,7 @@ class StepPlanner:
             key += (q,)
         return key, padded
 
-    def _pad(self, step: Step, q: int, pad_to: Mapping[str, int] | None) -> dict[str, int]:
+    def _pad(self, step: Checked, q: int, pad_to: Mapping[str, int] | None) -> dict[str, int]:
         """The padded size of every key dim the step uses or `pad_to` names (_Overflow:
         above the buckets)."""
         if pad_to:
@@ -380,8 +450,8 @@ class StepPlanner:
         return padded
 
     def _overflow(
-        self, step: Step, dim: str, largest: int, pad_to: Mapping[str, int] | None, q: int = 1
-    ) -> None:
+        self, step: Checked, dim: str, largest: int, pad_to: Mapping[str, int] | None, q: int = 1
+    ) -> Decision:
         n = step.sizes.get(dim, 0)
         forced = pad_to.get(dim) if pad_to else None
         what = f"{dim}={n}" + (f" padded to at least {forced}" if forced and forced > n else "")
@@ -398,63 +468,17 @@ class StepPlanner:
                 f"{self.name}: {what} is above the largest bucket {largest}; such steps run "
                 "eagerly (on_overflow='eager'). Shown once."
             )
-            warnings.warn(msg, XGraphWarning, stacklevel=5)
+            warn_at_caller(msg)
             logger.warning(msg)
-        step.reason = "above largest bucket"
+        return Decision(Kind.EAGER, reason="above largest bucket")
 
     # -- synthetic steps (pre-capture) -----------------------------------------------------
 
     def synthetic(
         self, n: int, kind: Kind, key_dims: Mapping[str, int], query_len: int = 1
     ) -> tuple[dict[str, torch.Tensor], AttentionInputs | None]:
-        """Inputs that touch only the dummy slot and block: `n` tokens, or for a full graph
-        of `query_len` > 1, n sequences of that many tokens."""
+        """Inputs that touch only the dummy slot and block (xgraph.synthetic): `n` tokens,
+        or for a full graph of `query_len` > 1, n sequences of that many tokens."""
         if self.closed:
             raise self._closed_error()
-        if query_len > 1:
-            if kind is not Kind.FULL or not 1 < query_len <= self.full_query_len:
-                raise XGraphError(
-                    f"{self.name}: query_len={query_len} names full graphs of that many tokens "
-                    f"per sequence; the decode runner serves 1 to {self.full_query_len} "
-                    "(kind='full')."
-                )
-            attn = self._synthetic_query(n, query_len)
-            return self._synthetic_inputs(n * query_len, key_dims), attn
-        tensors = self._synthetic_inputs(n, key_dims)
-        if self.attention is None:
-            return tensors, None
-        return tensors, self._synthetic_attention(n, decode=kind is Kind.FULL)
-
-    def _synthetic_inputs(self, n: int, key_dims: Mapping[str, int]) -> dict[str, torch.Tensor]:
-        sizes = {NUM_TOKENS: n, **key_dims}
-        for name, d in self.dims.items():
-            default = n if d.pad_like == NUM_TOKENS else (d.buckets[0] if d.buckets else 1)
-            sizes.setdefault(name, default)
-        return {
-            spec.name: torch.full(
-                [s if isinstance(s, int) else sizes[s] for s in spec.shape],
-                spec.fill,
-                dtype=spec.dtype,  # type: ignore[arg-type]
-                device="cpu",  # host values, staged like a caller's
-            )
-            for spec in self.inputs
-        }
-
-    def _synthetic_attention(self, n: int, decode: bool) -> AttentionInputs:
-        """Decode: n single-token sequences. Piecewise: as few sequences as the block-table
-        width allows (host-planned runners cost per sequence), over the dummy block."""
-        a = self.attention
-        assert a is not None
-        if decode:
-            return AttentionInputs([1] * n, [1] * n, [[a.dummy_block]] * n, [a.dummy_slot] * n)
-        per_seq = a.max_blocks_per_seq * a.block_size
-        lens = [per_seq] * (n // per_seq) + ([n % per_seq] if n % per_seq else [])
-        tables = [[a.dummy_block] * -(-q // a.block_size) for q in lens]
-        return AttentionInputs(lens, lens, tables, [a.dummy_slot] * n)
-
-    def _synthetic_query(self, n: int, q: int) -> AttentionInputs:
-        """n sequences of q tokens over the dummy block (seq_len q)."""
-        a = self.attention
-        assert a is not None
-        row = [a.dummy_block] * -(-q // a.block_size)
-        return AttentionInputs([q] * n, [q] * n, [row] * n, [a.dummy_slot] * (n * q))
+        return self._synthetic.build(n, kind, key_dims, query_len)

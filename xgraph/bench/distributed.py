@@ -35,7 +35,7 @@ import torch.distributed as dist
 from .. import distributed as xdist
 from ..attention import step_context
 from ..buckets import Buckets
-from ..distributed.agreement import OK, decide, message
+from ..distributed.agreement import OK, Stamp, decide, message
 from ..distributed.channel import Channel
 from ..interfaces import Backend
 from ..models import Qwen3Model, Workload
@@ -119,14 +119,15 @@ def agreement_us(ex: Any, step: Any, iters: int) -> float:
     rank runs as many. A group of one exchanges nothing per step: its number is the same
     exchange on a one-rank side group, the mechanism's own host cost."""
     lock = ex.lockstep
-    local = lock.planner.plan(_inputs(step), step.attn)
+    checked = lock.planner.check(_inputs(step), step.attn)
+    local = lock.planner.decide(checked)
     if lock.channel is not None:
-        return host_time(ex.backend, lambda: lock._agree(local, OK, None), iters) * 1e6
+        return host_time(ex.backend, lambda: lock.agree(checked, local), iters) * 1e6
     ch = Channel(lock.parallel.ranks, lock.parallel.timeout)
     dims, comm = lock.dims, lock.comm
 
     def agree() -> None:
-        msg = message(local, OK, dims, (0, 0), -1)
+        msg = message(OK, checked, local, dims, Stamp())
         decide(ch.exchange(msg, "step agreement"), dims, comm)
 
     return host_time(ex.backend, agree, iters) * 1e6

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .. import distributed as xdist
 from ..buckets import Buckets, Dim
 from ..interfaces import Backend
-from ..memory import GraphMemory, settle
+from ..memory import GraphMemory, settled_reading
 from ..models import Workload
 from ..models.moe import COMM_DIM, MoEConfig, MoEModel
 from ..models.workload import Step
@@ -47,11 +47,11 @@ def memory_orders(backend: Backend, w: Workload, par: Any, sizes: list[int]) -> 
         mem = GraphMemory(backend, "shared-physical")
         ex = w.executor(backend=backend, buckets=sizes, memory=mem, parallel=par, name=name)
         ex.warm_up([max(sizes)])  # kernels load and libraries set up before the reading
-        before = settle(backend)
+        before = settled_reading(backend)
         t0 = time.perf_counter()
         ex.capture(order, progress=False)
         seconds = time.perf_counter() - t0
-        after = settle(backend)
+        after = settled_reading(backend)
         data = mem.graph_bytes()
         driver = None if before is None or after is None else after - before
         out[name] = {

@@ -5,9 +5,10 @@ each call made with an idle device (synchronized before it, outside the timed wi
 phases timed in turn within each iteration so that noise falls on all of them alike:
 
 - `plan`: `StepPlanner.plan`, the whole planning of the step (the copy to the device issued);
-- `validate`, `classify`, `stage`: its three phases, called on their own (validate: the
-  token inputs, then the attention inputs normalized and checked against the cache;
-  classify: the kind, bucket and key; stage: the host twin written, the one copy issued);
+- `validate`, `classify`, `stage`: its three moves, called on their own (validate:
+  `check`, the token inputs, then the attention inputs normalized and checked against the
+  cache; classify: `decide`, the kind, bucket and key; stage: the host twin written, the
+  one copy issued);
 - `lookup`: the graph cache lookup; `output`: the output views;
 - `replay`: the executor's replay call (runner planning, the graph's state checks) minus
   `raw_replay`, the backend's own replay of the same graph (its driver call alone);
@@ -22,8 +23,9 @@ phases timed in turn within each iteration so that noise falls on all of them al
 The forward is `trivial` by default (two ops: a replay costs little, so the subtraction adds
 no noise) or the reference `model`. The workload is the one `bench decode` uses on an
 accelerator: block tables 512 tokens wide (tensors, as engines keep them), contexts up to
-256. The planner's phases are reached through private attributes: this is a measurement of
-the internals, not an example of the API.
+256. The phases are the planner's moves (`check`, `decide`, `stage`) and the key cache's
+(`lookup`, `replay`, `outputs`) called on their own: a measurement of the internals, not
+an example of the API.
 """
 
 from __future__ import annotations
@@ -57,26 +59,22 @@ def _calls(ex: GraphExecutor, step: Step) -> dict[str, Callable[[], Any]]:
     inputs = {"input_ids": step.input_ids, "positions": step.positions}
     attn = step.attn
     planned = p.plan(inputs, attn)
-    entry = ex._graphs[planned.key]
+    entry = ex.cache.entries[planned.key]
     n, key = planned.num_tokens, planned.key
     raw = entry.graph.graph._replay  # type: ignore[attr-defined]  # a FullGraph's backend graph
     # the raw replay first: like the replay inside `step`, it follows the previous step
     calls: dict[str, Callable[[], Any]] = {"raw_replay": raw, "plan": lambda: p.plan(inputs, attn)}
-    tokens, check = p.tokens, p.attn_check
-    assert check is not None
-    checked, h = tokens.check(inputs), check.check(attn, n)
-    seqs = planned.padded["num_tokens"] if planned.kind.value == "full" else h.num_seqs
+    checked = p.check(inputs, attn)
+    decision = p.decide(checked)
     calls.update(
-        validate=lambda: (tokens.check(inputs), check.check(attn, n)),
-        classify=lambda: p._classify(planned, None, None, False),
-        stage=lambda: p.staging.stage(
-            key, planned.padded, checked.tensors, checked.arrays, h, seqs
-        ),
+        validate=lambda: p.check(inputs, attn),
+        classify=lambda: p.decide(checked),
+        stage=lambda: p.stage(checked, decision),
     )
     calls.update(
-        lookup=lambda: ex._graphs.get(key),
-        replay=lambda: ex._replay(entry, planned, hit=True),
-        output=lambda: ex._outputs(n),
+        lookup=lambda: ex.cache.lookup(key),
+        replay=lambda: ex.cache.replay(entry, planned),
+        output=lambda: ex.cache.outputs(n),
         step=lambda: ex(**step.kwargs()),
         engine_step=as_step(_engine_send(ex, step), raw),
     )

@@ -9,7 +9,7 @@ memory, with the process's proportional resident size (Pss) read beside it.
 from __future__ import annotations
 
 from ..interfaces import Backend
-from ..memory import settle
+from ..memory import settled_reading as settle
 
 __all__ = ["MiB", "driver_reading", "measure", "settle"]
 

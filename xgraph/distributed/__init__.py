@@ -6,7 +6,13 @@ with its collectives checked before they are issued (a capture manifest), and ra
 every rank, within a timeout, instead of hanging. docs/distributed.md tells the whole story.
 """
 
-from .errors import CollectiveMismatchError, DistributedError, PeerCaptureError, PeerStepError
+from .errors import (
+    CollectiveMismatchError,
+    DistributedError,
+    OutOfStepError,
+    PeerCaptureError,
+    PeerStepError,
+)
 from .lockstep import SINGLE, Lockstep, SingleRank, attach, comm_size, comm_sizes, group_stats
 from .manifest import Collective, CollectiveRecorder
 from .parallel import Parallel
@@ -18,6 +24,7 @@ __all__ = [
     "CollectiveRecorder",
     "DistributedError",
     "Lockstep",
+    "OutOfStepError",
     "Parallel",
     "PeerCaptureError",
     "PeerStepError",

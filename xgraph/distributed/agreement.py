@@ -1,9 +1,11 @@
 """What the ranks agree on each step: one fixed-size message per rank, one rule for all.
 
-Each rank sends what its own plan chose (kind, padded key sizes, or why it runs eagerly),
-its real token count, the size of its graph cache and its tensor-parallel group; every rank
-then applies the same rule to the same table, so all reach the same decision without a
-second round:
+Each rank sends what its own decision chose (kind, padded key sizes, or why it runs
+eagerly; nothing is staged before the ranks agree: xgraph.steps), its real token count, the
+size of its graph cache, its tensor-parallel group and the step's identity
+(xgraph.distributed.identity: the executor's configuration digest, the step's ordinal, a
+digest of its host inputs); every rank then applies the same rule to the same table, so all
+reach the same decision without a second round:
 
 - the path is the least of the ranks' (eager < piecewise < full): one eager rank (overflow,
   `mode`, a forced kind) makes every rank eager; a prefill among decodes makes all piecewise;
@@ -13,8 +15,9 @@ second round:
   group, padded by its own buckets, and joins the key; above its buckets every rank is eager;
 - idle ranks (no tokens) take what the others agree; when every rank is idle nothing runs.
 
-The table also proves the ranks are in step: their graph caches hold as many graphs and
-eager keys, and the ranks of one tensor-parallel group were given the same step.
+The table also proves the ranks are in step: their executors are configured alike and at
+the same step, their graph caches hold as many graphs and eager keys, and the ranks of one
+tensor-parallel group were given the same step (sizes and host inputs).
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from dataclasses import dataclass, field
 
 from ..buckets import Buckets
 from ..options import Kind
-from ..steps import Step
+from ..steps import Checked, Decision
 from .channel import STEP
 
 # message fields
 F_TAG, F_STATUS, F_KIND, F_REASON, F_TOKENS, F_GRAPHS, F_EAGER_KEYS, F_TP = range(8)
-F_DIMS = 8  # the key dims' sizes, in the planner's key order
+F_CONFIG, F_SEQ, F_INPUTS = 8, 9, 10  # the step's identity
+F_DIMS = 11  # the key dims' sizes, in the planner's key order
 MAX_DIMS = 8
 
 OK, REFUSED, IDLE = 0, 1, 2
@@ -57,16 +61,33 @@ class Agreed:
     tokens: int = 0  # the largest real token count of the group
 
 
+@dataclass(frozen=True)
+class Stamp:
+    """What a message says of the rank besides its step: its graph cache's size, its
+    tensor-parallel group's first rank (-1: none) and the step's identity."""
+
+    cache: tuple[int, int] = (0, 0)
+    tp: int = -1
+    config: int = 0  # the executor's configuration digest
+    seq: int = 0  # the step's ordinal among the executor's agreements
+    inputs: int = 0  # a digest of the step's host inputs (tensor parallelism only)
+
+
 def message(
-    step: Step | None, status: int, dims: Sequence[str], cache: tuple[int, int], tp: int
+    status: int,
+    checked: Checked | None,
+    decision: Decision | None,
+    dims: Sequence[str],
+    stamp: Stamp,
 ) -> list[int]:
-    """This rank's message (`step` None: refused or idle)."""
-    out = [STEP, status, 3, 0, 0, cache[0], cache[1], tp] + [-1] * len(dims)
-    if step is not None:
-        out[F_KIND] = KIND_CODE[step.kind]
-        out[F_REASON] = reason_code(step.reason)
-        out[F_TOKENS] = step.num_tokens
-        sizes = step.padded if step.kind is not Kind.EAGER else step.sizes
+    """This rank's message (`decision` None: refused or idle)."""
+    out = [STEP, status, 3, 0, 0, *stamp.cache, stamp.tp, stamp.config, stamp.seq, stamp.inputs]
+    out += [-1] * len(dims)
+    if checked is not None and decision is not None:
+        out[F_KIND] = KIND_CODE[decision.kind]
+        out[F_REASON] = reason_code(decision.reason)
+        out[F_TOKENS] = checked.num_tokens
+        sizes = decision.padded if decision.kind is not Kind.EAGER else checked.sizes
         for i, d in enumerate(dims):
             out[F_DIMS + i] = sizes.get(d, -1)
     return out
@@ -113,6 +134,21 @@ def divergence(table: list[list[int]]) -> str | None:
     return None
 
 
+def configured_alike(table: list[list[int]]) -> bool:
+    return len({m[F_CONFIG] for m in table}) == 1
+
+
+def sequence_mismatch(table: list[list[int]]) -> str | None:
+    """The ranks' step ordinals where they differ, or None."""
+    if len({m[F_SEQ] for m in table}) == 1:
+        return None
+    return (
+        "the ranks are at different steps ("
+        + ", ".join(f"rank {r}: step #{m[F_SEQ]}" for r, m in enumerate(table))
+        + ")"
+    )
+
+
 def tp_mismatch(table: list[list[int]]) -> str | None:
     """Ranks of one tensor-parallel group given different steps, named; or None."""
     groups: dict[int, list[int]] = {}
@@ -120,15 +156,20 @@ def tp_mismatch(table: list[list[int]]) -> str | None:
         if m[F_TP] >= 0:
             groups.setdefault(m[F_TP], []).append(r)
     for ranks in groups.values():
-        seen = {tuple(table[r][F_STATUS : F_TOKENS + 1]) + tuple(table[r][F_DIMS:]) for r in ranks}
-        if len(seen) > 1:
-            what = ", ".join(
-                f"rank {r}: {table[r][F_TOKENS]} tokens"
-                + (" (idle)" if table[r][F_STATUS] == IDLE else "")
-                for r in ranks
-            )
-            return (
-                f"ranks {ranks} form one tensor-parallel group but were given different steps "
-                f"({what}); the ranks of a tensor-parallel group must run the same batch"
-            )
+        sizes = {tuple(table[r][F_STATUS : F_TOKENS + 1]) + tuple(table[r][F_DIMS:]) for r in ranks}
+        inputs = {table[r][F_INPUTS] for r in ranks}
+        if len(sizes) == 1 and len(inputs) == 1:
+            continue
+        what = ", ".join(
+            f"rank {r}: {table[r][F_TOKENS]} tokens"
+            + (" (idle)" if table[r][F_STATUS] == IDLE else "")
+            for r in ranks
+        )
+        how = "different steps" if len(sizes) > 1 else "batches of the same sizes but other inputs"
+        return (
+            f"ranks {ranks} form one tensor-parallel group but were given {how} at step "
+            f"#{table[ranks[0]][F_SEQ]} ({what}); the ranks of a tensor-parallel group must run "
+            "the same batch. A rank skipped, repeated or reordered a step, or the engine gave "
+            "the ranks different batches"
+        )
     return None

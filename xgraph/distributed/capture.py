@@ -14,6 +14,12 @@ A rank whose warm-up or capture fails sends that failure as its next message: th
 learn it at their next exchange, roll back and raise PeerCaptureError, so every rank
 handles the key the same way (on_capture_error). Exceptions every rank knows of are marked
 as agreed, so the executor does not mistake them for a rank gone astray.
+
+An eager step (above the buckets, `mode="eager"`, a key whose capture failed) runs the
+forward once, under the same check (`eager_scope`): its collectives are announced and its
+end agreed, so ranks whose forwards differ (built with other dtypes, say) raise
+CollectiveMismatchError on every rank before the differing collective is issued, and a
+rank whose forward fails makes the others raise PeerStepError at the same point.
 """
 
 from __future__ import annotations
@@ -26,10 +32,10 @@ from typing import Any
 
 from ..errors import XGraphError
 from .channel import ANNOUNCE, RESULT, Channel
-from .errors import CollectiveMismatchError, DistributedError, PeerCaptureError
+from .errors import CollectiveMismatchError, DistributedError, PeerCaptureError, PeerStepError
 from .manifest import Collective, CollectiveRecorder, first_difference, manifest_digest
 
-PASSES = {"warm-up": 1, "capture": 2}
+PASSES = {"warm-up": 1, "capture": 2, "eager": 3}
 
 
 def mark_agreed(exc: BaseException) -> BaseException:
@@ -52,9 +58,18 @@ class CaptureCheck:
     """One key's warm-up and capture across ranks (see the module docstring)."""
 
     def __init__(
-        self, channel: Channel | None, labels: Any, key: tuple, record: bool = True
+        self,
+        channel: Channel | None,
+        labels: Any,
+        key: tuple,
+        record: bool = True,
+        eager: int | None = None,
     ) -> None:
+        """`key`: the graph key (an eager step's: its key, or ("eager",)); `eager`: the
+        tokens of an eager step, None for a capture."""
         self.channel, self.labels, self.key, self.record = channel, labels, key, record
+        self.eager = eager is not None
+        self.what = f"the eager step of {eager} tokens" if self.eager else f"the capture of {key}"
         self.manifests: dict[str, list[Collective]] = {}
         self.phase = "warm-up"
         self.settled = False  # every rank knows how this capture ended
@@ -87,9 +102,9 @@ class CaptureCheck:
         if self.channel is None:
             self.settled = True
             return
-        m = self.manifests.get("capture", [])
+        m = self.manifests.get(self.phase, [])
         mine = [RESULT, 1, len(m), manifest_digest(m)]
-        table = self._exchange(mine, f"the end of the capture of {self.key}")
+        table = self._exchange(mine, f"the end of {self.what}")
         if all(row[:4] == mine for row in table):
             self.settled = True
             return
@@ -101,7 +116,7 @@ class CaptureCheck:
             return
         self.settled = True
         try:
-            self._exchange([RESULT, 0, 0, 0], f"the capture of {self.key} (failed here)")
+            self._exchange([RESULT, 0, 0, 0], f"{self.what} (failed here)")
             self.channel.gather_objects(_text(exc), "a failed capture's message")
         except DistributedError:
             return  # already broken: the caller's own error is the one to report
@@ -122,22 +137,27 @@ class CaptureCheck:
         assert self.channel is not None
         self.settled = True
         if any(m[0] not in (ANNOUNCE, RESULT) for m in table):
-            raise self._fatal(self.channel.out_of_step(table, f"the capture of {self.key}"))
+            raise self._fatal(self.channel.out_of_step(table, self.what))
         failed = [r for r, m in enumerate(table) if m[0] == RESULT and m[1] == 0]
         if failed:
             texts = self.channel.gather_objects(None, "a failed capture's message")
             self.failed_everywhere = True
-            why = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
-            raise mark_agreed(
-                PeerCaptureError(
-                    f"rank {self.channel.rank}: the capture of {self.key} failed on rank(s) "
-                    f"{failed} ({why}); this rank rolled its own back, as every rank did."
-                )
-            )
+            raise mark_agreed(self._peer_failed(failed, texts))
         history = self._history(pending)
         everyone = self.channel.gather_objects(history, "the ranks' capture manifests")
         i, versions = first_difference(everyone)
         raise self._fatal(CollectiveMismatchError(self._mismatch(i, versions)))
+
+    def _peer_failed(self, failed: list[int], texts: list[Any]) -> XGraphError:
+        assert self.channel is not None
+        why = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
+        head = f"rank {self.channel.rank}: {self.what} failed on rank(s) {failed} ({why})"
+        if self.eager:
+            return PeerStepError(
+                f"{head}; this rank stopped its own at the same point, so no rank has the "
+                "step's result. The ranks are still in step: fix that rank's cause and go on."
+            )
+        return PeerCaptureError(f"{head}; this rank rolled its own back, as every rank did.")
 
     def _history(self, pending: str | None) -> list[str]:
         out = [f"{p} #{i}: {c}" for p, m in self.manifests.items() for i, c in enumerate(m)]
@@ -147,13 +167,18 @@ class CaptureCheck:
 
     def _mismatch(self, index: int, versions: list[str]) -> str:
         each = "; ".join(f"rank {r}: {v}" for r, v in enumerate(versions))
+        where = "of the eager step" if self.eager else "counting warm-up and capture"
+        undone = (
+            "no rank has this step's result"
+            if self.eager
+            else "nothing was replayed; the capture is rolled back on every rank"
+        )
         return (
             f"{self.key}: the ranks' forwards issue different collectives. The first that "
-            f"differs (collective {index} counting warm-up and capture): {each}. It was found "
-            "before it was issued and nothing was replayed; the capture is rolled back on "
-            "every rank. Every rank must issue the same collectives in the same order, dtype "
-            "and shape (NCCL's and HCCL's rule for graphs): look for rank-dependent code in "
-            "the forward."
+            f"differs (collective {index} {where}): {each}. It was found before it was issued "
+            f"and {undone}. Every rank must issue the same collectives in the same order, "
+            "dtype and shape (NCCL's and HCCL's rule for graphs): look for rank-dependent "
+            "code in the forward, or ranks built with different dtypes."
         )
 
     def _fatal(self, exc: XGraphError) -> XGraphError:
@@ -165,6 +190,19 @@ class CaptureCheck:
 def _text(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0][:400] if lines else ''}"
+
+
+@contextlib.contextmanager
+def eager_scope(check: CaptureCheck) -> Iterator[None]:
+    """An eager step's forward under the recorder; its end agreed, a failure told."""
+    rec = check.recorder("eager")
+    try:
+        with rec:
+            yield
+    except Exception as exc:
+        check.fail(exc)
+        raise
+    check.finish()
 
 
 @contextlib.contextmanager

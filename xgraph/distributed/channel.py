@@ -28,7 +28,7 @@ from .errors import DistributedError
 
 logger = logging.getLogger("xgraph")
 
-MESSAGE = 16  # int64 fields per rank and exchange
+MESSAGE = 20  # int64 fields per rank and exchange (agreement: 11 + 8 key dims)
 
 # what a message is (field 0)
 STEP, ANNOUNCE, RESULT, OBJECTS = 1, 2, 3, 4

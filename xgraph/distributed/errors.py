@@ -18,6 +18,14 @@ class DistributedError(XGraphError):
     """
 
 
+class OutOfStepError(DistributedError):
+    """The ranks are not running the same step: their ordinals differ, or the ranks of one
+    tensor-parallel group were given different batches (a rank skipped, repeated or
+    reordered a call). Raised on every rank before any runs the step; the executor then
+    stops, as for any DistributedError.
+    """
+
+
 class PeerStepError(XGraphError):
     """Another rank refused this step (bad inputs, an overflow under on_overflow='raise').
 

@@ -1,30 +1,54 @@
 """The executor's side of graphs across ranks: agreed steps, lockstep captures, idle steps.
 
 `attach(parallel, executor)` gives the executor its lockstep. With more than one rank (or
-communication dims) it wraps the executor's planner: each `plan` plans the step locally,
-exchanges one fixed-size message per rank on the side group (xgraph.distributed.agreement),
-and plans again only where this rank's choice differs from the agreed one (another kind, more
-padding). Captures go through `warm_up` and `checked` (xgraph.distributed.capture); a step
-that fails on one rank after the ranks agreed on it stops the executor with
-DistributedError (its peers are left in collectives it will not join). Without `parallel`
-the executor gets `SINGLE`, whose hooks do nothing.
+communication dims) the executor calls `agree(checked, decision)` between deciding a step
+and staging it: one fixed-size message per rank on the side group
+(xgraph.distributed.agreement), and the agreed decision back, decided again (which writes
+nothing) only where this rank's choice differs (another kind, more padding); the step is
+then staged once. A rank whose check or decision failed tells the others (`refuse`), and
+no rank runs the step. Captures go through `warm_up` and `checked`
+(xgraph.distributed.capture); a step that fails on one rank after the ranks agreed on it
+stops the executor with DistributedError (its peers are left in collectives it will not
+join). Without `parallel` the executor gets `SINGLE`, which agrees with no one: the
+executor then calls nothing between the moves of a step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from ..errors import XGraphError
 from ..options import Kind
-from ..steps import Step
+from ..steps import Checked, Decision, Staged
 from ..validation import NUM_TOKENS
-from .agreement import IDLE, OK, REFUSED, Agreed, decide, divergence, message, tp_mismatch
-from .capture import CaptureCheck, CheckedRecording, is_agreed, mark_agreed, warm_up_scope
+from .agreement import (
+    IDLE,
+    OK,
+    REFUSED,
+    Agreed,
+    Stamp,
+    configured_alike,
+    decide,
+    divergence,
+    message,
+    sequence_mismatch,
+    tp_mismatch,
+)
+from .capture import (
+    CaptureCheck,
+    CheckedRecording,
+    eager_scope,
+    is_agreed,
+    mark_agreed,
+    warm_up_scope,
+)
 from .channel import STEP
-from .errors import DistributedError, PeerStepError
+from .errors import DistributedError, OutOfStepError, PeerStepError
+from .identity import config_of, differences, digest, inputs_digest
 from .parallel import Parallel
 
 _local = threading.local()
@@ -55,16 +79,21 @@ def comm_sizes(**sizes: int) -> Iterator[None]:
 
 
 class SingleRank:
-    """The lockstep of an executor without `parallel`: every hook does nothing, and it has no
-    `run`, so the executor calls its own `_run` directly (nothing added to one rank's step)."""
+    """The lockstep of an executor without `parallel`: every hook does nothing, and
+    `agrees` is False, so the executor calls nothing of it on a step (no frame added)."""
 
-    def warm_up(self, step: Step) -> contextlib.AbstractContextManager[None]:
+    agrees = False
+
+    def warm_up(self, step: Staged) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def checked(self, step: Step, recording: Any) -> Any:
+    def checked(self, step: Staged, recording: Any) -> Any:
         return recording
 
-    def idle(self) -> Step | None:
+    def eager(self, step: Staged) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def idle(self) -> tuple[Checked, Decision] | None:
         raise XGraphError(
             "idle_step() is for data-parallel ranks: create the executor with "
             "parallel=xgraph.Parallel(dp=...)."
@@ -78,7 +107,7 @@ SINGLE = SingleRank()
 
 
 def attach(parallel: Parallel | None, executor: Any) -> SingleRank | Lockstep:
-    """The executor's lockstep; with several ranks its planner now agrees each step."""
+    """The executor's lockstep (SINGLE without `parallel`)."""
     if parallel is None:
         return SINGLE
     if not isinstance(parallel, Parallel):
@@ -96,9 +125,9 @@ class Lockstep:
         self.parallel = parallel
         self.name, self.compiled = executor.name, executor.compiled
         self.channel = parallel.channel
-        # the cache sizes prove the ranks are in step (the dicts, not the executor: it must
+        # the cache sizes prove the ranks are in step (the cache, not the executor: it must
         # stay collectable, its memory released when it is)
-        self._cached = (executor._graphs, executor._eager_keys)
+        self.cache = executor.cache
         planner = executor.planner
         self.planner = planner
         self.dims = list(planner.key_buckets)
@@ -112,81 +141,133 @@ class Lockstep:
             self.comm[d] = planner.key_buckets[d]
         if len(self.dims) > 8:
             raise XGraphError(f"{self.name}: at most 8 key dims can be agreed across ranks.")
-        self.token_input = next(
-            ((i.name, i.shape.index(NUM_TOKENS)) for i in planner.inputs if NUM_TOKENS in i.shape),
-            None,
-        )
+        self.config = config_of(executor)  # the settings every rank must share
+        self.stamp = Stamp(tp=parallel.tp_leader, config=digest(self.config))
+        self.seq = 0  # agreements made: the ordinal of the next step
         self.capture: CaptureCheck | None = None
         self.manifests: dict[tuple, dict[str, list]] = {}  # key -> pass -> collectives
-        self.counts = {"agreements": 0, "replans": 0, "idle_steps": 0, "eager_agreed": 0}
+        self.counts = {"agreements": 0, "idle_steps": 0, "eager_agreed": 0}
         self.last: Agreed | None = None
         self.broken: str | None = None
-        if self.channel is not None or self.comm:
-            executor.planner = AgreedPlanner(self)
+        # a group of one rank without communication dims has nothing to agree on
+        self.agrees = self.channel is not None or bool(self.comm)
         parallel.prepare(executor.backend)
 
     # -- agreeing on a step ----------------------------------------------------------------
 
-    def plan(
-        self, inputs: Mapping[str, Any], attn: Any, kind: Kind | None, synthetic: bool
-    ) -> Step:
-        self._usable()
-        pad = self._own_comm(inputs)
-        try:
-            local = self.planner.plan(inputs, attn, kind=kind, synthetic=synthetic, pad_to=pad)
-        except Exception as exc:
-            if self.channel is not None:
-                self._agree(None, REFUSED, exc)
-            raise
-        agreed = self._agree(local, OK, None)
-        return self._conform(local, agreed, inputs, attn, synthetic)
+    def usable(self) -> None:
+        """Raise DistributedError if the ranks lost each other (this executor stopped)."""
+        if self.broken is not None:
+            raise DistributedError(self.broken)
+        if self.channel is not None and self.channel.broken is not None:
+            self.broken = self.channel.broken
+            raise DistributedError(self.broken)
 
-    def idle(self) -> Step | None:
+    def agree(self, checked: Checked, decision: Decision) -> Decision:
+        """The decision every rank runs, from this rank's own (nothing is staged yet)."""
+        agreed = self._exchange(OK, checked, decision, None)
+        assert agreed.kind is not None
+        if agreed.kind is Kind.EAGER:
+            if decision.kind is Kind.EAGER:
+                return decision
+        elif decision.kind is agreed.kind and all(
+            decision.padded.get(d) == p for d, p in agreed.pad_to.items()
+        ):
+            return decision
+        return self._redecide(checked, agreed)
+
+    def refuse(self, exc: Exception) -> None:
+        """This rank's check or decision raised `exc`: the peers learn why, none runs it."""
+        if self.channel is not None and self.broken is None:
+            self._exchange(REFUSED, None, None, exc)
+
+    def idle(self) -> tuple[Checked, Decision] | None:
         """This rank's part of a step in which it has no tokens (None: no rank has any)."""
-        self._usable()
-        agreed = self._agree(None, IDLE, None)
+        self.usable()
+        agreed = self._exchange(IDLE, None, None, None)
         self.counts["idle_steps"] += 1
         if agreed.kind is None:
             return None
         graph = agreed.kind is not Kind.EAGER
         n = agreed.pad_to[NUM_TOKENS] if graph else 1
         extra = {d: v for d, v in agreed.pad_to.items() if d != NUM_TOKENS}
-        tensors, attn = self.planner.synthetic(n, agreed.kind if graph else Kind.FULL, extra)
-        step = self._replan(tensors, attn, agreed, True)
-        step.reason = step.reason and "idle rank"
-        return step
-
-    def _own_comm(self, inputs: Mapping[str, Any]) -> dict[str, int] | None:
-        """Communication dims as this rank alone would size them (its own tokens)."""
-        if not self.comm or self.token_input is None:
-            return None
-        name, axis = self.token_input
         try:
-            n = int(inputs[name].shape[axis])
-        except (KeyError, AttributeError, IndexError, TypeError):
-            return None  # the planner names what is wrong with the inputs
-        return {d: n for d in self.comm}
+            tensors, attn = self.planner.synthetic(n, agreed.kind if graph else Kind.FULL, extra)
+            checked = self.planner.check(tensors, attn, synthetic=True)
+        except Exception as exc:  # the others run the agreed step without this rank
+            raise self._break(f"planning the agreed step {agreed} failed", exc) from exc
+        decision = self._redecide(checked, agreed)
+        if decision.reason:
+            decision = replace(decision, reason="idle rank")
+        return checked, decision
 
-    def _agree(self, local: Step | None, status: int, exc: Exception | None) -> Agreed:
-        if self.channel is None:  # one rank: its own plan, communication dims from its tokens
-            agreed = decide([message(local, status, self.dims, self._cache(), -1)], [], self.comm)
-            return self._settle(agreed)
-        mine = message(local, status, self.dims, self._cache(), self.parallel.tp_leader)
-        table = self.channel.exchange(mine, "step agreement")
+    def _redecide(self, checked: Checked, agreed: Agreed) -> Decision:
+        """This rank's decision of the agreed kind and padding (writes nothing)."""
+        try:
+            d = self.planner.decide(checked, kind=agreed.kind, pad_to=agreed.pad_to or None)
+        except Exception as exc:  # the others run the agreed step without this rank
+            raise self._break(f"planning the agreed step {agreed} failed", exc) from exc
+        if agreed.kind is Kind.EAGER:
+            self.counts["eager_agreed"] += 1
+            d = replace(d, reason=agreed.reason)
+        return d
+
+    def _exchange(
+        self,
+        status: int,
+        checked: Checked | None,
+        decision: Decision | None,
+        exc: Exception | None,
+    ) -> Agreed:
+        stamp = replace(self.stamp, cache=self.cache.sizes(), seq=self.seq)
+        if self.channel is None:  # one rank: its own decision, communication dims from its tokens
+            return self._settle(
+                decide([message(status, checked, decision, [], stamp)], [], self.comm)
+            )
+        if stamp.tp >= 0 and checked is not None:  # a TP group runs one batch: its inputs too
+            stamp = replace(stamp, inputs=inputs_digest(checked))
+        table = self.channel.exchange(
+            message(status, checked, decision, self.dims, stamp), "step agreement"
+        )
+        self.seq += 1
         if any(m[0] != STEP for m in table):
             raise self._break_with(self.channel.out_of_step(table, "step agreement"))
+        self._alike(table)
         self.counts["agreements"] += 1
         refused = [r for r, m in enumerate(table) if m[1] == REFUSED]
         if refused:
             self._refused(refused, exc)
             return Agreed(None)  # this rank refused: its caller raises its own error
-        wrong = divergence(table)
-        if wrong is not None:
-            raise self._break_with(DistributedError(f"{self.name}: {wrong}."))
-        wrong = tp_mismatch(table)
-        if wrong is not None:
-            raise PeerStepError(f"{self.name}: {wrong}. No rank ran this step.")
+        self._out_of_step(sequence_mismatch(table) or divergence(table) or tp_mismatch(table))
         return self._settle(decide(table, self.dims, self.comm))
+
+    def _alike(self, table: list[list[int]]) -> None:
+        """Raise on every rank (and stop) where the ranks' executors are set up differently."""
+        assert self.channel is not None
+        if not configured_alike(table):
+            configs = self.channel.gather_objects(self.config, "the executors' settings")
+            raise self._break_with(
+                DistributedError(
+                    f"{self.name}: the ranks' executors are configured differently: "
+                    f"{differences(configs)}. The ranks decide every step's kind, key and "
+                    "padding by one rule, which needs the same settings on every rank: build "
+                    "each rank's executor with the same arguments, then close these executors "
+                    "and restart the process group."
+                )
+            )
+        self._out_of_step(sequence_mismatch(table))
+
+    def _out_of_step(self, wrong: str | None) -> None:
+        """Raise on every rank (and stop) where the table shows the ranks at other steps."""
+        if wrong is not None:
+            raise self._break_with(
+                OutOfStepError(
+                    f"{self.name}: {wrong}. No rank ran this step, and every later one would "
+                    "pair the ranks' steps wrongly, so this executor stops here: close it, "
+                    "restart the process group, and make every rank call its executor with "
+                    "the same steps in the same order."
+                )
+            )
 
     def _settle(self, agreed: Agreed) -> Agreed:
         self.last, self.capture = agreed, None
@@ -208,44 +289,15 @@ class Lockstep:
             )
         )
 
-    def _conform(
-        self, local: Step, agreed: Agreed, inputs: Mapping[str, Any], attn: Any, synthetic: bool
-    ) -> Step:
-        """This rank's plan if it is the agreed one, else the agreed plan."""
-        assert agreed.kind is not None
-        if agreed.kind is Kind.EAGER:
-            if local.kind is Kind.EAGER:
-                return local
-        elif local.kind is agreed.kind and all(
-            local.padded.get(d) == p for d, p in agreed.pad_to.items()
-        ):
-            return local
-        return self._replan(inputs, attn, agreed, synthetic)
-
-    def _replan(
-        self, inputs: Mapping[str, Any], attn: Any, agreed: Agreed, synthetic: bool
-    ) -> Step:
-        self.counts["replans"] += 1
-        try:
-            step = self.planner.plan(
-                inputs, attn, kind=agreed.kind, synthetic=synthetic, pad_to=agreed.pad_to or None
-            )
-        except Exception as exc:  # the others run the agreed step without this rank
-            raise self._break(f"planning the agreed step {agreed} failed", exc) from exc
-        if agreed.kind is Kind.EAGER:
-            self.counts["eager_agreed"] += 1
-            step.reason = agreed.reason
-        return step
-
     # -- running, capturing ----------------------------------------------------------------
 
-    def run(self, run: Callable[[Step], Any], step: Step) -> Any:
-        """Run the agreed step; a failure no peer knows of stops the executor."""
+    def run(self, run: Callable[[Checked, Decision], Any], checked: Checked, d: Decision) -> Any:
+        """Stage and run the agreed step; a failure no peer knows of stops the executor."""
         try:
-            return run(step)
+            return run(checked, d)
         except Exception as exc:
-            check = self.capture
-            agreed = check is not None and check.key == step.key and check.failed_everywhere
+            check = self.capture  # this step's capture or eager check, if it made one
+            agreed = check is not None and check.failed_everywhere
             if (
                 self.channel is None
                 or agreed
@@ -254,16 +306,27 @@ class Lockstep:
             ):
                 raise
             raise self._break(
-                f"step {step.key or step.reason!r} failed after the ranks agreed on it", exc
+                f"step {d.key or d.reason!r} failed after the ranks agreed on it", exc
             ) from exc
 
-    def warm_up(self, step: Step) -> contextlib.AbstractContextManager[None]:
+    def warm_up(self, step: Staged) -> contextlib.AbstractContextManager[None]:
         assert step.key is not None
         labels, record = self.parallel.labels, not self.compiled
         self.capture = CaptureCheck(self.channel, labels, step.key, record)
         return warm_up_scope(self.capture)
 
-    def checked(self, step: Step, recording: Any) -> CheckedRecording:
+    def eager(self, step: Staged) -> contextlib.AbstractContextManager[None]:
+        """An eager step's forward with its collectives checked as a capture's are, its end
+        agreed (xgraph.distributed.capture); nothing to check on a group of one rank."""
+        if self.channel is None:
+            return contextlib.nullcontext()
+        tokens = step.padded.get(NUM_TOKENS, step.num_tokens)
+        key = step.key if step.key is not None else ("eager",)
+        labels, record = self.parallel.labels, not self.compiled
+        self.capture = CaptureCheck(self.channel, labels, key, record, eager=tokens)
+        return eager_scope(self.capture)
+
+    def checked(self, step: Staged, recording: Any) -> CheckedRecording:
         check = self.capture
         if check is None or check.key != step.key:  # warm_up always comes first
             raise XGraphError(f"{self.name}: capture of {step.key} without its warm-up.")
@@ -271,16 +334,6 @@ class Lockstep:
         return CheckedRecording(recording, check)
 
     # -- state -------------------------------------------------------------------------------
-
-    def _cache(self) -> tuple[int, int]:
-        return len(self._cached[0]), len(self._cached[1])
-
-    def _usable(self) -> None:
-        if self.broken is not None:
-            raise DistributedError(self.broken)
-        if self.channel is not None and self.channel.broken is not None:
-            self.broken = self.channel.broken
-            raise DistributedError(self.broken)
 
     def _break(self, what: str, exc: BaseException) -> DistributedError:
         return self._break_with(
@@ -311,26 +364,6 @@ class Lockstep:
             },
             "broken": self.broken,
         }
-
-
-class AgreedPlanner:
-    """The executor's planner under several ranks: `plan` agrees; the rest is the planner's."""
-
-    def __init__(self, lockstep: Lockstep) -> None:
-        self.lockstep = lockstep
-        self.inner = lockstep.planner
-
-    def plan(
-        self,
-        inputs: Mapping[str, Any],
-        attn: Any,
-        kind: Kind | None = None,
-        synthetic: bool = False,
-    ) -> Step:
-        return self.lockstep.plan(inputs, attn, kind, synthetic)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def group_stats(executor: Any) -> dict[str, Any]:

@@ -177,7 +177,7 @@ class SleepTests(VirtualMemoryFixture):
         planner = ex.planner  # taken before the close: it refuses too
         assert ex.persistent_bytes() > 0
         if buffers is not None:
-            ranges, held = ex._arena.segments.ranges(), ex._arena.segments.nbytes
+            ranges, held = ex.arena.segments.ranges(), ex.arena.segments.nbytes
             awake = memory_reading(backend, ranges)
             assert books(buffers) != start and held > 0
         ex.close()  # no synchronize: close waits for the queued steps itself
@@ -237,7 +237,7 @@ class SleepTests(VirtualMemoryFixture):
         backend = sleepable
         ex = mlp_executor(backend, self.sleep_sizes)
         xs, before = self._replay_all(ex)
-        buffers = ex._arena.vm  # the persistent buffers' own VirtualMemory
+        buffers = ex.arena.vm  # the persistent buffers' own VirtualMemory
         target, nth = (vm, 2) if at == "graphs" else (buffers, 1)
         ex.sleep()
         asleep = books(vm), books(buffers)

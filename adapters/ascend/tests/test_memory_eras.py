@@ -73,7 +73,7 @@ def test_shared_physical_is_the_largest_alone_in_any_order(make_sim, order) -> N
     assert stats["spaces"] == len(SIZES) and stats["map_calls"] > stats["chunks"]
     # the simulator's books agree: one handle per chunk, mapped once per space that uses it,
     # and one for the executor's persistent input buffer (xgraph.arena: sleep gives it back)
-    books, buffer = rt.books(), len(ex._arena.segments.segments)
+    books, buffer = rt.books(), len(ex.arena.segments.segments)
     assert buffer == 1
     assert books["handles"] == stats["chunks"] + 1 and books["reservations"] == len(SIZES) + 1
     for n in random.Random(1).choices(SIZES, k=6):  # replays in random order, new values
@@ -96,7 +96,7 @@ def test_each_capture_reserves_the_devices_memory(make_sim) -> None:  # type: ig
     ex = _executor(backend, mem, [64, 256], _mlp())
     assert rt.mem_get_info()[1] == capacity and rt.mem_get_info()[0] < capacity
     assert mem.physical.space_bytes == capacity  # type: ignore[union-attr]
-    buffers = [size for _, size in ex._arena.segments.ranges()]  # the persistent buffers'
+    buffers = [size for _, size in ex.arena.segments.ranges()]  # the persistent buffers'
     assert buffers and max(buffers) < capacity
     # one per capture, besides the buffers' own
     assert sorted(rt.lib.reservation_sizes()) == sorted([capacity, capacity, *buffers])

@@ -189,7 +189,7 @@ def test_bad_device_metadata_is_named_by_synchronize_and_corrupts_nothing(backen
         flat_t = t[: w.cache.num_blocks].reshape(flat_b.shape)
         changed = set((flat_b != flat_t).flatten(1).any(1).nonzero().flatten().tolist())
         assert changed <= valid
-    assert ex.planner.device_check.captured == [(4, 1)]
+    assert [sq for sq, g in ex.cache.checks() if g is not None] == [(4, 1)]
     ex.close()
 
 
@@ -212,11 +212,11 @@ def test_the_device_check_is_one_cuda_graph_per_key_for_every_batch_composition(
         for s, attn in zip(steps, calls):  # first steps of keys capture (they synchronize)
             kw = {"input_ids": s.input_ids, "positions": s.positions, "clone": True}
             assert torch.equal(dex(attn=attn, **kw), hex_(attn=s.attn, **kw))
-    check = dex.planner.device_check
-    assert sorted(check.captured) == [(1, 3), (2, 3), (4, 2), (8, 1)]
-    assert len(check._graphs) == 4 and all(isinstance(g, StreamGraph) for g in check._graphs)
+    checks = dex.cache.checks()  # each key's first piece: its check, a CUDA graph
+    assert sorted(sq for sq, _ in checks) == [(1, 3), (2, 3), (4, 2), (8, 1)]
+    assert all(isinstance(g, StreamGraph) for _, g in checks)
     _replay_with_no_host_sync(dex, hex_, steps, calls)
-    assert not check._graphs
+    assert not dex.cache.checks()
 
 
 def test_a_device_metadata_step_issues_a_few_host_ops(backend):  # type: ignore[no-untyped-def]

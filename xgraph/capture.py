@@ -1,0 +1,269 @@
+"""The capture transaction: every capture of an executor, one path, all or nothing.
+
+    outputs = tx.capture(step)     # a miss: warm up, lease, record, store (or roll back)
+    tx.add_check(entry, step)      # a key recorded for host metadata meets device metadata
+    with tx.apart(step, backend, around) as rec: ...   # recorded, read, dropped (no store)
+
+A capture warms the forward up once, eagerly (lazy initialisation, autotuning, workspaces;
+its outputs fix the persistent output buffers), takes a lease of graph memory, records the
+key's pieces on it (the device-metadata check first, where the step's metadata is on the
+device, then the forward and the copy of its outputs) and stores the recording in the key
+cache. Any failure, Ctrl-C included, aborts the recording and rolls the lease back; the
+key then follows `on_capture_error`: raised, or run eagerly from then on (warned). Across
+ranks the lockstep checks both passes' collectives (xgraph.distributed.capture).
+
+A miss costs the backend's own synchronize at capture begin and none of the executor's, and
+no `empty_cache` but before the first capture allocates the output buffers (the
+warm-up's cached memory is returned first, so the buffers pin none of it) and at the first
+miss after a rollback (the rolled-back pool's segments go back). The
+outside-pool meter reads the backend's memory around each capture: the default
+allocator's cache is untouched in between, so it cancels out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .attention import step_context
+from .callsite import warn_at_caller
+from .errors import CaptureError, ReplayError, VirtualMemoryError
+from .interfaces import Backend, CapturePool
+from .keycache import KeyCache, Runners, input_hint
+from .lifetime import Entry, Recording
+from .memory import GraphMemory, Lease, OutsidePoolMeter
+from .options import Fallback, Kind
+from .piecewise import FullGraph, PiecewiseGraph
+from .steps import Staged
+from .validation import NUM_TOKENS
+
+logger = logging.getLogger("xgraph")
+
+
+class CaptureTransaction:
+    """The captures of one executor (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        backend: Backend,
+        memory: GraphMemory,
+        cache: KeyCache,
+        runners: Runners,
+        *,
+        guarded: set[int],
+        compiled: bool,
+        on_capture_error: Fallback,
+        lockstep: Any,
+    ) -> None:
+        """`guarded`: the KV cache's storages (piecewise pieces refuse ops on them);
+        `compiled`: the forward runs compiled code (per-op checks left out); `lockstep`:
+        the executor's (its warm_up, checked and eager hooks)."""
+        self.name, self.backend, self.memory, self.cache = name, backend, memory, cache
+        self.runners, self.guarded, self.compiled = runners, guarded, compiled
+        self.on_capture_error, self.lockstep = on_capture_error, lockstep
+        self.outside = OutsidePoolMeter(memory)
+        self.captures = 0
+        self.seconds = 0.0
+        self.failed_keys: dict[tuple, str] = {}
+        self.rolled_back = False  # a pool parked by a rollback, its segments not back yet
+
+    def recording(self, kind: Kind, pool: CapturePool, backend: Backend | None = None) -> Recording:
+        """A fresh recording of a key of this kind on `pool` (graphs of `backend`)."""
+        checks = not self.compiled  # per-op checks would make Dynamo run the forward eagerly
+        b = backend or self.backend
+        if kind is Kind.FULL:
+            return FullGraph(b, pool, self.runners.decode, checks)
+        return PiecewiseGraph(b, pool, self.runners.prefill, self.guarded, checks)
+
+    # -- a miss ----------------------------------------------------------------------------
+
+    def capture(self, step: Staged) -> Any:
+        """Record the step's key and store it, then replay it: the step's outputs."""
+        assert step.key is not None
+        t0 = time.perf_counter()
+        layout = self.warm_up(step)
+        if layout is not None or self.rolled_back:
+            # the warm-up's cached memory goes back before the output buffers are made for
+            # good; after a rollback, the parked pool's segments go back while its memory
+            # is there (the memory's books count them until then)
+            self.backend.empty_cache()
+            self.rolled_back = False
+        if layout is not None:  # the first capture: the output buffers
+            self.cache.allocate_outputs(layout)
+        self.outside.start()
+        lease: Lease | None = None
+        graph: Recording | None = None
+        try:  # a reservation that fails is a failed capture like any other
+            lease = self.memory.begin()
+            graph = self.lockstep.checked(step, self.recording(step.kind, lease.pool))
+            self._record(step, graph)
+        except BaseException as exc:  # a transaction: Ctrl-C mid-capture rolls back too
+            self._roll_back(graph, lease)
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: re-raised
+                raise
+            failure = lease.space.failure if lease and lease.space else None
+            return self.failed(step, failure or exc)
+        seconds = time.perf_counter() - t0
+        entry = Entry(step.kind, graph, lease, seconds)
+        self.cache.store(step.key, entry)
+        self.captures += 1
+        self.seconds += seconds
+        self.outside.stop()
+        logger.info("%s: captured %s in %.3f s", self.name, step.key, seconds)
+        self.cache.replay(entry, step, hit=False)  # the capture step's own result
+        return self.cache.outputs(step.num_tokens)
+
+    def warm_up(self, step: Staged) -> list[tuple] | None:
+        """The forward once, eagerly, on the staged buffers (the device check first); the
+        output buffers' layout the first time."""
+        return self.cache.check_outputs(self._warm(step), step.padded[NUM_TOKENS])
+
+    def _warm(self, step: Staged) -> Any:
+        runner = self.runners.of_graph(step.kind)
+        try:
+            with self.backend.warmup_context(), self.lockstep.warm_up(step):
+                if step.device_check is not None:
+                    with torch.no_grad():
+                        step.device_check()  # writes the metadata the forward reads
+                return self.cache.forward_eagerly(step.views, step.metadata, runner)
+        except IndexError as exc:  # as a replay names it: the step's inputs, not a capture
+            raise ReplayError(
+                f"{self.name}: {type(exc).__name__}: {exc} (key {step.key}, in the warm-up "
+                f"before its capture). {input_hint(self.cache.inputs)} Nothing was captured; "
+                "the key is captured at its next valid step, and this step's result is not "
+                "available."
+            ) from exc
+
+    def _record(self, step: Staged, graph: Recording) -> None:
+        """The key's pieces: the device check (device metadata), then the forward and the
+        copy of its outputs into the persistent buffers."""
+        tb = step.padded[NUM_TOKENS]
+        prefill = self.runners.prefill
+        if step.kind is Kind.PIECEWISE and step.metadata is not None and prefill is not None:
+            prefill.plan(step.metadata)
+        with torch.no_grad():
+            if step.device_check is not None:
+                graph.record_check(step.device_check)  # type: ignore[attr-defined]
+            graph.begin()
+            if graph.context is None:
+                result = self.cache.forward(**step.views)
+            else:
+                with step_context(graph.context):  # type: ignore[arg-type]
+                    result = self.cache.forward(**step.views)
+            self.cache.write_outputs(result, tb)
+            del result
+        graph.end()
+
+    def _roll_back(self, graph: Recording | None, lease: Lease | None) -> None:
+        self.rolled_back = True
+        try:
+            if graph is not None:
+                graph.abort()
+        finally:
+            if lease is not None:
+                self.memory.rollback(lease)
+
+    def failed(self, step: Staged, exc: Exception) -> Any:
+        """A capture that failed (rolled back): the policy, raise or eager from now on."""
+        key = step.key
+        assert key is not None
+        reason = f"{type(exc).__name__}: {exc}"
+        self.failed_keys[key] = reason
+        if self.on_capture_error is Fallback.RAISE:
+            if isinstance(exc, (CaptureError, VirtualMemoryError)):
+                raise exc
+            raise CaptureError(
+                f"{self.name}: capturing {key} failed ({reason}). Nothing was kept; fix the "
+                "model or use on_capture_error='eager'."
+            ) from exc
+        self.cache.mark_eager(key, reason)
+        msg = (
+            f"{self.name}: capturing {key} failed and was rolled back; this key runs eagerly "
+            f"from now on (on_capture_error='eager'). Cause: {reason}"
+        )
+        warn_at_caller(msg)
+        logger.warning(msg)
+        with self.lockstep.eager(step):
+            return self.cache.run_padded(step, "capture failed")
+
+    # -- the device check of a key recorded for host metadata ------------------------------
+
+    def add_check(self, entry: Entry, step: Staged) -> None:
+        """Record the device check as the first piece of a key recorded without one (its
+        first steps had host metadata), on a lease of its own; the policy on failure."""
+        ops = step.device_check
+        assert ops is not None and step.key is not None
+        lease: Lease | None = None
+        with torch.no_grad():
+            with self.backend.warmup_context():
+                ops()  # lazy initialisation stays out of the capture
+            try:
+                lease = self.memory.begin()
+                entry.graph.record_check(ops, lease.pool)  # type: ignore[attr-defined]
+                return
+            except BaseException as exc:
+                if lease is not None:
+                    self.memory.rollback(lease)
+                    self.rolled_back = True
+                if not isinstance(exc, Exception):
+                    raise
+                failure = exc
+        reason = f"{type(failure).__name__}: {failure}"
+        self.failed_keys[step.key] = f"device check: {reason}"
+        if self.on_capture_error is Fallback.RAISE:
+            raise CaptureError(
+                f"{self.name}: capturing the device-metadata check of {step.key} failed "
+                f"({reason}). Nothing was kept; the key still replays for host metadata. Pass "
+                "host metadata, or use on_capture_error='eager'."
+            ) from failure
+        entry.graph.run_check_eagerly(ops)  # type: ignore[attr-defined]
+        msg = (
+            f"{self.name}: the device-metadata check of {ops.seqs} sequences of "
+            f"{ops.query_len} tokens could not be captured ({reason}); this key checks its "
+            "device metadata with the same ops issued eagerly each step (as safe, more host "
+            "time; on_capture_error='eager')."
+        )
+        warn_at_caller(msg)
+        logger.warning(msg)
+
+    # -- a recording kept apart ------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def apart(
+        self, step: Staged, backend: Backend, around: contextlib.AbstractContextManager[Any]
+    ) -> Iterator[Recording]:
+        """Warm up and record `step` on a pool of its own with graphs made by `backend`, the
+        forward under `around`; the block reads the recording, which is then reset and its
+        pool closed: nothing is stored (the parameterization check)."""
+        self._warm(step)  # its outputs dropped at once, before the recording's pool is made
+        pool = self.backend.new_pool()
+        rec: Recording | None = None
+        try:
+            rec = self.recording(step.kind, pool, backend)
+            prefill = self.runners.prefill
+            if step.kind is Kind.PIECEWISE and step.metadata is not None and prefill:
+                prefill.plan(step.metadata)
+            rec.begin()
+            with torch.no_grad(), around:
+                if rec.context is None:
+                    result = self.cache.forward(**step.views)
+                else:
+                    with step_context(rec.context):  # type: ignore[arg-type]
+                        result = self.cache.forward(**step.views)
+                del result  # pool memory: gone before the recording is read and reset
+            rec.end()
+            yield rec
+            rec.reset()
+        except BaseException:
+            if rec is not None:
+                rec.abort()
+            raise
+        finally:
+            self.backend.synchronize()
+            pool.close()

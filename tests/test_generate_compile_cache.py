@@ -9,8 +9,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from xgraph.cli import main as xgraph_main  # noqa: E402
-from hf_tiny import tiny  # noqa: E402
+from hf_tiny import tiny
+
+from xgraph.cli import main as xgraph_main
 
 
 @pytest.fixture(scope="module")

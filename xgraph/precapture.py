@@ -16,6 +16,7 @@ from .progress import progress as show_progress
 
 if TYPE_CHECKING:
     from .buckets import Buckets
+    from .memory_plan import MemoryPlan
     from .steplock import StepLock
     from .steps import Step, StepPlanner
 
@@ -55,6 +56,13 @@ class PreCapture:
             raise XGraphError("kind='eager': choose 'full' or 'piecewise'.")
         what = f"{self.name}: capturing {k.value} graphs"
         self._synthetic(sizes, k, k, what, progress, key_dims, query_len)
+
+    def plan_memory(self, kinds: Iterable[Kind | str] | None = None) -> MemoryPlan:
+        """The graph memory every bucket will need, measured on twin captures of the largest
+        keys and undone (`xgraph.predict_graph_memory`); callable before serving."""
+        from .memory_plan import predict_graph_memory
+
+        return predict_graph_memory(self, kinds=kinds)  # type: ignore[arg-type]
 
     def warm_up(
         self, sizes: Iterable[int] | None = None, kind: Kind | str = Kind.FULL, **key_dims: int

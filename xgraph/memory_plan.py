@@ -9,7 +9,8 @@ pieces of the largest piecewise bucket) needs as much pool memory as every bucke
 that is `pool_bytes`, measured, not extrapolated. What a captured graph costs outside every
 pool (the driver's executable: its nodes, kept in device memory) grows with the number of
 graphs instead; it is measured on the device around the same captures, per graph of each
-kind, and counted once per bucket (`executable_bytes`). Backends whose recordings cost the
+kind (over the largest `EXECUTABLE_SAMPLES` keys: the driver's reading moves in pages),
+and counted once per bucket (`executable_bytes`). Backends whose recordings cost the
 device nothing (`Backend.graph_executables` False: the CPU reference) report 0.
 
 The captures run in twin executors of the ones given (the same forward, inputs, buckets,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("xgraph")
 
+EXECUTABLE_SAMPLES = 16  # graphs of each kind whose executables are measured, largest first
 KINDS_OF_MODE = {
     Mode.AUTO: (Kind.FULL, Kind.PIECEWISE),
     Mode.FULL: (Kind.FULL,),
@@ -176,11 +178,15 @@ def _plan_executor(
     twin = _twin(ex, memory)
     try:
         key_dims, per_key = _key_dims(ex)
+        # the largest key first; where executables cost device memory, the next keys too:
+        # the driver's reading moves in pages, so one graph's cost is read over several
+        sizes = sorted(ex.buckets.sizes, reverse=True)
+        sizes = sizes[:EXECUTABLE_SAMPLES] if ex.backend.graph_executables else sizes[:1]
         for kind in kinds:
             before = twin.stats()["outside_pool_bytes"] or 0
-            twin.capture([ex.buckets.max], kind=kind, progress=False, **key_dims)
+            twin.capture(sizes, kind=kind, progress=False, **key_dims)
             grown = (twin.stats()["outside_pool_bytes"] or 0) - before
-            per_graph = max(grown, 0) if ex.backend.graph_executables else 0
+            per_graph = max(grown, 0) // len(sizes) if ex.backend.graph_executables else 0
             graphs = len(ex.buckets.sizes) * per_key
             out.append(KindPlan(ex.name, kind.value, ex.buckets.max, graphs, per_graph))
     finally:

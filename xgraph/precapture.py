@@ -10,6 +10,7 @@ import operator
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from .capture_session import capture_session
 from .errors import InputError, XGraphError
 from .options import Kind
 from .progress import progress as show_progress
@@ -94,15 +95,16 @@ class PreCapture:
                     f"{what}: {max(todo)} sequences of {query_len} tokens are above the "
                     f"largest bucket ({top}); give at most {top // query_len} sequences."
                 )
-        for n in show_progress(todo, what, progress):
-            tensors, attn = self.planner.synthetic(n, layout, key_dims, query_len)
-            with self._exclusive("capture"):
-                step = self.planner.plan(tensors, attn, kind=run, synthetic=True)
-                self._steps.acquire(self.name)  # as a step: one at a time over shared memory
-                try:
-                    self._run(step)
-                finally:
-                    self._steps.release()
+        with capture_session():  # the collector off: xgraph.capture_session says why
+            for n in show_progress(todo, what, progress):
+                tensors, attn = self.planner.synthetic(n, layout, key_dims, query_len)
+                with self._exclusive("capture"):
+                    step = self.planner.plan(tensors, attn, kind=run, synthetic=True)
+                    self._steps.acquire(self.name)  # as a step: one at a time over shared memory
+                    try:
+                        self._run(step)
+                    finally:
+                        self._steps.release()
 
     def _sizes(self, sizes: Iterable[int] | None, what: str) -> list[int]:
         """The sizes to pre-capture, every one checked before any runs."""

@@ -3,8 +3,8 @@
 #   OUT=out/device bash scripts/device.sh [STAGES] [MODEL]
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
 # "all": every one, in that order; "host-copy", "skinny", "decode-cublas", "decode-forward",
-# "pipeline", "check", "hf-tests", "hf-compile", "hf-generate", "soak", "sleep" and "dist"
-# run only when named; "dist": graphs across ranks, one process per GPU (DIST_NPROC, default
+# "pipeline", "check", "hf-tests", "hf-compile", "hf-generate", "soak", "sleep", "startup"
+# and "dist" run only when named; "dist": graphs across ranks, one process per GPU (DIST_NPROC, default
 # every GPU; docs/distributed.md); DECODE_SCOPE=forward compiles the decode stage's whole
 # forward instead of its layers). MODEL: the reference shape (default qwen3-0.6b). A stage
 # past its limit is killed and the next one starts; the limits of "all" add up to 750 s,
@@ -132,6 +132,10 @@ has soak && stage soak 300 26 xgraph bench soak --backend cuda --steps "${SOAK_S
   --json "$OUT/soak.json"
 has sleep && stage sleep 290 20 xgraph bench sleep --backend cuda --model "$model" \
   --kv-cache-gib 16 --json "$OUT/sleep.json"
+# startup (only when named): cold and warm processes of the reference model and of the
+# transformers Qwen3 compiled, model build to first token (docs/startup.md)
+has startup && stage startup 300 30 xgraph bench startup --backend cuda --model "$model" \
+  --json "$OUT/startup.json"
 has dist && stage dist 540 40 bash -c dist
 echo "=== all stages: $((SECONDS - started)) s, exit $rc" | tee -a "$log"
 exit $rc

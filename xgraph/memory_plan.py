@@ -203,9 +203,7 @@ def _key_dims(ex: GraphExecutor) -> tuple[dict[str, int], int]:
 
 def _twin(ex: GraphExecutor, memory: GraphMemory) -> GraphExecutor:
     """An executor like `ex` over `memory`: its captures are the plan's, never `ex`'s."""
-    from .executor import GraphExecutor
-
-    return GraphExecutor(
+    return type(ex)(
         ex.forward,
         inputs=ex.planner.inputs,
         backend=ex.backend,

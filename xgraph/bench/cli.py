@@ -21,6 +21,7 @@ from . import (
     sleep,
     soak,
     startup,
+    startup_targets,
     target_families,
 )
 from .report import Checkpoint, write_json
@@ -49,6 +50,9 @@ USED_BY = {
     "memory": ("soak",),
     "plot": ("memory",),
     "targets": ("startup",),
+    "process": ("startup",),
+    "t0": ("startup",),
+    "pieces": ("startup",),
 }
 
 
@@ -219,11 +223,16 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--targets",
         default=None,
-        type=_names(startup.TARGETS),
+        type=_names(startup_targets),
         help="startup: the models started, comma-separated (reference: the reference model; "
         "hf: transformers' Qwen3 through GraphModel(compile=True), skipped without "
         "transformers; default both)",
     )
+    # startup's own processes (xgraph.bench.startup_run): the target, the parent's clock at
+    # the spawn and the piecewise sizes; not for the command line's users
+    p.add_argument("--process", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--pieces", type=sizes, default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="write the results here (bench all: a folder)")
     p.add_argument("--plot", default=None, help="memory: write a PNG plot here")
     p.add_argument("--out", default=None, help="bench all: folder for JSON, PNG and tables")
@@ -330,12 +339,18 @@ def _sleep(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) 
 
 def _startup(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
     pw = None if args.piecewise_max is None else sglang_piecewise_sizes(args.piecewise_max)
+    if args.process is not None:  # one process of the benchmark, spawned by it
+        assert sizes is not None and args.pieces is not None and args.t0 is not None
+        from .startup_run import one_process
+
+        one_process(args.process, backend, args.model, sizes, args.pieces, args.t0)
+        return {}, "one start-up process"
     data = startup.run(
         backend,
         args.model,
         sizes,
         pw,
-        targets=args.targets or startup.TARGETS,
+        targets=args.targets,
         checkpoint=Checkpoint(_json_path(args, "startup")),
     )
     return data, startup.summarize(data)

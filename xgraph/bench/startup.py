@@ -10,9 +10,9 @@ what the cold one wrote, as a second process on the same machine does. Targets:
 - reference: the reference model over its eager forward, decode full graphs at `--sizes`
   (default vLLM's 51 up to 512 on accelerators) and piecewise graphs at SGLang-style sizes
   (`--piecewise-max`, default 2048: 42 sizes), both over one shared-physical graph memory;
-- hf: transformers' Qwen3 of the `--model` shape (random weights from its config) through
-  `GraphModel(compile=True)`, decode and piecewise graphs at the same decode sizes; skipped
-  without transformers.
+- hf (registered by the transformers integration): transformers' Qwen3 of the `--model`
+  shape (random weights from its config) through `GraphModel(compile=True)`, decode and
+  piecewise graphs at the same decode sizes; skipped without transformers.
 
 The JSON: `capture` (the reference's graphs and seconds with kernels warm, in the warm
 process, and per graph), `cold` and `warm` (`seconds` and `parts` of the hf target where it
@@ -34,10 +34,10 @@ from typing import Any
 
 from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..interfaces import Backend
+from . import startup_targets
 from .report import Checkpoint, note, table
 from .startup_run import MARKER
 
-TARGETS = ("reference", "hf")
 CACHE_ENV = {
     "XGRAPH_COMPILE_CACHE": "xgraph-compile",
     "TORCHINDUCTOR_CACHE_DIR": "inductor",
@@ -67,10 +67,11 @@ def _commit() -> str:
 
 
 def _process(target: str, argv: list[str], caches: str, timeout: float) -> dict[str, Any]:
-    """One fresh interpreter of `target` over the caches in `caches`: its JSON line."""
+    """One fresh interpreter of `target` over the caches in `caches`: its JSON line. It runs
+    through the command line, which imports the integrations and so registers their targets."""
     env = {**os.environ, **{k: os.path.join(caches, v) for k, v in CACHE_ENV.items()}}
     t0 = time.time()
-    cmd = [sys.executable, "-m", "xgraph.bench.startup_run", "--target", target, *argv]
+    cmd = [sys.executable, "-m", "xgraph.cli", "bench", "startup", "--process", target, *argv]
     proc = subprocess.run(
         [*cmd, "--t0", repr(t0)], env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -99,9 +100,10 @@ def _argv(backend: Backend, model: str, decode: list[int], pieces: list[int]) ->
 def _headline(data: dict[str, Any]) -> None:
     """The issue's fields from the targets' processes."""
     targets = data["targets"]
-    main = targets.get("hf") if "hf" in targets else targets.get("reference")
+    ran = [n for n, t in targets.items() if "skipped" not in t.get("cold", {})]
+    main = targets["hf" if "hf" in ran else ran[0]] if ran else {}  # hf: the issue's target
     for phase in ("cold", "warm"):
-        run = (main or {}).get(phase, {})
+        run = main.get(phase, {})
         data[phase] = {"seconds": run.get("seconds"), "parts": run.get("parts")}
     ref = targets.get("reference", {})
     warm, cold = ref.get("warm", {}), ref.get("cold", {})
@@ -124,6 +126,7 @@ def _headline(data: dict[str, Any]) -> None:
         name: t.get("cold", {}).get("tokens") is not None
         and t.get("cold", {}).get("tokens") == t.get("warm", {}).get("tokens")
         for name, t in targets.items()
+        if "skipped" not in t.get("cold", {})
     }
     data["mismatches"] = [name for name, ok in data["tokens_equal"].items() if not ok]
 
@@ -133,7 +136,7 @@ def run(
     model: str,
     decode: list[int] | None = None,
     pieces: list[int] | None = None,
-    targets: tuple[str, ...] = TARGETS,
+    targets: tuple[str, ...] | None = None,
     timeout: float = 600.0,
     checkpoint: Checkpoint | None = None,
 ) -> dict[str, Any]:
@@ -150,7 +153,7 @@ def run(
         "targets": {},
     }
     argv = _argv(backend, model, decode, pieces)
-    for target in _available(targets):
+    for target in targets or startup_targets():
         with tempfile.TemporaryDirectory(prefix="xgraph-startup-") as caches:
             for phase in ("cold", "warm"):
                 note(f"bench startup: {target}, {phase} process")
@@ -163,19 +166,6 @@ def run(
     return data
 
 
-def _available(targets: tuple[str, ...]) -> list[str]:
-    out = []
-    for t in targets:
-        if t == "hf":
-            try:
-                import transformers  # noqa: F401  # the extra: hf is skipped without it
-            except ImportError:
-                note("bench startup: transformers is not installed; the hf target is skipped")
-                continue
-        out.append(t)
-    return out
-
-
 def summarize(data: dict[str, Any]) -> str:
     rows = []
     for name, t in data["targets"].items():
@@ -186,7 +176,7 @@ def summarize(data: dict[str, Any]) -> str:
             row.update({k: parts.get(k) for k in ("start", "load", "compile", "capture")})
             row["first_step"] = parts.get("first_step")
             row["graphs"] = r.get("graphs")
-            row["error"] = r.get("error", "")[:80]
+            row["error"] = (r.get("error") or r.get("skipped") or "")[:80]
             rows.append(row)
     cols = ["target", "process", "seconds", "start", "load", "compile", "capture"]
     text = table(rows, [*cols, "first_step", "graphs", "error"])

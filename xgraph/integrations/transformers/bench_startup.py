@@ -3,9 +3,9 @@
 transformers' Qwen3 of the reference shape (random weights from its config, as
 `bench_runs.build_named` builds it) through `GraphModel(compile=True)`, decode and piecewise
 graphs at the decode sizes. Parts (xgraph.bench.startup_run runs it in a fresh process):
-`load` (the model and the GraphModel: probe, cache, executor), `plan` (its graph memory),
-`compile` (the compiled forward's first runs: Dynamo and Inductor, or the compile cache's
-artifacts), `capture` (every decode size and every piecewise bucket), `first_step` (the
+`load` (the model and the GraphModel: probe, cache, executor), `compile` (the compiled
+forward's first runs: Dynamo and Inductor, or the compile cache's artifacts), `plan` (its
+graph memory), `capture` (every decode size and every piecewise bucket), `first_step` (the
 first token of two prompts through `generate`). `register()` offers it to the bench; the
 package calls it when imported.
 """
@@ -53,9 +53,9 @@ def run(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> 
 
     gm = clock("load", load)
     ex = gm.executor
-    predicted = clock("plan", ex.plan_memory)
     top = max(decode)
     clock("compile", lambda: (ex.warm_up([top, 1]), ex.warm_up([top], kind="piecewise")))
+    predicted = clock("plan", ex.plan_memory)  # after compile: its twins run compiled code
     clock("capture", gm.capture)
     asked = prompts(gm.spec.vocab_size, PROMPT_LENS)
     clock("first_step", lambda: gm.generate(asked, 1))

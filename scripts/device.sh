@@ -4,8 +4,8 @@
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
 # "all": every one, in that order; "host-copy", "skinny", "decode-cublas", "decode-forward",
 # "pipeline", "check", "hf-tests", "hf-compile", "hf-generate", "soak", "sleep", "multistep",
-# "dist", "kernels" and "decode-limit" run only when named; "kernels": the decode kernels'
-# sweep, "decode-limit": issue 35's run, both in one call: `bash scripts/device.sh
+# "startup", "dist", "kernels" and "decode-limit" run only when named; "kernels": the decode
+# kernels' sweep, "decode-limit": issue 35's run, both in one call: `bash scripts/device.sh
 # kernels,decode-limit`; "dist": graphs across ranks, one process per GPU (DIST_NPROC, default
 # every GPU; DIST_MODELS, default qwen3-0.6b,qwen3-8b; docs/distributed.md);
 # DECODE_SCOPE=forward compiles the decode stage's whole forward instead of its layers).
@@ -149,7 +149,12 @@ has sleep && stage sleep 290 20 xgraph bench sleep --backend cuda --model "$mode
 # multistep (only when named): K decode steps per launch against one step at a time through
 # the transformers engine loop (docs/multistep.md)
 has multistep && stage multistep 300 20 python3 -m \
-  xgraph.integrations.transformers.bench_multistep --backend cuda --model "$model" --compile --batches 1,32 --k 8 --json "$OUT/multistep.json"
+  xgraph.integrations.transformers.bench_multistep --backend cuda --model "$model" --compile \
+  --batches 1,32 --k 8 --json "$OUT/multistep.json"
+# startup (only when named): cold and warm processes of the reference model and of the
+# transformers Qwen3 compiled, model build to first token (docs/startup.md)
+has startup && stage startup 300 30 xgraph bench startup --backend cuda --model "$model" \
+  --json "$OUT/startup.json"
 has dist && stage dist 540 40 bash -c dist
 # kernels (only when named): every decode kernel at the 0.6B and 8B shapes, rows 1-64, over
 # its configurations: error against float32 math, bitwise repeatability, device time and

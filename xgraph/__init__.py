@@ -27,6 +27,10 @@ from .errors import (
 from .executor import GraphExecutor
 from .graphs import graph
 from .memory import GraphMemory
+
+# the graph memory every bucket needs, before the KV cache exists (docs/startup.md):
+# engine-facing, outside the 25 names of __all__
+from .memory_plan import predict_graph_memory as predict_graph_memory
 from .metadata import AttentionInputs
 from .options import Fallback, MemoryMode, Mode
 from .paging import PagedAttention, PagedKVCache

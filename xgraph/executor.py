@@ -26,6 +26,7 @@ from . import sleepmode
 from .arena import Arena
 from .buckets import Buckets, Dim, Input
 from .capture import CaptureTransaction
+from .capture_session import capture_session
 from .distributed import Lockstep, Parallel, attach
 from .errors import ConcurrentStepError, XGraphError
 from .interfaces import AttentionRunner, Backend
@@ -44,6 +45,7 @@ from .steps import Checked, Decision, Staged, StepPlanner
 
 if TYPE_CHECKING:
     from .launchdiff import ParameterizationReport
+    from .memory_plan import MemoryPlan
 
 DEFAULT_MAX_TOKENS = 512
 
@@ -326,8 +328,16 @@ class GraphExecutor:
             raise XGraphError("kind='eager': choose 'full' or 'piecewise'.")
         what = f"{self.name}: capturing {k.value} graphs"
         todo = query_sizes(sizes, self.buckets, query_len, what)
-        for n in show_progress(todo, what, progress):
-            self._synthetic_step(n, k, k, key_dims, query_len)
+        with capture_session():  # the collector off: xgraph.capture_session says why
+            for n in show_progress(todo, what, progress):
+                self._synthetic_step(n, k, k, key_dims, query_len)
+
+    def plan_memory(self, kinds: Iterable[Kind | str] | None = None) -> MemoryPlan:
+        """The graph memory every bucket will need, measured on twin captures of the largest
+        keys and undone (`xgraph.predict_graph_memory`); callable before serving."""
+        from .memory_plan import predict_graph_memory
+
+        return predict_graph_memory(self, kinds=kinds)
 
     def warm_up(
         self, sizes: Iterable[int] | None = None, kind: Kind | str = Kind.FULL, **key_dims: int
@@ -337,8 +347,9 @@ class GraphExecutor:
         k = Kind.parse(kind, "kind")
         if k is Kind.EAGER:
             raise XGraphError("kind='eager': choose the layout, 'full' or 'piecewise'.")
-        for n in checked_sizes(sizes, self.buckets, f"{self.name}: warm-up"):
-            self._synthetic_step(n, k, Kind.EAGER, key_dims)
+        with capture_session():
+            for n in checked_sizes(sizes, self.buckets, f"{self.name}: warm-up"):
+                self._synthetic_step(n, k, Kind.EAGER, key_dims)
 
     def _synthetic_step(
         self, n: int, layout: Kind, run: Kind, key_dims: Mapping[str, int], query_len: int = 1

@@ -329,6 +329,9 @@ class Backend(ABC):
     name: ClassVar[str]
     graph_class: ClassVar[type[Graph]]
     virtual_memory_class: ClassVar[type[VirtualMemory] | None] = None
+    #: whether a captured graph's executable lives in device memory outside every pool (CUDA,
+    #: ACL: the memory plan measures it); False where recordings are host objects (the CPU)
+    graph_executables: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod

@@ -14,7 +14,8 @@ host overhead by phase), `anchors` (raw graph, reduce-overhead, the compiled twi
 `timing` (device or host time), `readings` (graph memory), `report` (workload, JSON,
 tables, isolated measurements).
 
-This module is the registry of the model families `bench memory` captures (its targets).
+This module is the registry of the model families `bench memory` captures (its targets),
+and of the models `bench startup` starts.
 The bench registers its own (`reference`); an integration registers its models when it is
 imported (the transformers integration: `hf-llama`), so the bench imports no integration
 and reads the registry only when it runs or builds its command line. Importing this module
@@ -84,11 +85,52 @@ def _reference(backend: Any, model: str, full_max: int, piecewise_max: int) -> A
 
 register_target("reference", _reference)
 
+# -- the models `xgraph bench startup` starts ------------------------------------------------
+
+# (backend, the shape's name, decode sizes, piecewise sizes) -> one process's results: its
+# "parts" (seconds), "graphs", "predicted_bytes", "measured_bytes" and "tokens"
+StartupRun = Callable[[Any, str, list[int], list[int]], dict]
+_startup: dict[str, StartupRun] = {}
+
+
+def register_startup(target: str, run: StartupRun) -> None:
+    """Offer `target` to `xgraph bench startup`: `run` is one process of it, from building
+    the model to its first token (xgraph.bench.startup_run). Registering again replaces it."""
+    _startup[target] = run
+
+
+def startup_targets() -> tuple[str, ...]:
+    """The registered start-up targets, the bench's own first."""
+    return tuple(_startup)
+
+
+def startup_runner(target: str) -> StartupRun:
+    found = _startup.get(target)
+    if found is None:
+        raise ValueError(
+            f"unknown start-up target {target!r}; registered: {', '.join(_startup)} (an "
+            "integration registers its targets when it is imported)"
+        )
+    return found
+
+
+def _reference_startup(backend: Any, model: str, decode: list[int], pieces: list[int]) -> dict:
+    from .startup_run import reference  # the benchmarks load when one runs
+
+    return reference(backend, model, decode, pieces)
+
+
+register_startup("reference", _reference_startup)
+
 __all__ = [
     "Largest",
+    "StartupRun",
     "TargetBuilder",
     "build_target",
     "default_largest",
+    "register_startup",
     "register_target",
+    "startup_runner",
+    "startup_targets",
     "target_families",
 ]

@@ -20,24 +20,39 @@ from . import (
     prefill,
     sleep,
     soak,
+    startup,
+    startup_targets,
     target_families,
 )
 from .report import Checkpoint, write_json
 
 BENCHMARKS = ("memory", "prefill", "decode")  # what `bench all` runs
-EXTRA = ("soak", "host", "distributed", "pipeline", "sleep")  # run on their own
+EXTRA = ("soak", "host", "distributed", "pipeline", "sleep", "startup")  # run on their own
 # the benchmarks each option is read by: given to another one, it is refused, not ignored
 USED_BY = {
-    "sizes": ("memory", "prefill", "decode", "host", "distributed", "pipeline", "sleep"),
+    "sizes": (
+        "memory",
+        "prefill",
+        "decode",
+        "host",
+        "distributed",
+        "pipeline",
+        "sleep",
+        "startup",
+    ),
     "max_size": ("memory", "prefill"),
     "compile": ("prefill", "decode"),
     "table_check": ("decode",),
-    "piecewise_max": ("memory", "sleep"),
+    "piecewise_max": ("memory", "sleep", "startup"),
     "iters": ("prefill", "decode", "host", "distributed", "pipeline", "sleep"),
     "kv_cache_gib": ("sleep",),
     "steps": ("soak",),
     "memory": ("soak",),
     "plot": ("memory",),
+    "targets": ("startup",),
+    "process": ("startup",),
+    "t0": ("startup",),
+    "pieces": ("startup",),
 }
 
 
@@ -66,7 +81,7 @@ def _names(
 
 
 def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
-    """Options of `bench decode` (the width check) and `bench memory` (models, kinds, modes)."""
+    """Options of `bench decode` (the width check, the compiled rows), then bench memory's."""
     p.add_argument(
         "--table-check",
         type=positive_int,
@@ -97,6 +112,11 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
         help="decode: the reduce-overhead anchor's kernels (torch: torch's own, what "
         "torch.compile gives a model without xgraph; xgraph: the backend's kernels)",
     )
+    _add_memory_options(p)
+
+
+def _add_memory_options(p: argparse.ArgumentParser) -> None:
+    """Options of `bench memory` (models, kinds, modes), some shared with sleep and startup."""
     p.add_argument(
         "--models",
         default=None,
@@ -117,7 +137,8 @@ def _add_decode_and_memory_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="memory: piecewise graphs at SGLang-style sizes (4 and up) up to this (default "
         "2048 for the reference and 1024 for hf-llama on accelerators, 128 on the CPU "
-        "backend); sleep: the piecewise executor's sizes (default 2048, 64 on the CPU backend)",
+        "backend); sleep, startup: the piecewise executor's sizes (default 2048; on the CPU "
+        "backend 64 for sleep, 32 for startup)",
     )
     p.add_argument(
         "--all-modes",
@@ -131,7 +152,7 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmarks: memory | prefill | decode | all | soak | host | distributed | "
-        "pipeline | sleep",
+        "pipeline | sleep | startup",
     )
     p.add_argument(
         "which",
@@ -154,7 +175,8 @@ def add_parsers(sub: Any) -> None:
         default=None,
         type=sizes,
         help="comma-separated sizes (memory: capture sizes; prefill: step sizes; "
-        "decode: batch sizes; sleep: decode capture sizes); defaults depend on the backend",
+        "decode: batch sizes; sleep, startup: decode capture sizes); defaults depend on the "
+        "backend",
     )
     p.add_argument(
         "--max-size",
@@ -211,6 +233,19 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="sleep: the KV cache dropped at each sleep, GiB above 0 (default 16 on accelerators)",
     )
+    p.add_argument(
+        "--targets",
+        default=None,
+        type=_names(startup_targets),
+        help="startup: the models started, comma-separated (reference: the reference model; "
+        "hf: transformers' Qwen3 through GraphModel(compile=True), skipped without "
+        "transformers; default both)",
+    )
+    # startup's own processes (xgraph.bench.startup_run): the target, the parent's clock at
+    # the spawn and the piecewise sizes; not for the command line's users
+    p.add_argument("--process", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--pieces", type=sizes, default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="write the results here (bench all: a folder)")
     p.add_argument("--plot", default=None, help="memory: write a PNG plot here")
     p.add_argument("--out", default=None, help="bench all: folder for JSON, PNG and tables")
@@ -316,6 +351,25 @@ def _sleep(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) 
     return data, sleep.summarize(data)
 
 
+def _startup(backend: Backend, args: argparse.Namespace, sizes: list[int] | None) -> Result:
+    pw = None if args.piecewise_max is None else sglang_piecewise_sizes(args.piecewise_max)
+    if args.process is not None:  # one process of the benchmark, spawned by it
+        assert sizes is not None and args.pieces is not None and args.t0 is not None
+        from .startup_run import one_process
+
+        one_process(args.process, backend, args.model, sizes, args.pieces, args.t0)
+        return {}, "one start-up process"
+    data = startup.run(
+        backend,
+        args.model,
+        sizes,
+        pw,
+        targets=args.targets,
+        checkpoint=Checkpoint(_json_path(args, "startup")),
+    )
+    return data, startup.summarize(data)
+
+
 RUNNERS: dict[str, Runner] = {
     "memory": _memory,
     "prefill": _prefill,
@@ -325,6 +379,7 @@ RUNNERS: dict[str, Runner] = {
     "distributed": _distributed,
     "pipeline": _pipeline,
     "sleep": _sleep,
+    "startup": _startup,
 }
 
 

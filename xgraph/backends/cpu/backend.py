@@ -21,6 +21,7 @@ class CPUBackend(Backend):
     name = "cpu"
     graph_class = CPUGraph
     virtual_memory_class = HostVirtualMemory if hasattr(os, "memfd_create") else None
+    graph_executables = False  # a recording is Python objects: the memory plan counts 0
 
     def __init__(self) -> None:
         # replays since the last synchronize: CPU work is done when it returns, but the

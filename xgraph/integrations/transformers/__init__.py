@@ -12,7 +12,7 @@ See docs/transformers.md. transformers is an optional extra (`pip install
 xgraph[transformers]`): importing this package does not import it.
 """
 
-from . import bench_target
+from . import bench_startup, bench_target
 from .allocator import BlockAllocator
 from .attention import IMPLEMENTATION, attention_forward
 from .cache import PagedCache
@@ -28,6 +28,7 @@ from .sampling import SamplingParams
 from .spec import ModelSpec, inspect_model
 
 bench_target.register()  # `xgraph bench memory` offers hf-llama (xgraph.bench's registry)
+bench_startup.register()  # `xgraph bench startup` offers hf
 
 __all__ = [
     "IMPLEMENTATION",

@@ -5,9 +5,10 @@
 Prints each sequence's generated token ids (or text, when the folder has a tokenizer; with
 --stream as they are chosen), the tokens per second, and the time to first token and
 per-token latency, p50 and p99. `--compile` runs the decoder torch.compile'd inside the
-graphs (one compile for every bucket). This module imports neither transformers nor torch
-at import time: the `xgraph` command line builds its parser from it whether or not the
-extra is installed.
+graphs (one compile for every bucket), kept for the next process in `--compile-cache DIR`
+(default: xgraph.compile_cache's folder; "off": none). This module imports neither
+transformers nor torch at import time: the `xgraph` command line builds its parser from it
+whether or not the extra is installed.
 """
 
 from __future__ import annotations
@@ -104,6 +105,13 @@ def _add_output_options(p: Any) -> None:
         metavar="BACKEND",
         help="run the decoder torch.compile'd inside the graphs, one compile for every "
         f"bucket (BACKEND: {', '.join(COMPILERS)}; inductor when left out)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|off",
+        help="with --compile: keep the compiled decoder in DIR for the next process on this "
+        "machine (default: $XGRAPH_COMPILE_CACHE, else ~/.cache/xgraph/compile; off: none)",
     )
     p.add_argument(
         "--stream",
@@ -218,6 +226,7 @@ def _open_model(args: argparse.Namespace, backend: Any, prompts: list[list[int]]
             max_seqs=len(prompts),
             max_num_tokens=args.max_num_tokens,
             compile=args.compile or False,
+            compile_cache=args.compile_cache,
         )
 
 

@@ -1,0 +1,72 @@
+"""Graph memory known before the KV cache on a GPU (`xgraph.predict_graph_memory`): the
+plan of the reference model's executors over a placeholder cache predicts, within 5%, the
+pool bytes plus the driver's executables that capturing every bucket holds, in three capture
+orders; the plan leaves the device's memory as it found it. Skipped without a GPU.
+
+    python -m pytest -q adapters/cuda/tests/test_cuda_memory_plan.py
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import xgraph
+from xgraph.buckets import sglang_piecewise_sizes, vllm_capture_sizes
+from xgraph.memory_plan import measured_graph_memory
+from xgraph.models import Qwen3Model, Workload
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DECODE, PIECES = vllm_capture_sizes(512), sglang_piecewise_sizes(2048)
+
+
+def _executors(backend, num_blocks: int):  # type: ignore[no-untyped-def]
+    dev = backend.device
+    model = Qwen3Model.build("qwen3-0.6b", num_blocks=num_blocks, dtype=torch.bfloat16, device=dev)
+    full, pw = Workload(model, 4, max(DECODE)), Workload(model, max(PIECES) // 16, 16)
+    memory = xgraph.GraphMemory(backend, "shared-physical")
+    made = [
+        w.executor(backend=backend, buckets=s, memory=memory, mode=k, on_capture_error="raise")
+        for w, s, k in ((full, DECODE, "full"), (pw, PIECES, "piecewise"))
+    ]
+    return made, memory
+
+
+def _ordered(sizes: list[int], order: str) -> list[int]:
+    if order == "ascending":
+        return sorted(sizes)
+    if order == "largest-first":
+        return sorted(sizes, reverse=True)
+    out = list(sizes)
+    random.Random(7).shuffle(out)
+    return out
+
+
+@needs_cuda
+@pytest.mark.parametrize("order", ["ascending", "random", "largest-first"])
+def test_the_plan_predicts_93_graphs_of_the_reference_model(backend, order) -> None:
+    (full, pw), memory = _executors(backend, num_blocks=max(PIECES) // 16 + 1)  # placeholder
+    full.warm_up([max(DECODE)])  # kernels load before any reading
+    pw.warm_up([max(PIECES)], kind="piecewise")
+    backend.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.mem_get_info()[0]
+    plan = xgraph.predict_graph_memory(full, pw)
+    torch.cuda.empty_cache()
+    assert abs(torch.cuda.mem_get_info()[0] - before) <= 4 << 20  # nothing left behind
+    assert plan.graphs == len(DECODE) + len(PIECES) and plan.executables_measured
+    assert plan.executable_bytes > 0
+    for ex in (full, pw):
+        ex.close()
+    memory.close()
+
+    (full, pw), memory = _executors(backend, num_blocks=4096)  # the real cache
+    full.capture(_ordered(DECODE, order), progress=False)
+    pw.capture(_ordered(PIECES, order), kind="piecewise", progress=False)
+    measured = measured_graph_memory(full, pw)
+    assert abs(plan.total_bytes - measured) <= 0.05 * measured, (plan.as_dict(), measured)
+    for ex in (full, pw):
+        ex.close()
+    memory.close()

@@ -1,0 +1,57 @@
+"""`xgraph bench startup` on the CPU backend: a cold and a warm process of the reference
+model (and, slow, of transformers' Qwen3 compiled), parts that add up, the graph memory
+predicted before the KV cache, and the same first tokens in both processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import xgraph
+from xgraph.bench import startup
+from xgraph.buckets import sglang_piecewise_sizes
+from xgraph.cli import main as xgraph_main
+
+PARTS = {"start", "load", "plan", "kv_cache", "warmup", "capture", "first_step"}
+
+
+@pytest.mark.slow
+def test_bench_startup_reference_cold_and_warm(tmp_path, capsys):
+    out = tmp_path / "startup.json"
+    args = ["bench", "startup", "--backend", "cpu", "--targets", "reference"]
+    assert xgraph_main([*args, "--sizes", "1,2,4", "--piecewise-max", "8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    graphs = 3 + len(sglang_piecewise_sizes(8))
+    assert data["capture"]["graphs"] == graphs and data["capture"]["seconds"] > 0
+    assert data["capture"]["per_graph_s"] == pytest.approx(data["capture"]["seconds"] / graphs)
+    for phase in ("cold", "warm"):
+        run = data["targets"]["reference"][phase]
+        assert "error" not in run, run.get("error")
+        assert set(data[phase]["parts"]) == PARTS
+        assert data[phase]["seconds"] == pytest.approx(sum(data[phase]["parts"].values()))
+        assert run["process_seconds"] >= data[phase]["seconds"] * 0.99
+    mp = data["memory_prediction"]
+    assert mp["predicted_bytes"] > 0 and mp["rel_err"] <= 0.05
+    assert data["tokens_equal"] == {"reference": True} and data["mismatches"] == []
+    assert data["commit"] and "partial" not in data
+    assert "tokens equal cold vs warm" in capsys.readouterr().out
+
+
+def test_a_process_that_fails_is_reported_not_raised(monkeypatch):
+    """A target whose process exits with an error: its row says why; the run goes on."""
+    monkeypatch.setattr(startup, "_argv", lambda *a: ["--sizes", "0"])  # refused by the child
+    data = startup.run(xgraph.get_backend("cpu"), "tiny", targets=("reference",))
+    assert "exit 2" in data["targets"]["reference"]["cold"]["error"]
+    assert data["tokens_equal"] == {"reference": False} and data["mismatches"] == ["reference"]
+
+
+@pytest.mark.slow
+def test_bench_startup_hf_warm_process_loads_the_compiled_forward():
+    pytest.importorskip("transformers")
+    data = startup.run(xgraph.get_backend("cpu"), "tiny", [1, 2, 4], [4, 8], targets=("hf",))
+    cold, warm = data["targets"]["hf"]["cold"], data["targets"]["hf"]["warm"]
+    assert "error" not in cold and "error" not in warm, (cold.get("error"), warm.get("error"))
+    assert cold["compile"]["cache"]["saved"] and warm["compile"]["cache"]["loaded"]
+    assert data["tokens_equal"] == {"hf": True}
+    assert data["cold"]["parts"]["compile"] > 0 and data["warm"]["seconds"] > 0

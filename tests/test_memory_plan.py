@@ -1,0 +1,140 @@
+"""Graph memory known before the KV cache (`xgraph.predict_graph_memory`): the plan of
+executors over a placeholder cache predicts, within 5%, what capturing every bucket of the
+real ones holds, whatever the capture order; it leaves no graph, pool or chunk behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+import xgraph
+from xgraph import GraphMemory, XGraphError
+from xgraph.memory_plan import measured_graph_memory
+from xgraph.models import Qwen3Config, Qwen3Model, Workload
+
+BACKENDS = ["cpu", "ascend-sim"]
+ORDERS = ["ascending", "random", "largest-first"]
+SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+
+
+def _workload(num_blocks: int) -> Workload:
+    """The tiny model with a wide vocabulary: the largest bucket's logits alone span several
+    of the simulator's 2 MiB chunks, so the prediction is checked in bytes, not one chunk."""
+    config = dataclasses.replace(Qwen3Config.tiny(), vocab_size=32768)
+    return Workload(Qwen3Model.build(config, num_blocks=num_blocks, block_size=4), 8, 32)
+
+
+def _memory(backend) -> GraphMemory:  # type: ignore[no-untyped-def]
+    """Shared-physical memory in chunks of the VMM's granularity: bytes, not a chunk count."""
+    return GraphMemory(backend, "shared-physical", chunk_size=backend.virtual_memory().granularity)
+
+
+def _executor(w: Workload, backend, memory, mode: str = "auto"):  # type: ignore[no-untyped-def]
+    return w.executor(backend=backend, buckets=SIZES, memory=memory, mode=mode, name=mode)
+
+
+def _ordered(order: str, seed: int) -> list[int]:
+    if order == "ascending":
+        return sorted(SIZES)
+    if order == "largest-first":
+        return sorted(SIZES, reverse=True)
+    out = list(SIZES)
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def _books(backend) -> tuple:  # type: ignore[no-untyped-def]
+    vm = backend.virtual_memory()
+    return vm.live(), vm.physical_bytes(), vm.mapped_bytes()
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_the_plan_before_the_cache_predicts_every_bucket_captured(name, order):
+    backend = xgraph.get_backend(name)
+    placeholder = _workload(8)  # the real cache does not exist yet
+    memory = _memory(backend)
+    ex = _executor(placeholder, backend, memory)
+    books = _books(backend)
+    plan = xgraph.predict_graph_memory(ex)
+    assert _books(backend) == books  # the plan's captures are undone, chunks and ranges too
+    assert ex.stats()["captures"] == 0 and memory.graph_bytes() == 0
+    assert [(k.kind, k.largest, k.graphs) for k in plan.kinds] == [
+        ("full", 64, len(SIZES)),
+        ("piecewise", 64, len(SIZES)),
+    ]
+    assert plan.executable_bytes == 0 and plan.executables_measured is (name != "cpu")
+    ex.close()
+    memory.close()
+
+    real = _workload(512)
+    memory = _memory(backend)
+    ex = _executor(real, backend, memory)
+    for seed, kind in enumerate(("full", "piecewise")):
+        ex.capture(_ordered(order, seed), kind=kind, progress=False)
+    assert ex.stats()["captures"] == 2 * len(SIZES)
+    measured = measured_graph_memory(ex)
+    assert measured > 4 * backend.virtual_memory().granularity  # many chunks: a real check
+    assert abs(plan.total_bytes - measured) <= 0.05 * measured, (plan.as_dict(), measured)
+    ex.close()
+    memory.close()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_executors_over_one_memory_plan_its_maximum(name):
+    """A decode and a prefill executor sharing one memory hold the larger of their pools."""
+    backend = xgraph.get_backend(name)
+    w = _workload(8)
+    memory = _memory(backend)
+    full, pieces = _executor(w, backend, memory, "full"), _executor(w, backend, memory, "piecewise")
+    both = xgraph.predict_graph_memory(full, pieces)
+    alone = [full.plan_memory().pool_bytes, pieces.plan_memory().pool_bytes]
+    assert both.pool_bytes == max(alone) and both.graphs == 2 * len(SIZES)
+    full.capture(progress=False)
+    pieces.capture(kind="piecewise", progress=False)
+    measured = measured_graph_memory(full, pieces)
+    assert abs(both.total_bytes - measured) <= 0.05 * measured
+    for ex in (full, pieces):
+        ex.close()
+    memory.close()
+
+
+def test_a_plan_narrowed_to_one_kind_and_the_refusals():
+    backend = xgraph.get_backend("cpu")
+    w = _workload(8)
+    memory = _memory(backend)
+    ex = _executor(w, backend, memory)
+    only = ex.plan_memory(kinds=["full"])
+    assert [k.kind for k in only.kinds] == ["full"] and only.pool_bytes > 0
+    ex.close()
+    memory.close()
+    private = w.executor(backend=backend, buckets=SIZES, memory="private")
+    with pytest.raises(XGraphError, match="private graph memory"):
+        xgraph.predict_graph_memory(private)
+    private.close()
+    with pytest.raises(XGraphError, match="at least one executor"):
+        xgraph.predict_graph_memory()
+
+
+def test_a_failed_plan_leaves_nothing_behind():
+    """A forward that cannot be captured: the plan raises and its twin and memory are gone."""
+    backend = xgraph.get_backend("cpu")
+    w = _workload(8)
+    calls = []
+
+    def forward(**kw):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) > 1:  # the warm-up passes; the capture fails
+            raise RuntimeError("boom")
+        return w.model.forward_logits(**kw)
+
+    memory = _memory(backend)
+    ex = w.executor(forward, backend=backend, buckets=SIZES, memory=memory, mode="full")
+    books = _books(backend)
+    with pytest.raises(xgraph.CaptureError, match="boom"):
+        ex.plan_memory()
+    assert _books(backend) == books
+    ex.close()
+    memory.close()

@@ -1,0 +1,189 @@
+"""`xgraph bench startup`: seconds from building the model to its first token, in a cold
+process (empty caches) and a warm one (the caches the cold one left), split into parts.
+
+Each target runs in two fresh interpreters (`xgraph.bench.startup_run` says what each part
+is), one after the other, over one fresh temporary folder holding every cache a process
+writes: xgraph's compile cache (XGRAPH_COMPILE_CACHE), Inductor's (TORCHINDUCTOR_CACHE_DIR)
+and Triton's (TRITON_CACHE_DIR). The cold process starts with them empty; the warm one finds
+what the cold one wrote, as a second process on the same machine does. Targets:
+
+- reference: the reference model over its eager forward, decode full graphs at `--sizes`
+  (default vLLM's 51 up to 512 on accelerators) and piecewise graphs at SGLang-style sizes
+  (`--piecewise-max`, default 2048: 42 sizes), both over one shared-physical graph memory;
+- hf (registered by the transformers integration): transformers' Qwen3 of the `--model`
+  shape (random weights from its config) through `GraphModel(compile=True)`, decode and
+  piecewise graphs at the same decode sizes; skipped without transformers.
+
+The JSON: `capture` (the reference's graphs and seconds with kernels warm, in the warm
+process, and per graph), `cold` and `warm` (`seconds` and `parts` of the hf target where it
+ran, else the reference; every target's under `targets`), `memory_prediction` (the
+reference's graph memory predicted before its KV cache against the reading after every
+bucket is captured, cold process), `tokens_equal` (each target's first-step tokens, cold
+against warm) and `commit`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
+from ..interfaces import Backend
+from . import startup_targets
+from .report import Checkpoint, note, table
+from .startup_run import MARKER
+
+CACHE_ENV = {
+    "XGRAPH_COMPILE_CACHE": "xgraph-compile",
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+}
+
+
+def defaults(accel: bool) -> tuple[list[int], list[int]]:
+    """Decode and piecewise sizes: the Qwen3-0.6B run on accelerators, small on the CPU."""
+    if accel:
+        return vllm_capture_sizes(512), sglang_piecewise_sizes(2048)
+    return vllm_capture_sizes(16), sglang_piecewise_sizes(32)
+
+
+def _commit() -> str:
+    env = os.environ.get("XGRAPH_COMMIT")
+    if env:
+        return env
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _process(target: str, argv: list[str], caches: str, timeout: float) -> dict[str, Any]:
+    """One fresh interpreter of `target` over the caches in `caches`: its JSON line. It runs
+    through the command line, which imports the integrations and so registers their targets."""
+    env = {**os.environ, **{k: os.path.join(caches, v) for k, v in CACHE_ENV.items()}}
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "xgraph.cli", "bench", "startup", "--process", target, *argv]
+    proc = subprocess.run(
+        [*cmd, "--t0", repr(t0)], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(MARKER)]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        return {"error": f"exit {proc.returncode}: {tail.strip()}"}
+    out = json.loads(lines[-1][len(MARKER) :])
+    out["process_seconds"] = time.time() - t0
+    return out
+
+
+def _argv(backend: Backend, model: str, decode: list[int], pieces: list[int]) -> list[str]:
+    return [
+        "--backend",
+        backend.name,
+        "--model",
+        model,
+        "--sizes",
+        ",".join(map(str, decode)),
+        "--pieces",
+        ",".join(map(str, pieces)),
+    ]
+
+
+def _headline(data: dict[str, Any]) -> None:
+    """The issue's fields from the targets' processes."""
+    targets = data["targets"]
+    ran = [n for n, t in targets.items() if "skipped" not in t.get("cold", {})]
+    main = targets["hf" if "hf" in ran else ran[0]] if ran else {}  # hf: the issue's target
+    for phase in ("cold", "warm"):
+        run = main.get(phase, {})
+        data[phase] = {"seconds": run.get("seconds"), "parts": run.get("parts")}
+    ref = targets.get("reference", {})
+    warm, cold = ref.get("warm", {}), ref.get("cold", {})
+    seconds = (warm.get("parts") or {}).get("capture")
+    graphs = warm.get("graphs")
+    data["capture"] = {
+        "graphs": graphs,
+        "seconds": seconds,
+        "per_graph_s": seconds / graphs if seconds and graphs else None,
+        "warmup_s": (warm.get("parts") or {}).get("warmup"),
+        "cold_seconds": (cold.get("parts") or {}).get("capture"),
+    }
+    p, m = cold.get("predicted_bytes"), cold.get("measured_bytes")
+    data["memory_prediction"] = {
+        "predicted_bytes": p,
+        "measured_bytes": m,
+        "rel_err": abs(p - m) / m if p is not None and m else None,
+    }
+    data["tokens_equal"] = {
+        name: t.get("cold", {}).get("tokens") is not None
+        and t.get("cold", {}).get("tokens") == t.get("warm", {}).get("tokens")
+        for name, t in targets.items()
+        if "skipped" not in t.get("cold", {})
+    }
+    data["mismatches"] = [name for name, ok in data["tokens_equal"].items() if not ok]
+
+
+def run(
+    backend: Backend,
+    model: str,
+    decode: list[int] | None = None,
+    pieces: list[int] | None = None,
+    targets: tuple[str, ...] | None = None,
+    timeout: float = 600.0,
+    checkpoint: Checkpoint | None = None,
+) -> dict[str, Any]:
+    """Cold then warm process of each target (see the module docstring)."""
+    accel = backend.device.type != "cpu"
+    d_def, p_def = defaults(accel)
+    decode, pieces = decode or d_def, pieces or p_def
+    data: dict[str, Any] = {
+        "backend": backend.name,
+        "model": model,
+        "decode_sizes": decode,
+        "piecewise_sizes": pieces,
+        "commit": _commit(),
+        "targets": {},
+    }
+    argv = _argv(backend, model, decode, pieces)
+    for target in targets or startup_targets():
+        with tempfile.TemporaryDirectory(prefix="xgraph-startup-") as caches:
+            for phase in ("cold", "warm"):
+                note(f"bench startup: {target}, {phase} process")
+                got = _process(target, argv, caches, timeout)
+                data["targets"].setdefault(target, {})[phase] = got
+                _headline(data)
+                if checkpoint is not None:
+                    checkpoint(data)
+    _headline(data)
+    return data
+
+
+def summarize(data: dict[str, Any]) -> str:
+    rows = []
+    for name, t in data["targets"].items():
+        for phase in ("cold", "warm"):
+            r = t.get(phase, {})
+            parts = r.get("parts") or {}
+            row = {"target": name, "process": phase, "seconds": r.get("seconds")}
+            row.update({k: parts.get(k) for k in ("start", "load", "compile", "capture")})
+            row["first_step"] = parts.get("first_step")
+            row["graphs"] = r.get("graphs")
+            row["error"] = (r.get("error") or r.get("skipped") or "")[:80]
+            rows.append(row)
+    cols = ["target", "process", "seconds", "start", "load", "compile", "capture"]
+    text = table(rows, [*cols, "first_step", "graphs", "error"])
+    mp, cap = data.get("memory_prediction") or {}, data.get("capture") or {}
+    return (
+        f"{text}\n\ncapture (reference, warm process): {cap.get('graphs')} graphs in "
+        f"{cap.get('seconds')} s; graph memory predicted {mp.get('predicted_bytes')} B, "
+        f"measured {mp.get('measured_bytes')} B (rel_err {mp.get('rel_err')}); tokens equal "
+        f"cold vs warm: {data.get('tokens_equal')}"
+    )

@@ -1,0 +1,185 @@
+"""One process of `xgraph bench startup`: from building the model to its first token.
+
+    xgraph bench startup --process reference --t0 TIME --backend cuda --model qwen3-0.6b
+
+xgraph.bench.startup runs this in a fresh interpreter through the command line (which
+imports the integrations, so their registered targets are there), once with empty caches
+and once with the caches the first one left (the folders come in the environment). It
+prints one line, MARKER then JSON: the seconds of each part, the graphs, the graph memory
+predicted before the KV cache against the reading once every bucket is captured, and the
+tokens of the first step, which the two processes must agree on. `start` is the
+interpreter, the imports and the command line, from `--t0`.
+
+The bench's own target, `reference` (xgraph/models/qwen3.py over its eager forward):
+`load` (weights over a placeholder cache), `plan` (`predict_graph_memory` of a decode and a
+piecewise executor, before the KV cache), `kv_cache` (the cache and the executors over it),
+`warmup` (every size run eagerly: the kernels' own compilation and loading, reported
+apart), `capture` (every size captured, kernels warm), `first_step` (a prefill of two
+prompts and its greedy tokens). The transformers integration registers `hf`
+(xgraph/integrations/transformers/bench_startup.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+MARKER = "XGRAPH_STARTUP "
+BLOCK = 16
+CONTEXT = 64  # decode layout: tokens per sequence (captures touch the dummy block only)
+PIECEWISE_SEQS = 16
+
+
+class Clock:
+    """Seconds of each part, each ending with the device's queue drained."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend, self.parts = backend, {}
+
+    def __call__(self, name: str, fn: Callable[[], Any]) -> Any:
+        self.backend.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        self.backend.synchronize()
+        self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - t0
+        return out
+
+
+def prompts(vocab: int, lens: list[int]) -> list[list[int]]:
+    import random
+
+    rng = random.Random(11)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lens]
+
+
+# -- the reference model -------------------------------------------------------------------
+
+
+def _reference_executors(model: Any, backend: Any, decode: list[int], pieces: list[int]) -> list:
+    from ..memory import GraphMemory
+    from ..models import Workload
+
+    memory = GraphMemory(backend, "shared-physical")
+    layouts = (
+        (Workload(model, -(-CONTEXT // BLOCK), max(decode)), decode, "full"),
+        (Workload(model, -(-max(pieces) // BLOCK), PIECEWISE_SEQS), pieces, "piecewise"),
+    )
+    return [
+        w.executor(
+            model.forward_logits,
+            backend=backend,
+            buckets=sizes,
+            memory=memory,
+            mode=kind,
+            name=f"startup-{kind}",
+            on_capture_error="raise",
+        )
+        for w, sizes, kind in layouts
+    ]
+
+
+def _close(executors: list) -> None:
+    memory = executors[0].memory
+    for ex in executors:
+        ex.close()
+    memory.close()
+
+
+def _kv_cache(model: Any, backend: Any, decode: list[int], pieces: list[int]) -> None:
+    """The real cache: every decode sequence's context and the largest prefill, in blocks."""
+    from ..paging import PagedKVCache
+
+    c, dtype = model.config, next(model.parameters()).dtype
+    blocks = max(decode) * -(-CONTEXT // BLOCK) + -(-max(pieces) // BLOCK) * PIECEWISE_SEQS
+    model.kv_cache = PagedKVCache(
+        c.num_layers, c.num_kv_heads, c.head_dim, blocks, BLOCK, dtype, backend.device
+    )
+
+
+def _reference_first_step(model: Any, pw: Any, top: int) -> list[list[int]]:
+    """Two prompts filling the largest piecewise bucket, prefilled from position 0 in
+    consecutive blocks; each position's greedy token (the last: the first generated one)."""
+    import torch
+
+    from ..metadata import AttentionInputs
+
+    asked = prompts(model.config.vocab_size, [top // 4 + 1, top // 2 + 3])
+    ids, pos, slots, rows, at = [], [], [], [], 0
+    for p in asked:
+        need = -(-len(p) // BLOCK)
+        rows.append(list(range(at, at + need)))
+        ids += p
+        pos += list(range(len(p)))
+        slots += list(range(at * BLOCK, at * BLOCK + len(p)))
+        at += need
+    lens = [len(p) for p in asked]
+    attn = AttentionInputs(lens, lens, rows, torch.tensor(slots, dtype=torch.int64))
+    logits = pw(input_ids=torch.tensor(ids), positions=torch.tensor(pos), attn=attn)
+    tokens = logits.argmax(-1).tolist()
+    return [tokens[sum(lens[:i]) : sum(lens[: i + 1])] for i in range(len(lens))]
+
+
+def _capture_all(full: Any, pw: Any) -> None:
+    full.capture(progress=False)
+    pw.capture(kind="piecewise", progress=False)
+
+
+def reference(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> dict:
+    import torch
+
+    from ..memory_plan import measured_graph_memory, predict_graph_memory
+    from ..models import Qwen3Model
+
+    clock = Clock(backend)
+    dtype = torch.float32 if backend.device.type == "cpu" else torch.bfloat16
+
+    def load() -> Any:
+        return Qwen3Model.build(model_name, num_blocks=1, dtype=dtype, device=backend.device)
+
+    model = clock("load", load)
+
+    def plan() -> Any:
+        placeholder = _reference_executors(model, backend, decode, pieces)
+        try:
+            return predict_graph_memory(*placeholder)
+        finally:
+            _close(placeholder)
+
+    predicted = clock("plan", plan)
+    clock("kv_cache", lambda: _kv_cache(model, backend, decode, pieces))
+    full, pw = clock("kv_cache", lambda: _reference_executors(model, backend, decode, pieces))
+    clock("warmup", lambda: (full.warm_up(), pw.warm_up(kind="piecewise")))
+    clock("capture", lambda: _capture_all(full, pw))
+    tokens = clock("first_step", lambda: _reference_first_step(model, pw, max(pieces)))
+    out = {
+        "parts": clock.parts,
+        "graphs": full.stats()["captures"] + pw.stats()["captures"],
+        "predicted_bytes": predicted.total_bytes,
+        "measured_bytes": measured_graph_memory(full, pw),
+        "plan": predicted.as_dict(),
+        "tokens": tokens,
+    }
+    _close([full, pw])
+    return out
+
+
+def one_process(
+    target: str, backend: Any, model: str, decode: list[int], pieces: list[int], t0: float
+) -> dict:
+    """One process's run of a registered target (`xgraph bench startup --process`), its
+    `start` part the seconds since `t0` (time.time() before the parent spawned it); printed
+    as MARKER and JSON for the parent."""
+    from . import startup_runner
+
+    start = time.time() - t0  # the interpreter, the imports and the command line
+    try:
+        out = startup_runner(target)(backend, model, decode, pieces)
+    except ImportError as exc:  # an integration's missing extra (MissingExtraError)
+        out = {"skipped": f"{type(exc).__name__}: {exc}"}
+    else:
+        out["parts"] = {"start": start, **out["parts"]}
+        out["seconds"] = sum(out["parts"].values())
+    print(MARKER + json.dumps(out), flush=True)
+    return out

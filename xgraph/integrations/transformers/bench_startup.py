@@ -1,0 +1,75 @@
+"""The transformers integration's target of `xgraph bench startup`: `hf`.
+
+transformers' Qwen3 of the reference shape (random weights from its config, as
+`bench_runs.build_named` builds it) through `GraphModel(compile=True)`, decode and piecewise
+graphs at the decode sizes. Parts (xgraph.bench.startup_run runs it in a fresh process):
+`load` (the model and the GraphModel: probe, cache, executor), `compile` (the compiled
+forward's first runs: Dynamo and Inductor, or the compile cache's artifacts), `plan` (its
+graph memory), `capture` (every decode size and every piecewise bucket), `first_step` (the
+first token of two prompts through `generate`). `register()` offers it to the bench; the
+package calls it when imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...bench import register_startup
+from ...bench.startup_run import BLOCK, Clock, prompts
+from ...memory_plan import measured_graph_memory
+from .bench_runs import build_named
+from .model import GraphModel
+
+TARGET = "hf"
+PROMPT_LENS = [37, 91]
+NEW_TOKENS = 8  # greedy tokens compared between the cold and the warm process
+
+
+def _graph_model(model: Any, backend: Any, decode: list[int]) -> GraphModel:
+    return GraphModel(
+        model,
+        backend=backend,
+        buckets=decode,
+        block_size=BLOCK,
+        max_model_len=max(PROMPT_LENS) + NEW_TOKENS,
+        max_seqs=max(decode),
+        max_num_tokens=max(decode),
+        compile=True,
+        on_capture_error="raise",
+        name="startup-hf",
+    )
+
+
+def run(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> dict:
+    """One process (see the module docstring); `pieces` unused: piecewise graphs come at the
+    decode sizes, the GraphModel's buckets."""
+    clock = Clock(backend)
+    dtype = torch.float32 if backend.device.type == "cpu" else torch.bfloat16
+
+    def load() -> GraphModel:
+        return _graph_model(build_named(model_name, dtype, backend.device), backend, decode)
+
+    gm = clock("load", load)
+    ex = gm.executor
+    top = max(decode)
+    clock("compile", lambda: (ex.warm_up([top, 1]), ex.warm_up([top], kind="piecewise")))
+    predicted = clock("plan", ex.plan_memory)  # after compile: its twins run compiled code
+    clock("capture", gm.capture)
+    asked = prompts(gm.spec.vocab_size, PROMPT_LENS)
+    clock("first_step", lambda: gm.generate(asked, 1))
+    out = {
+        "parts": clock.parts,
+        "graphs": ex.stats()["captures"],
+        "predicted_bytes": predicted.total_bytes,
+        "measured_bytes": measured_graph_memory(ex),
+        "compile": None if gm.compiled is None else gm.compiled.stats(),
+        "tokens": gm.generate(asked, NEW_TOKENS).tokens,
+    }
+    gm.close()
+    return out
+
+
+def register() -> None:
+    register_startup(TARGET, run)

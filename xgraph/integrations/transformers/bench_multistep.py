@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 from typing import Any
 
@@ -112,6 +113,9 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def _commit() -> str | None:
+    """HEAD of the checkout, or $XGRAPH_COMMIT where the tree was copied without git."""
+    if os.environ.get("XGRAPH_COMMIT"):
+        return os.environ["XGRAPH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
     except OSError:

@@ -135,7 +135,7 @@ class MoEModel(nn.Module):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 full = _full_shape(name, p, c)
-                w = torch.randn(full, generator=g)
+                w = torch.randn(full, generator=g, device="cpu")
                 w = 1.0 + 0.1 * w if name.endswith("norm.weight") else 0.02 * w
                 if full != p.shape:  # experts: this rank's slice of all of them
                     w = w[model.layers[0].mlp.rank * p.shape[0] :][: p.shape[0]]

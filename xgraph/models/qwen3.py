@@ -181,7 +181,7 @@ class Qwen3Model(nn.Module):
         g = torch.Generator().manual_seed(seed)
         state = {}
         for name, shape in hf_parameters(self.config):
-            r = torch.randn(shape, generator=g)
+            r = torch.randn(shape, generator=g, device="cpu")  # host draws, any default device
             state[name] = 1.0 + 0.1 * r if name.endswith("norm.weight") else 0.02 * r
         self.load_hf_state(state, f"init_random({seed})")
 

@@ -115,7 +115,7 @@ def random_hf_state(c: Qwen3Config, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     state = {}
     for name, shape in hf_parameters(c):
-        r = torch.randn(shape, generator=g)
+        r = torch.randn(shape, generator=g, device="cpu")  # host draws, any default device
         state[name] = 1.0 + 0.1 * r if name.endswith("norm.weight") else 0.02 * r
     return state
 

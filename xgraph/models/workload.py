@@ -106,7 +106,9 @@ class Workload:
     def randomize_cache(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         for t in self.cache.tensors():
-            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype))
+            t.copy_(
+                torch.randn(t.shape, generator=g, dtype=torch.float32, device="cpu").to(t.dtype)
+            )
 
     # -- steps -----------------------------------------------------------------------------
 

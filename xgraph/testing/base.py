@@ -33,7 +33,7 @@ def small_mlp(device: torch.device, seed: int = 0) -> torch.nn.Module:
     )
     with torch.no_grad():
         for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+            p.copy_(torch.randn(p.shape, generator=g, device="cpu") * 0.2)
     return m.to(device).eval()
 
 

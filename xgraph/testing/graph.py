@@ -25,7 +25,7 @@ class GraphTests(BackendTests):
         address = y.data_ptr()
         gen = torch.Generator().manual_seed(1)
         for _ in range(20):
-            x.copy_(torch.randn(16, 32, generator=gen))
+            x.copy_(torch.randn(16, 32, generator=gen, device="cpu"))
             graph.replay()
             backend.synchronize()
             with torch.no_grad():

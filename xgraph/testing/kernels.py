@@ -47,8 +47,8 @@ class KernelTests(BackendTests):
     ) -> None:
         g = torch.Generator().manual_seed(5)
         for m, n, k in SHAPES:
-            x = torch.randn(m, k, generator=g).to(backend.device, dtype)
-            w = torch.randn(n, k, generator=g).to(backend.device, dtype)
+            x = torch.randn(m, k, generator=g, device="cpu").to(backend.device, dtype)
+            w = torch.randn(n, k, generator=g, device="cpu").to(backend.device, dtype)
             y = kernel(x, w)
             if y is None:  # declined: F.linear runs it
                 continue
@@ -61,8 +61,8 @@ class KernelTests(BackendTests):
     def test_a_captured_call_follows_new_inputs(self, backend: Backend, kernel: Any) -> None:
         dev = backend.device
         g = torch.Generator().manual_seed(6)
-        x = torch.randn(1, 96, generator=g).to(dev)
-        w = torch.randn(64, 96, generator=g).to(dev)
+        x = torch.randn(1, 96, generator=g, device="cpu").to(dev)
+        w = torch.randn(64, 96, generator=g, device="cpu").to(dev)
         graph, pool = backend.new_graph(), backend.new_pool()
         y = capture(graph, pool, core_linear.linear, x, w)
         for _ in range(3):

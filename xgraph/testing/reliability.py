@@ -100,7 +100,10 @@ class ReliabilityTests(BackendTests):
     def busy(self, backend: Backend) -> Callable[[torch.Tensor], torch.Tensor]:
         width, dev = self.busy_width, backend.device
         g = torch.Generator().manual_seed(0)
-        ws = [(torch.randn(width, width, generator=g) / width**0.5).to(dev) for _ in range(3)]
+        ws = [
+            (torch.randn(width, width, generator=g, device="cpu") / width**0.5).to(dev)
+            for _ in range(3)
+        ]
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             h = x.repeat(1, width // x.shape[1])

@@ -28,8 +28,11 @@ def mlp_executor(backend: Backend, sizes: list[int], memory: str | None = None) 
     from xgraph import GraphExecutor, Input
 
     g = torch.Generator().manual_seed(5)
-    w1, w2 = (torch.randn(HIDDEN, WIDE, generator=g).mul(0.05).to(backend.device) for _ in "ab")
-    w3 = torch.randn(WIDE, HIDDEN, generator=g).mul(0.05).to(backend.device)
+    w1, w2 = (
+        torch.randn(HIDDEN, WIDE, generator=g, device="cpu").mul(0.05).to(backend.device)
+        for _ in "ab"
+    )
+    w3 = torch.randn(WIDE, HIDDEN, generator=g, device="cpu").mul(0.05).to(backend.device)
 
     def forward(x):  # type: ignore[no-untyped-def]
         return (F.silu(x @ w1) * (x @ w2)) @ w3
@@ -102,7 +105,7 @@ class SleepTests(VirtualMemoryFixture):
 
     def _replay_all(self, ex: Any) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         g = torch.Generator().manual_seed(9)
-        xs = {n: torch.randn(n, HIDDEN, generator=g) for n in self.sleep_sizes}
+        xs = {n: torch.randn(n, HIDDEN, generator=g, device="cpu") for n in self.sleep_sizes}
         return xs, {n: ex(x=x, clone=True) for n, x in xs.items()}
 
     def test_sleep_gives_back_graph_memory_and_wake_replays_every_key(

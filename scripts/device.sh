@@ -103,7 +103,7 @@ has host && stage host-model 45 12 xgraph bench host --backend cuda --model "$mo
 # host-copy (only when named): the core's torch copy instead of the adapter's driver copier
 has host-copy && stage host-torch-copy 30 12 env XGRAPH_CUDA_STAGING=torch xgraph bench \
   host --backend cuda --model "$model" --json "$OUT/host-torch-copy.json"
-has conformance && stage conformance 150 30 bash -c conformance
+has conformance && stage conformance 330 30 bash -c conformance
 has attention && stage attention 45 30 python3 adapters/cuda/tools/bench_attention.py \
   --json "$OUT/attention.json"
 has decode && stage decode 240 45 xgraph bench decode --backend cuda --model "$model" \

@@ -10,7 +10,7 @@
 # every GPU; DIST_MODELS, default qwen3-0.6b,qwen3-8b; docs/distributed.md);
 # DECODE_SCOPE=forward compiles the decode stage's whole forward instead of its layers).
 # MODEL: the reference shape (default qwen3-0.6b). A stage
-# past its limit is killed and the next one starts; the limits of "all" add up to 750 s,
+# past its limit is killed and the next one starts; the limits of "all" add up to 930 s,
 # more than one ten-minute device call, so name the stages a call needs (docs/benchmarks.md,
 # "Running on a GPU machine", lists every stage with its command and its time on an H200).
 # Output: $OUT/<stage>.json per benchmark (written as it goes, so a stage cut short keeps

@@ -321,24 +321,34 @@ def test_the_models_inputs_refuse_an_index_outside_its_table(field, value):
     ex.close()
 
 
-@pytest.mark.parametrize("field,value", [("input_ids", 256), ("positions", 4096)])
-def test_an_undeclared_bad_index_in_a_replay_is_an_error_and_the_graph_survives(field, value):
-    w, ref = (Workload.tiny(max_blocks=6, max_seqs=24) for _ in range(2))
-    ex = GraphExecutor(
+def _unbounded_executor(w: Workload) -> GraphExecutor:
+    """An executor of the workload whose integer inputs declare no bounds."""
+    return GraphExecutor(
         w.model.forward_logits,
         inputs=TOKEN_INPUTS,  # no bounds declared
         backend="cpu",
         buckets=BUCKETS,
         attention=w.attention(),
     )
+
+
+def _with_bad_index(step, field: str, value: int) -> dict:
+    """The step's arguments with `field`'s first entry set to `value`."""
+    kwargs = dict(step.kwargs())
+    kwargs[field] = kwargs[field].clone()
+    kwargs[field][0] = value
+    return kwargs
+
+
+@pytest.mark.parametrize("field,value", [("input_ids", 256), ("positions", 4096)])
+def test_an_undeclared_bad_index_in_a_replay_is_an_error_and_the_graph_survives(field, value):
+    w, ref = (Workload.tiny(max_blocks=6, max_seqs=24) for _ in range(2))
+    ex = _unbounded_executor(w)
     rng = random.Random(1)
     first = w.decode_step(rng, 3)
     ex(**first.kwargs())  # captured ('full', 4)
     ref.eager(ref.padded(first, Buckets(BUCKETS), full=True))
-    bad = w.decode_step(rng, 3)
-    kwargs = dict(bad.kwargs())
-    kwargs[field] = kwargs[field].clone()
-    kwargs[field][0] = value
+    kwargs = _with_bad_index(w.decode_step(rng, 3), field, value)
     with pytest.raises(
         xgraph.errors.ReplayError, match="without bounds: input_ids, positions"
     ) as e:
@@ -360,18 +370,9 @@ def test_an_undeclared_bad_index_before_its_keys_capture_is_the_replays_error(fi
     """The warm-up of a key not captured yet meets the bad index first: the same error and
     hint a replay gives, nothing captured, and the key captures at its next valid step."""
     w, ref = (Workload.tiny(max_blocks=6, max_seqs=24) for _ in range(2))
-    ex = GraphExecutor(
-        w.model.forward_logits,
-        inputs=TOKEN_INPUTS,  # no bounds declared
-        backend="cpu",
-        buckets=BUCKETS,
-        attention=w.attention(),
-    )
+    ex = _unbounded_executor(w)
     rng = random.Random(2)
-    bad = w.decode_step(rng, 3)
-    kwargs = dict(bad.kwargs())
-    kwargs[field] = kwargs[field].clone()
-    kwargs[field][0] = value
+    kwargs = _with_bad_index(w.decode_step(rng, 3), field, value)
     with pytest.raises(
         xgraph.errors.ReplayError, match="without bounds: input_ids, positions"
     ) as e:

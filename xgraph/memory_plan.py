@@ -11,7 +11,9 @@ pool (the driver's executable: its nodes, kept in device memory) grows with the 
 graphs instead; it is measured on the device around the same captures, per graph of each
 kind (over the largest `EXECUTABLE_SAMPLES` keys: the driver's reading moves in pages),
 and counted once per bucket (`executable_bytes`). Backends whose recordings cost the
-device nothing (`Backend.graph_executables` False: the CPU reference) report 0.
+device nothing (`Backend.graph_executables` False: the CPU reference) report 0. The CUDA
+driver keeps the memory of freed executables for later ones, so a plan reads them only
+before the process's first graphs are freed: plan at start-up, as an engine sizes its cache.
 
 The captures run in twin executors of the ones given (the same forward, inputs, buckets,
 attention and mode) over a fresh graph memory of the same mode, closed before the call

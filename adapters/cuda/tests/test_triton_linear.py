@@ -81,13 +81,11 @@ def test_the_reference_model_decodes_the_same_with_and_without_the_kernel(backen
     backend installs it) and agree with cuBLAS's within bf16 rounding."""
     import random
 
-    from xgraph_cuda import projection
-
     import xgraph.linear as core_linear
     from xgraph.models import Workload
 
     backend.activate()
-    assert core_linear.installed("cuda") is projection.plain
+    assert core_linear.installed("cuda") is cuda_linear.linear_kernel()  # XGRAPH_CUDA_LINEAR's
     w = Workload.tiny(device="cuda", dtype=torch.bfloat16, num_blocks=64, max_seqs=4)
     step = w.decode_step(random.Random(3), 1)
     calls: list[tuple[int, ...]] = []

@@ -10,7 +10,10 @@ key's pieces on it (the device-metadata check first, where the step's metadata i
 device, then the forward and the copy of its outputs) and stores the recording in the key
 cache. Any failure, Ctrl-C included, aborts the recording and rolls the lease back; the
 key then follows `on_capture_error`: raised, or run eagerly from then on (warned). Across
-ranks the lockstep checks both passes' collectives (xgraph.distributed.capture).
+ranks the lockstep checks both passes' collectives (xgraph.distributed.capture). With the
+executor's PDL option on (xgraph.pdl_option), a full key's warm-up and record run inside
+the backend's PDL capture option and its programmatic edges are counted right after the
+record, before the capture's memory reading ends; piecewise keys never take PDL.
 
 A miss costs the backend's own synchronize at capture begin and none of the executor's, and
 no `empty_cache` but before the first capture allocates the output buffers (the
@@ -38,6 +41,7 @@ from .keycache import KeyCache, Runners, input_hint
 from .lifetime import Entry, Recording
 from .memory import GraphMemory, Lease, OutsidePoolMeter
 from .options import Fallback, Kind
+from .pdl_option import PDLOption
 from .piecewise import FullGraph, PiecewiseGraph
 from .steps import Staged
 from .validation import NUM_TOKENS
@@ -60,13 +64,15 @@ class CaptureTransaction:
         compiled: bool,
         on_capture_error: Fallback,
         lockstep: Any,
+        pdl: PDLOption,
     ) -> None:
         """`guarded`: the KV cache's storages (piecewise pieces refuse ops on them);
         `compiled`: the forward runs compiled code (per-op checks left out); `lockstep`:
-        the executor's (its warm_up, checked and eager hooks)."""
+        the executor's (its warm_up, checked and eager hooks); `pdl`: its PDL option
+        (full keys warmed up and recorded with programmatic dependent launch)."""
         self.name, self.backend, self.memory, self.cache = name, backend, memory, cache
         self.runners, self.guarded, self.compiled = runners, guarded, compiled
-        self.on_capture_error, self.lockstep = on_capture_error, lockstep
+        self.on_capture_error, self.lockstep, self.pdl = on_capture_error, lockstep, pdl
         self.outside = OutsidePoolMeter(memory)
         self.captures = 0
         self.seconds = 0.0
@@ -87,7 +93,8 @@ class CaptureTransaction:
         """Record the step's key and store it, then replay it: the step's outputs."""
         assert step.key is not None
         t0 = time.perf_counter()
-        layout = self.warm_up(step)
+        with self.pdl.around(step.kind):  # the launch variants the record takes compile here
+            layout = self.warm_up(step)
         if layout is not None or self.rolled_back:
             # the warm-up's cached memory goes back before the output buffers are made for
             # good; after a rollback, the parked pool's segments go back while its memory
@@ -102,7 +109,10 @@ class CaptureTransaction:
         try:  # a reservation that fails is a failed capture like any other
             lease = self.memory.begin()
             graph = self.lockstep.checked(step, self.recording(step.kind, lease.pool))
-            self._record(step, graph)
+            self.pdl.prepare(step.kind, graph)
+            with self.pdl.around(step.kind):
+                self._record(step, graph)
+            self.pdl.captured(step.key, step.kind, graph)  # metered with the capture
         except BaseException as exc:  # a transaction: Ctrl-C mid-capture rolls back too
             self._roll_back(graph, lease)
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: re-raised

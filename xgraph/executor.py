@@ -36,6 +36,7 @@ from .memory import GraphMemory
 from .metadata import AttentionInputs
 from .options import Fallback, Kind, Mode
 from .paging import PagedAttention
+from .pdl_option import PDLOption, requested
 from .piecewise import guarded_storages
 from .plugins import get_backend
 from .pool import SharedPhysicalPool
@@ -78,6 +79,9 @@ class GraphExecutor:
             backends (cpu) keep the guard and record the eager ops.
         parallel: the torch.distributed groups of this rank (xgraph.Parallel): the ranks then
             agree on every step and capture together (docs/distributed.md). None: one rank.
+        pdl: capture full (decode) graphs with programmatic dependent launch where the
+            backend runs it (never piecewise pieces; elsewhere a no-op, `stats()["pdl"]`
+            says so). None: XGRAPH_PDL decides (1 on; unset, off). See xgraph.pdl_option.
     """
 
     def __init__(
@@ -96,12 +100,14 @@ class GraphExecutor:
         name: str = "executor",
         compiled: bool = False,
         parallel: Parallel | None = None,
+        pdl: bool | None = None,
     ) -> None:
         self.mode = Mode.parse(mode, "mode")
         self.on_capture_error = Fallback.parse(on_capture_error, "on_capture_error")
         self.name, self.compiled = name, compiled
         self.backend = get_backend(backend)
-        self.backend.activate()  # its kernels serve the core's ops (xgraph.linear) from now on
+        kernels = self.backend.activate()  # they serve the core's ops (xgraph.linear) now
+        self.pdl = PDLOption(kernels, requested(pdl))
         self.device = self.backend.device
         self.arena = Arena.of(self.backend, name)  # persistent buffers sleep can give back
         self.buckets = Buckets.of(buckets, DEFAULT_MAX_TOKENS)
@@ -129,6 +135,7 @@ class GraphExecutor:
             compiled=compiled,
             on_capture_error=self.on_capture_error,
             lockstep=self.lockstep,
+            pdl=self.pdl,
         )
 
     @property
@@ -403,7 +410,9 @@ class GraphExecutor:
     # -- reporting -------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Captures, replays, eager steps by reason, capture seconds, hits per key, bytes."""
+        """Captures, replays, eager steps by reason, capture seconds, hits per key, bytes,
+        and `pdl`: the option, whether the backend runs it here, its graphs' programmatic
+        edges (xgraph.pdl_option)."""
         tx, cache = self.transaction, self.cache
         return {
             "captures": tx.captures,
@@ -420,6 +429,7 @@ class GraphExecutor:
             "asleep": sorted(self.holdings.asleep),
             "keys": cache.keys(),
             "parallel": self.lockstep.stats(),  # None for one rank
+            "pdl": self.pdl.stats(cache.entries),
         }
 
     def synchronize(self) -> None:

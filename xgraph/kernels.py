@@ -22,7 +22,12 @@ FusedLinearKernel = Callable[[torch.Tensor, torch.Tensor, "Fusion"], "torch.Tens
 
 
 class ProgrammaticLaunch(ABC):
-    """Programmatic dependent launch in captured graphs (`xgraph.pdl`)."""
+    """Programmatic dependent launch in captured graphs (`xgraph.pdl`).
+
+    `available`: whether this device runs it (False: `capture` records as without PDL; an
+    executor's stats say PDL is unsupported here)."""
+
+    available: bool = True
 
     @abstractmethod
     def capture(self, kind: str, enabled: bool) -> AbstractContextManager[Any]:
@@ -32,6 +37,13 @@ class ProgrammaticLaunch(ABC):
     @abstractmethod
     def programmatic_edges(self, graph: Any) -> int | None:
         """How many edges of a captured graph are programmatic (None: not readable)."""
+
+    def captured(self, graph: Any) -> int | None:
+        """The programmatic edges of a full graph an executor just captured with PDL: the
+        backend's `Graph`, kept readable (`keep_launches`) and not yet replayed. Asked once,
+        right after capture_end, while the capture's memory is metered: a backend whose
+        kept graphs make their executable at the first replay makes it here (CUDA)."""
+        return self.programmatic_edges(graph)
 
     def baseline(self, kind: str) -> AbstractContextManager[Any]:
         """The race check's other capture: the kernels `capture(kind, True)` records, launched

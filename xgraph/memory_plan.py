@@ -217,4 +217,5 @@ def _twin(ex: GraphExecutor, memory: GraphMemory) -> GraphExecutor:
         on_capture_error="raise",
         name=f"{ex.name}-plan",
         compiled=ex.compiled,
+        pdl=ex.pdl.enabled,
     )

@@ -63,6 +63,12 @@ class StreamGraph(CheckedGraph):
         self._streams: contextlib.ExitStack | None = None
         self._recording: contextlib.ExitStack | None = None
 
+    @property
+    def runtime_graph(self) -> Any:
+        """The runtime's graph object this captures on (a readable one after keep_launches):
+        what an adapter's own calls on a captured graph read (PDL's edge count)."""
+        return self._g
+
     # -- what an adapter may refine ----------------------------------------------------------
 
     def capture_error(self, exc: BaseException, call: str) -> XGraphError:

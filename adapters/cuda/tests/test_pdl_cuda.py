@@ -44,6 +44,41 @@ def test_pdl_is_on_only_in_a_full_graph_capture_where_the_gpu_has_it() -> None:
     assert not pdl.CUDAProgrammaticLaunch(torch.device("cpu")).available
 
 
+class _KeptGraph:
+    """A torch CUDAGraph's two calls `captured` makes: the kept cudaGraph_t, instantiate."""
+
+    def __init__(self, raw: int | None) -> None:
+        self.raw, self.instantiated = raw, 0
+
+    def raw_cuda_graph(self) -> int:
+        if self.raw is None:  # as torch answers for a graph not kept (keep_graph=False)
+            raise RuntimeError("You cannot access the raw cudaGraph_t instance unless ...")
+        return self.raw
+
+    def instantiate(self) -> None:
+        self.instantiated += 1
+
+
+def test_captured_counts_then_makes_the_executable_once(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    from xgraph_cuda import edges
+
+    from xgraph.adapter import XGraphError
+
+    launch = pdl.CUDAProgrammaticLaunch(torch.device("cpu"), available=True)
+    monkeypatch.setattr(edges, "count_programmatic", lambda raw: raw % 100)
+    kept, gone = _KeptGraph(1234), _KeptGraph(None)
+    assert launch.captured(kept) == 34 and kept.instantiated == 1
+    assert launch.captured(gone) is None and gone.instantiated == 0  # torch made it already
+
+    def refuse(raw: int) -> int:
+        raise XGraphError("Counting a graph's programmatic edges needs cuda-python")
+
+    monkeypatch.setattr(edges, "count_programmatic", refuse)
+    unread = _KeptGraph(99)
+    assert launch.captured(unread) is None and unread.instantiated == 1  # it runs all the same
+    assert "programmatic edges not counted: Counting" in caplog.text
+
+
 def test_the_backend_offers_it(backend) -> None:  # type: ignore[no-untyped-def]
     kernels = backend.kernels()
     assert isinstance(kernels.pdl, pdl.CUDAProgrammaticLaunch)
@@ -93,3 +128,51 @@ def test_a_captured_chain_has_programmatic_edges_and_no_race(backend) -> None:  
     feed = lambda i: x.copy_(torch.randn(x.shape, device="cuda", generator=g))  # noqa: E731
     report = race_check(run(0), run(1), feed, replays=50)
     assert report.clean, report.describe()
+
+
+def _steps(w, rng, n: int):  # type: ignore[no-untyped-def]
+    """n decode steps over the executor's buckets, then a prefill (piecewise) step."""
+    steps = [w.decode_step(rng, rng.choice([1, 3, 8, 16])) for _ in range(n)]
+    return [*steps, w.prefill_step(rng, [5, 7])]
+
+
+@needs_hopper
+def test_an_executor_with_pdl_has_programmatic_edges_in_decode_graphs_only(backend) -> None:  # type: ignore[no-untyped-def]
+    """GraphExecutor(pdl=True) over the reference model in bf16 with the decode projection
+    kernels: every full (decode) graph has programmatic edges, every step equals pdl=False's
+    bit for bit over the replays, and its piecewise (prefill) pieces have none (every graph
+    kept readable here, to count them)."""
+    pytest.importorskip("triton")
+    import random
+
+    from xgraph_cuda.edges import edge_types
+
+    from xgraph.models import Workload
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("XGRAPH_CUDA_LINEAR", "triton")  # PDL-capable kernels in the pieces too
+        m.setattr(backend.runtime, "new_graph", backend.runtime.readable_graph)
+        w = Workload.tiny(device="cuda", dtype=torch.bfloat16, num_blocks=256, max_seqs=16)
+        w.randomize_cache(2)
+        on, off = (w.executor(backend=backend, buckets=[1, 4, 8, 16], pdl=p) for p in (True, False))
+        try:
+            for i, step in enumerate(_steps(w, random.Random(0), 60)):
+                a = on(**step.kwargs(), clone=True)
+                b = off(**step.kwargs(), clone=True)
+                assert torch.equal(a, b), f"step {i}: PDL changed the logits"
+            pdl, keys = on.stats()["pdl"], on.stats()["keys"]
+            full = [k for k in keys if k[0] == "full"]
+            assert pdl["enabled"] and pdl["supported"] and pdl["graphs"] == len(full) == 4
+            assert set(pdl["per_key"]) == set(full) and min(pdl["per_key"].values()) > 0
+            assert pdl["programmatic_edges"] == sum(pdl["per_key"].values())
+            assert off.stats()["pdl"]["programmatic_edges"] == 0
+            items = [g for k in keys if k[0] == "piecewise" for g in on.graph(k).items]
+            pieces = [g for g in items if hasattr(g, "runtime_graph")]  # not the runner calls
+            raw = [g.runtime_graph.raw_cuda_graph() for g in pieces]
+            assert pieces and sum(len(edge_types(r)) for r in raw) > 0  # edges, none of them PDL
+            counted = [backend.kernels().pdl.programmatic_edges(g) for g in pieces]
+            assert counted == [0] * len(pieces)
+        finally:
+            on.close()
+            off.close()
+    backend.activate()  # the projection kernels of the default XGRAPH_CUDA_LINEAR again

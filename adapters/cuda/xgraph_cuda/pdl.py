@@ -11,11 +11,12 @@ follows it waits for it to complete, so the two kinds mix safely.
 
 `CUDAProgrammaticLaunch` is the backend's `Kernels.pdl`: PDL in full graphs on GPUs of
 compute capability 9.0 and up (Hopper), and the count of a captured graph's programmatic
-edges (`edges`).
+edges (`edges`), which `GraphExecutor(pdl=True)` asks of each full graph it captures.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -23,11 +24,12 @@ from typing import Any
 
 import torch
 
-from xgraph.adapter import ProgrammaticLaunch
+from xgraph.adapter import ProgrammaticLaunch, StreamGraph, XGraphError
 
 from .kernels import pdl_options
 
 _local = threading.local()
+logger = logging.getLogger("xgraph")
 
 
 def enabled() -> bool:
@@ -80,9 +82,38 @@ class CUDAProgrammaticLaunch(ProgrammaticLaunch):
         return enabled_for(False, waits_only=kind == "full" and self.available)
 
     def programmatic_edges(self, graph: Any) -> int | None:
-        """Programmatic edges of a torch CUDAGraph captured with keep_graph=True (or of a raw
-        cudaGraph_t); None where its graph is no longer readable."""
+        """Programmatic edges of a torch CUDAGraph captured with keep_graph=True, of the
+        backend's graph kept readable (`keep_launches`), or of a raw cudaGraph_t; None where
+        its graph is not readable."""
         from .edges import count_programmatic
 
-        raw = graph.raw_cuda_graph() if hasattr(graph, "raw_cuda_graph") else graph
-        return count_programmatic(int(raw)) if raw else None
+        raw = _raw(graph)
+        return count_programmatic(raw) if raw else None
+
+    def captured(self, graph: Any) -> int | None:
+        """The edges of an executor's graph just captured with PDL (kept: keep_graph=True),
+        then its executable made: torch would make it at the first replay, after the
+        capture's memory reading, which would then miss the executable's device memory.
+        Edges that cannot be counted (cuda-python missing or too old) are None, logged:
+        the graph runs all the same."""
+        try:
+            edges = self.programmatic_edges(graph)
+        except XGraphError as exc:
+            logger.warning("PDL: a captured graph's programmatic edges not counted: %s", exc)
+            edges = None
+        kept = graph.runtime_graph if isinstance(graph, StreamGraph) else graph
+        if _raw(graph) and hasattr(kept, "instantiate"):
+            kept.instantiate()  # once: the first replay launches this executable
+        return edges
+
+
+def _raw(graph: Any) -> int | None:
+    """The cudaGraph_t behind a graph (see `programmatic_edges`), or None."""
+    if isinstance(graph, StreamGraph):
+        graph = graph.runtime_graph
+    if not hasattr(graph, "raw_cuda_graph"):
+        return int(graph)  # a raw handle already
+    try:
+        return int(graph.raw_cuda_graph())
+    except RuntimeError:  # not kept: torch destroyed it at capture_end
+        return None

@@ -4,53 +4,26 @@ a planted race (a kernel that reads its predecessor's output without waiting for
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import pytest
 import torch
+from planted_pdl import PlantedPDL, state
 from xgraph_dummy.backend import DummyBackend
 
 import xgraph
 from xgraph.backends.cpu.backend import CPUBackend
-from xgraph.kernels import Kernels, ProgrammaticLaunch
+from xgraph.kernels import Kernels
 from xgraph.pdl import capture_options, first_difference, race_check
 from xgraph.testing.sim import SimRuntime
-
-_state = threading.local()
-
-
-class PlantedPDL(ProgrammaticLaunch):
-    """The simulator's PDL: inside a full graph's capture, kernels overlap their
-    predecessor; one that skips its wait then reads what the predecessor has not written."""
-
-    def __init__(self) -> None:
-        self.asked: list[tuple[str, bool]] = []
-
-    @contextmanager
-    def _on(self, on: bool) -> Iterator[None]:
-        before = getattr(_state, "pdl", False)
-        _state.pdl = on
-        try:
-            yield
-        finally:
-            _state.pdl = before
-
-    def capture(self, kind: str, enabled: bool) -> AbstractContextManager[Any]:
-        self.asked.append((kind, enabled))
-        return self._on(enabled and kind == "full")
-
-    def programmatic_edges(self, graph: Any) -> int | None:
-        return None
 
 
 def _step(x: torch.Tensor, bufs: dict[str, torch.Tensor], waits: bool) -> None:
     """producer: buf = x + 1; consumer: out = 2 * buf. Under PDL a consumer that does not
     wait reads the producer's output as it was before this replay (`late`, written last)."""
     bufs["buf"].copy_(x + 1)
-    early = getattr(_state, "pdl", False) and not waits
+    early = getattr(state, "pdl", False) and not waits
     bufs["out"].copy_((bufs["late"] if early else bufs["buf"]) * 2)
     bufs["late"].copy_(bufs["buf"])
 
@@ -110,14 +83,14 @@ def test_a_kernel_that_waits_is_clean_under_pdl(backend: DummyBackend) -> None:
 def test_pdl_is_a_no_op_where_not_asked_or_not_there() -> None:
     pdl = PlantedPDL()
     with capture_options(Kernels(pdl=pdl), "full", False):
-        assert not getattr(_state, "pdl", False)
+        assert not getattr(state, "pdl", False)
     with capture_options(CPUBackend().kernels(), "full", True):  # the CPU backend has none
-        assert not getattr(_state, "pdl", False)
+        assert not getattr(state, "pdl", False)
     with capture_options(Kernels(pdl=pdl), "piecewise", True):  # full graphs only
-        assert not getattr(_state, "pdl", False)
+        assert not getattr(state, "pdl", False)
     assert pdl.asked == [("piecewise", True)]
     with capture_options(Kernels(pdl=pdl), "full", False, baseline=True):  # default: plain
-        assert not getattr(_state, "pdl", False)
+        assert not getattr(state, "pdl", False)
 
 
 def test_differences_are_found_by_bits() -> None:

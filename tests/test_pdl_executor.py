@@ -8,23 +8,21 @@ executors' replays finds the race and names its first mismatch."""
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import pytest
 import torch
+from planted_pdl import PlantedPDL, state
 from xgraph_dummy.backend import DummyBackend
 
 from xgraph import GraphExecutor, Input, XGraphError
-from xgraph.kernels import Kernels, ProgrammaticLaunch
+from xgraph.kernels import Kernels
 from xgraph.models import Workload
 from xgraph.pdl import race_check
 from xgraph.pdl_option import ENV, requested
 from xgraph.testing.sim import SimRuntime
 
-_state = threading.local()
 WIDTH = 8
 INPUTS = [Input("x", torch.float32, ("num_tokens", WIDTH))]
 
@@ -74,32 +72,6 @@ def test_accepted_and_a_no_op_where_the_backend_has_no_pdl(name: str) -> None:
 # -- the simulator with a planted race -----------------------------------------------------
 
 
-class PlantedPDL(ProgrammaticLaunch):
-    """The simulator's PDL: inside a full graph's capture, kernels overlap their predecessor
-    (a thread-local flag the forward reads); every launch of a graph captured with it is
-    linked to the one before by a programmatic edge."""
-
-    def __init__(self, available: bool = True) -> None:
-        self.available = available
-        self.asked: list[tuple[str, bool]] = []
-
-    @contextmanager
-    def _on(self, on: bool) -> Iterator[None]:
-        before = getattr(_state, "pdl", False)
-        _state.pdl = on
-        try:
-            yield
-        finally:
-            _state.pdl = before
-
-    def capture(self, kind: str, enabled: bool) -> AbstractContextManager[Any]:
-        self.asked.append((kind, enabled))
-        return self._on(enabled and kind == "full" and self.available)
-
-    def programmatic_edges(self, graph: Any) -> int | None:
-        return max(len(graph.launches()) - 1, 0)  # the graph was kept readable
-
-
 class PlantedBackend(DummyBackend):
     """The dummy adapter's simulated device, with the planted PDL as its `Kernels.pdl`."""
 
@@ -119,7 +91,7 @@ def _forward(waits: bool) -> Any:
     def forward(x: torch.Tensor) -> torch.Tensor:
         prev = late.setdefault(tuple(x.shape), torch.zeros_like(x))
         buf = x + 1
-        early = getattr(_state, "pdl", False) and not waits
+        early = getattr(state, "pdl", False) and not waits
         out = (prev if early else buf) * 2
         prev.copy_(buf)
         return out

@@ -215,6 +215,12 @@ def test_an_xgraph_warning_is_shown_once(capsys):
 # -- Ctrl-C: one line, exit status 130 ---------------------------------------------------
 
 
+def _outside_xdist() -> dict[str, str]:
+    """This process's environment without xdist's worker variables: the child runs as a
+    user would run it (pytest-benchmark warns on stderr inside an xdist worker)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+
+
 def interrupt(args: list[str], ready: str, stream: str) -> tuple[int, list[str]]:
     """Start `xgraph ARGS`, wait for a line containing `ready` on `stream`, send SIGINT;
     the exit status and the stderr lines written after the interrupt."""
@@ -223,7 +229,7 @@ def interrupt(args: list[str], ready: str, stream: str) -> tuple[int, list[str]]
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "XGRAPH_BACKEND": "cpu"},
+        env={**_outside_xdist(), "XGRAPH_BACKEND": "cpu"},
     )
     try:
         watched = p.stderr if stream == "stderr" else p.stdout

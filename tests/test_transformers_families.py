@@ -224,8 +224,8 @@ def check_family(model_type: str) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("model_type", FAMILY_NAMES)
-def test_family_matches_transformers_or_is_refused_up_front(model_type):
-    logging.getLogger("xgraph").setLevel(logging.ERROR)  # the ignored-mask note
+def test_family_matches_transformers_or_is_refused_up_front(model_type, caplog):
+    caplog.set_level(logging.ERROR, logger="xgraph")  # the ignored-mask note; restored after
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

@@ -70,6 +70,9 @@ class StepStaging:
         self._metadata: dict[tuple[int, int, int], _Metadata] = {}  # (tokens, seqs, bank) ->
         self._uniform: dict[tuple[int, int, int, bool, int], AttentionMetadata] = {}
         self._starts: dict[tuple[int, int], np.ndarray] = {}
+        # per bank, the starts its host twin holds (a uniform step's, written by the last step
+        # of that bank), None if unknown: a step of the same starts skips the write
+        self._holds: list[np.ndarray | None] = [None] * staged.BANKS
         self._lists: dict[tuple[int, int], list[int]] = {}
 
     def input_views(self, key: tuple, padded: dict[str, int], bank: int) -> _Inputs:
@@ -174,12 +177,16 @@ class StepStaging:
                 starts = self._starts[(num_seqs, q)] = np.arange(num_seqs + 1) * q
         else:
             starts = query_starts(h.query_lens, num_seqs, pad_q)
+        write = None if self._holds[bank] is starts else starts  # None: the twin holds them
+        self._holds[bank] = None  # unknown until written
         if h.on_device:  # the padding only, from the host; the real rows follow on the device
-            pad_into(m.host, _NONE64, _NONE32, starts, _NO_ROWS, a.dummy_slot, a.dummy_block, pad_q)
+            pad_into(m.host, _NONE64, _NONE32, write, _NO_ROWS, a.dummy_slot, a.dummy_block, pad_q)
         else:
             pad_into(
-                m.host, h.slots, h.seq_lens, starts, h.table, a.dummy_slot, a.dummy_block, pad_q
+                m.host, h.slots, h.seq_lens, write, h.table, a.dummy_slot, a.dummy_block, pad_q
             )
+        if q:
+            self._holds[bank] = starts
         return m
 
     def _runner_metadata(

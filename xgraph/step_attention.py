@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .decode_check import DecodeCheck, distinct
 from .errors import InputError
 from .metadata import AttentionInputs, AttentionMetadata
 from .paging import PagedAttention
@@ -105,6 +106,9 @@ class AttentionCheck:
         self.ceiling = ceiling.astype(np.uint32)
         self._by_width: dict[int, tuple[np.ndarray | None, np.ndarray]] = {}
         self.bs64, self.mask = np.int64(bs), bs - 1
+        # a decode step's checks in fewer calls (where it finds a problem, the checks below
+        # run and name it)
+        self.decode = DecodeCheck(layout, self.ceiling, max_seqs) if self.one_compare else None
 
     # -- normalize -------------------------------------------------------------------------
 
@@ -132,6 +136,9 @@ class AttentionCheck:
             raise InputError(
                 f"{self.name}: slot_mapping must be [{num_tokens}]; got ({len(slots)},)."
             )
+        if q == 1 and type(rows) is int and not synthetic and self.decode is not None:
+            if self.decode.passes(sl, table, slots):
+                return h
         if q != 1 and (q < 1 or any_true(ql > sl) or any_true(ql < 1)):
             self._bad_lengths(ql, sl)
         end = sl - 1  # the position of each sequence's last token
@@ -393,15 +400,11 @@ class AttentionCheck:
         return seq, (sl - ql)[seq] + np.arange(len(seq)) - starts[seq]
 
     def _unique(self, h: StepAttention, seq: np.ndarray) -> None:
-        """No two tokens of the step write one slot: a set of a few Python ints is cheaper
-        than numpy's calls; more are sorted and their neighbours compared."""
-        n = len(h.slots)
-        if n < 2 or (n <= 32 and len(set(h.slots.tolist())) == n):
+        """No two tokens of the step write one slot (`distinct`), else the first pair named."""
+        if distinct(h.slots):
             return
         s = h.slots.copy()
         s.sort()
-        if not any_true(s[1:] == s[:-1]):
-            return
         order = np.argsort(h.slots, kind="stable")
         i = int(np.flatnonzero(s[1:] == s[:-1])[0])
         a, b = sorted((int(order[i]), int(order[i + 1])))

@@ -93,8 +93,9 @@ class AttentionCheck:
         bs = self.bs = layout.block_size
         # a power of two: shift and mask instead of // and %
         self.shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else None
-        self.ones = np.ones(max_seqs, dtype=np.int64)  # a decode step's query lengths
-        self.ones.flags.writeable = False
+        ones = np.ones(max_seqs, dtype=np.int64)  # a decode step's query lengths
+        ones.flags.writeable = False
+        self.ones = [ones[:n] for n in range(max_seqs + 1)]  # sliced once per count
         self.seq_index = np.arange(max_seqs, dtype=np.int64)
         self.cols = cols = np.arange(self.width)
         # row k: the columns a sequence whose last block is at column k reads
@@ -265,15 +266,15 @@ class AttentionCheck:
             q = given[0]
             if type(q) is int and given.count(q) == len(given):  # compares in C
                 n = len(given)
-                if q == 1 and n <= len(self.ones):
-                    return self.ones[:n], 1
+                if q == 1 and n <= self.max_seqs:
+                    return self.ones[n], 1
                 return _ints(self.name, given, "query_lens", 1), q
         ql = _ints(self.name, given, "query_lens", 1)
         if not len(ql):
             return ql, 0
         first = int(ql[0])
-        if first == 1 and len(ql) <= len(self.ones) and not any_true(ql != 1):
-            return self.ones[: len(ql)], 1
+        if first == 1 and len(ql) <= self.max_seqs and not any_true(ql != 1):
+            return self.ones[len(ql)], 1
         return ql, first if not any_true(ql != first) else 0
 
     def _table(self, given: Any, n: int) -> tuple[np.ndarray, Any]:

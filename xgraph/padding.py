@@ -44,19 +44,21 @@ def pad_into(
     out: PaddedArrays,
     slots: np.ndarray,
     seq_lens: np.ndarray,
-    query_start_loc: np.ndarray,
+    query_start_loc: np.ndarray | None,
     table: np.ndarray,
     dummy_slot: int,
     dummy_block: int,
     pad_query_len: int = 1,
 ) -> None:
     """Write the real step (its arrays: slots [tokens], seq_lens [n], query_start_loc
-    [num seqs of `out` + 1], already padded, table [n, w]) into `out`, padding by the rule."""
+    [num seqs of `out` + 1], already padded, or None where `out` holds them already, table
+    [n, w]) into `out`, padding by the rule."""
     t, n, w = len(slots), len(seq_lens), table.shape[1]
     rows = out.table
     out.slots[:t] = slots
     out.seq_lens[:n] = seq_lens
-    out.query_start_loc[...] = query_start_loc
+    if query_start_loc is not None:
+        out.query_start_loc[...] = query_start_loc
     rows[:n, :w] = table
     if w < rows.shape[1]:
         rows[:n, w:] = dummy_block

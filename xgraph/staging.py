@@ -50,6 +50,16 @@ class _Metadata:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class _Uniform:
+    """A uniform step's (q tokens per sequence) staging of one (padded tokens, sequences, q,
+    device metadata, bank), made once: its buffers, query starts and runner metadata."""
+
+    buffers: _Metadata
+    starts: np.ndarray
+    metadata: AttentionMetadata
+
+
 class StepStaging:
     """Writes planned steps into one executor's persistent buffers (see the module doc)."""
 
@@ -68,9 +78,13 @@ class StepStaging:
         self.numpy_ok = [has_numpy_twin(i.dtype) for i in self.inputs]
         self._inputs: dict[tuple[int, tuple], _Inputs] = {}  # (bank, key) ->
         self._metadata: dict[tuple[int, int, int], _Metadata] = {}  # (tokens, seqs, bank) ->
-        self._uniform: dict[tuple[int, int, int, bool, int], AttentionMetadata] = {}
-        self._starts: dict[tuple[int, int], np.ndarray] = {}
-        self._lists: dict[tuple[int, int], list[int]] = {}
+        self._uniform: dict[tuple[int, int, int, bool, int], _Uniform] = {}
+        self._starts: dict[tuple[int, int], np.ndarray] = {}  # (seqs, q) -> a uniform step's
+        # per bank, the starts its host twin holds (a uniform step's, written by the last step
+        # of that bank), None if unknown: a step of the same starts skips the write
+        self._holds: list[np.ndarray | None] = [None] * staged.BANKS
+        if attention is not None:
+            self.dummy_slot, self.dummy_block = attention.dummy_slot, attention.dummy_block
 
     def input_views(self, key: tuple, padded: dict[str, int], bank: int) -> _Inputs:
         """The staging of the token inputs for a key (extents: ints as declared, key dims
@@ -105,11 +119,14 @@ class StepStaging:
         (input views, metadata, the device check to run before the step's graph)."""
         st = self.staged
         bank = st.begin()  # this bank's last copy has read it
-        plan = self.input_views(key, padded, bank)
+        plan = self._inputs.get((bank, key)) or self.input_views(key, padded, bank)
         later = None
         for (name, t), a in zip(plan.targets, arrays):
             if a is not None:
-                write_prefix(t.np, a, t.fill)
+                if a.shape == t.np.shape:  # the key's extent exactly (no fill)
+                    t.np[...] = a
+                else:
+                    write_prefix(t.np, a, t.fill)
                 continue
             value = tensors[name]
             if value.is_cpu:
@@ -119,9 +136,8 @@ class StepStaging:
                 later.append((t.device, value, t.fill))
         nbytes, md = plan.nbytes, None
         if attn is not None:
-            m = self._padded(attn, padded[NUM_TOKENS], num_seqs, bank)
+            m, md = self._padded(attn, padded[NUM_TOKENS], num_seqs, bank)
             nbytes = max(nbytes, m.nbytes)
-            md = self._runner_metadata(attn, m, num_seqs, bank)
             if attn.on_device and not self.trusted:
                 nbytes = max(nbytes, self._counts(attn, bank))
         st.send(nbytes)
@@ -161,54 +177,72 @@ class StepStaging:
             )
         return m
 
-    def _padded(self, h: StepAttention, num_tokens: int, num_seqs: int, bank: int) -> _Metadata:
-        """The step's attention written into the bank's host twin by the padding rule."""
-        a = self.attention
-        assert a is not None
-        m = self._buffers(num_tokens, num_seqs, bank)
+    def _padded(
+        self, h: StepAttention, num_tokens: int, num_seqs: int, bank: int
+    ) -> tuple[_Metadata, AttentionMetadata]:
+        """The step's attention written into the bank's host twin by the padding rule: its
+        buffers and the metadata its runner reads."""
         q = h.query_len
-        pad_q = q or 1  # a full graph of query length q pads with sequences of q tokens
         if q:
-            starts = self._starts.get((num_seqs, q))
-            if starts is None:
-                starts = self._starts[(num_seqs, q)] = np.arange(num_seqs + 1) * q
+            u = self._uniform.get((num_tokens, num_seqs, q, h.on_device, bank))
+            if u is None:
+                u = self._uniform_staging(h, num_tokens, num_seqs, bank)
+            m, starts, md = u.buffers, u.starts, u.metadata
         else:
-            starts = query_starts(h.query_lens, num_seqs, pad_q)
+            m = self._buffers(num_tokens, num_seqs, bank)
+            starts = query_starts(h.query_lens, num_seqs, 1)
+            md = self._runner_metadata(h, m, num_seqs)
+        write = None if self._holds[bank] is starts else starts  # None: the twin holds them
+        self._holds[bank] = None  # unknown until written
+        pad_q = q or 1  # a full graph of query length q pads with sequences of q tokens
         if h.on_device:  # the padding only, from the host; the real rows follow on the device
-            pad_into(m.host, _NONE64, _NONE32, starts, _NO_ROWS, a.dummy_slot, a.dummy_block, pad_q)
+            pad_into(
+                m.host, _NONE64, _NONE32, write, _NO_ROWS, self.dummy_slot, self.dummy_block, pad_q
+            )
         else:
             pad_into(
-                m.host, h.slots, h.seq_lens, starts, h.table, a.dummy_slot, a.dummy_block, pad_q
+                m.host,
+                h.slots,
+                h.seq_lens,
+                write,
+                h.table,
+                self.dummy_slot,
+                self.dummy_block,
+                pad_q,
             )
-        return m
+        if q:
+            self._holds[bank] = starts
+        return m, md
 
-    def _runner_metadata(
-        self, h: StepAttention, m: _Metadata, num_seqs: int, bank: int
-    ) -> AttentionMetadata:
+    def _uniform_staging(
+        self, h: StepAttention, num_tokens: int, num_seqs: int, bank: int
+    ) -> _Uniform:
+        """A uniform step's buffers, starts and runner metadata, at its first step."""
+        q = h.query_len
+        starts = self._starts.get((num_seqs, q))
+        if starts is None:  # one array per (seqs, q): the banks' twins are told apart by it
+            starts = self._starts[(num_seqs, q)] = np.arange(num_seqs + 1) * q
+        m = self._buffers(num_tokens, num_seqs, bank)
+        u = _Uniform(m, starts, self._runner_metadata(h, m, num_seqs))
+        self._uniform[(num_tokens, num_seqs, q, h.on_device, bank)] = u
+        return u
+
+    def _runner_metadata(self, h: StepAttention, m: _Metadata, num_seqs: int) -> AttentionMetadata:
         """What runners read: device views, the token count they store (a full graph's padded
         tokens, else the real ones) and the lengths on the host (the twin's int32 seq_lens:
-        read them in `plan`, the next steps overwrite them). Uniform steps: made once."""
+        read them in `plan`, the next steps overwrite them)."""
         q = h.query_len
-        num_tokens = num_seqs * q if q else len(h.slots)
-        key = (len(m.host.slots), num_seqs, q, h.on_device, bank)
-        md = self._uniform.get(key) if q else None
-        if md is None:
-            if q:
-                query_lens = self._lists.get((num_seqs, q))
-                if query_lens is None:
-                    query_lens = self._lists[(num_seqs, q)] = [q] * num_seqs
-            else:
-                query_lens = h.query_lens.tolist() + [1] * (num_seqs - h.num_seqs)
-            md = AttentionMetadata(
-                slot_mapping=m.device["slot_mapping"],
-                seq_lens=m.device["seq_lens"],
-                query_start_loc=m.device["query_start_loc"],
-                block_tables=m.device["block_tables"],
-                num_tokens=num_tokens,
-                num_seqs=num_seqs,
-                query_lens_host=query_lens,
-                seq_lens_host=None if h.on_device else m.host.seq_lens,
-            )
-            if q:
-                self._uniform[key] = md
-        return md
+        if q:
+            query_lens = [q] * num_seqs
+        else:
+            query_lens = h.query_lens.tolist() + [1] * (num_seqs - h.num_seqs)
+        return AttentionMetadata(
+            slot_mapping=m.device["slot_mapping"],
+            seq_lens=m.device["seq_lens"],
+            query_start_loc=m.device["query_start_loc"],
+            block_tables=m.device["block_tables"],
+            num_tokens=num_seqs * q if q else len(h.slots),
+            num_seqs=num_seqs,
+            query_lens_host=query_lens,
+            seq_lens_host=None if h.on_device else m.host.seq_lens,
+        )

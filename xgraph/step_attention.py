@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .decode_check import DecodeCheck, distinct
 from .errors import InputError
 from .metadata import AttentionInputs, AttentionMetadata
 from .paging import PagedAttention
@@ -92,8 +93,9 @@ class AttentionCheck:
         bs = self.bs = layout.block_size
         # a power of two: shift and mask instead of // and %
         self.shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else None
-        self.ones = np.ones(max_seqs, dtype=np.int64)  # a decode step's query lengths
-        self.ones.flags.writeable = False
+        ones = np.ones(max_seqs, dtype=np.int64)  # a decode step's query lengths
+        ones.flags.writeable = False
+        self.ones = [ones[:n] for n in range(max_seqs + 1)]  # sliced once per count
         self.seq_index = np.arange(max_seqs, dtype=np.int64)
         self.cols = cols = np.arange(self.width)
         # row k: the columns a sequence whose last block is at column k reads
@@ -105,6 +107,9 @@ class AttentionCheck:
         self.ceiling = ceiling.astype(np.uint32)
         self._by_width: dict[int, tuple[np.ndarray | None, np.ndarray]] = {}
         self.bs64, self.mask = np.int64(bs), bs - 1
+        # a decode step's checks in fewer calls (where it finds a problem, the checks below
+        # run and name it)
+        self.decode = DecodeCheck(layout, self.ceiling, max_seqs) if self.one_compare else None
 
     # -- normalize -------------------------------------------------------------------------
 
@@ -132,6 +137,9 @@ class AttentionCheck:
             raise InputError(
                 f"{self.name}: slot_mapping must be [{num_tokens}]; got ({len(slots)},)."
             )
+        if q == 1 and type(rows) is int and not synthetic and self.decode is not None:
+            if self.decode.passes(sl, table, slots):
+                return h
         if q != 1 and (q < 1 or any_true(ql > sl) or any_true(ql < 1)):
             self._bad_lengths(ql, sl)
         end = sl - 1  # the position of each sequence's last token
@@ -258,15 +266,15 @@ class AttentionCheck:
             q = given[0]
             if type(q) is int and given.count(q) == len(given):  # compares in C
                 n = len(given)
-                if q == 1 and n <= len(self.ones):
-                    return self.ones[:n], 1
+                if q == 1 and n <= self.max_seqs:
+                    return self.ones[n], 1
                 return _ints(self.name, given, "query_lens", 1), q
         ql = _ints(self.name, given, "query_lens", 1)
         if not len(ql):
             return ql, 0
         first = int(ql[0])
-        if first == 1 and len(ql) <= len(self.ones) and not any_true(ql != 1):
-            return self.ones[: len(ql)], 1
+        if first == 1 and len(ql) <= self.max_seqs and not any_true(ql != 1):
+            return self.ones[len(ql)], 1
         return ql, first if not any_true(ql != first) else 0
 
     def _table(self, given: Any, n: int) -> tuple[np.ndarray, Any]:
@@ -393,15 +401,11 @@ class AttentionCheck:
         return seq, (sl - ql)[seq] + np.arange(len(seq)) - starts[seq]
 
     def _unique(self, h: StepAttention, seq: np.ndarray) -> None:
-        """No two tokens of the step write one slot: a set of a few Python ints is cheaper
-        than numpy's calls; more are sorted and their neighbours compared."""
-        n = len(h.slots)
-        if n < 2 or (n <= 32 and len(set(h.slots.tolist())) == n):
+        """No two tokens of the step write one slot (`distinct`), else the first pair named."""
+        if distinct(h.slots):
             return
         s = h.slots.copy()
         s.sort()
-        if not any_true(s[1:] == s[:-1]):
-            return
         order = np.argsort(h.slots, kind="stable")
         i = int(np.flatnonzero(s[1:] == s[:-1])[0])
         a, b = sorted((int(order[i]), int(order[i + 1])))

@@ -35,6 +35,19 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.tobytes() == b.tobytes()
 
 
+SMALL = 32  # up to this many values, min and max of a list beat a numpy compare
+
+
+def outside(a: np.ndarray, high: tuple[np.ndarray, int]) -> bool:
+    """Whether an int64 array holds a value outside [0, top), `high` = (top as a 0-d uint64
+    array, top): a few values through Python's min and max (one C call each, where a
+    ufunc's dispatch costs microseconds), more in one unsigned compare."""
+    if a.ndim == 1 and len(a) <= SMALL:
+        v = a.tolist()
+        return bool(v) and (min(v) < 0 or max(v) >= high[1])
+    return any_true(a.view(np.uint64) >= high[0])
+
+
 @dataclass(frozen=True)
 class _Spec:
     """One declared input as the check reads it, worked out once."""
@@ -42,7 +55,7 @@ class _Spec:
     input: Input
     dims: tuple[tuple[int, str], ...]  # (axis, name) of each symbolic dim
     fixed: tuple[int | None, ...]  # the declared size of each axis (None: symbolic)
-    unsigned_high: np.ndarray | None  # bounds [0, high) of int64 values: one compare
+    unsigned_high: tuple[np.ndarray, int] | None  # bounds [0, high) of int64 values (`outside`)
 
 
 @dataclass(slots=True)
@@ -76,7 +89,7 @@ class TokenCheck:
         self.specs = [_spec(i) for i in declared]
         # per input, what the loop reads: [num_tokens, fixed...] inputs take their size from
         # shape[0] with no lookup (`tail` is their fixed dims; None for any other shape);
-        # int64 bounds [0, high) are one unsigned compare, any others go to `_bounds`
+        # int64 bounds [0, high) are `outside`'s, any others go to `_bounds`
         self._loop = [
             (
                 s.input.name,
@@ -112,7 +125,7 @@ class TokenCheck:
                 n = sizes[NUM_TOKENS] = shape[0]
             if v.is_cpu:
                 a = v.numpy() if not v.requires_grad else v.detach().numpy()
-                if high is not None and any_true(a.view(np.uint64) >= high):
+                if high is not None and outside(a, high):
                     self._bounds(spec, v)  # outside [0, high): named there
                 elif other_bounds:
                     self._bounds(spec, v)
@@ -200,5 +213,5 @@ def _spec(i: Input) -> _Spec:
     b = i.bounds
     unsigned = None
     if b is not None and b[0] == 0 and i.dtype is torch.int64 and b[1] >= 0:
-        unsigned = np.array(b[1], dtype=np.uint64)
+        unsigned = (np.array(b[1], dtype=np.uint64), int(b[1]))
     return _Spec(i, dims, fixed, unsigned)

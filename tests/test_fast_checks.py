@@ -1,0 +1,164 @@
+"""The fast forms of the step checks accept exactly what the general forms accept: the decode
+path of the attention checks (xgraph.decode_check), so every step is refused with the same
+error, and the token inputs' bounds through Python's min and max (xgraph.validation)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from xgraph import AttentionInputs, InputError, PagedAttention
+from xgraph.decode_check import FEW, SET_CHECK, distinct
+from xgraph.step_attention import AttentionCheck
+from xgraph.validation import SMALL, any_true, outside
+
+BS, WIDTH, BLOCKS = 4, 6, 501  # the dummy is block 500, the cache's last
+
+
+def _checks(block_size: int = BS, dummy: int = BLOCKS - 1) -> tuple[AttentionCheck, AttentionCheck]:
+    """(with the fast path, without it) over one layout."""
+    layout = PagedAttention(
+        max_seqs=80,
+        max_blocks_per_seq=WIDTH,
+        dummy_slot=dummy * block_size,
+        dummy_block=dummy,
+        block_size=block_size,
+        num_blocks=BLOCKS,
+    )
+    fast, general = (AttentionCheck("ex", layout, 80, torch.device("cpu")) for _ in range(2))
+    general.decode = None
+    return fast, general
+
+
+def _outcome(check: AttentionCheck, attn: AttentionInputs, n: int) -> str:
+    try:
+        check.check(attn, n)
+    except InputError as exc:
+        return f"InputError: {exc}"
+    return "passed"
+
+
+def _valid(rng: np.random.Generator, n: int, w: int, bs: int = BS) -> tuple:
+    """A decode step of n sequences over distinct blocks, tables [n, w], -1 past each row."""
+    lens = rng.integers(1, w * bs + 1, n)
+    blocks = rng.permutation(BLOCKS - 1)[: n * w].reshape(n, w).astype(np.int32)
+    last = (lens - 1) // bs
+    table = np.where(np.arange(w)[None, :] <= last[:, None], blocks, -1).astype(np.int32)
+    slots = blocks[np.arange(n), last].astype(np.int64) * bs + (lens - 1) % bs
+    return lens, table, slots
+
+
+def _attn(lens: np.ndarray, table: np.ndarray, slots: np.ndarray, int32: bool) -> AttentionInputs:
+    sl = torch.tensor(lens, dtype=torch.int32 if int32 else torch.int64)
+    return AttentionInputs([1] * len(lens), sl, torch.from_numpy(table), torch.from_numpy(slots))
+
+
+FAULTS = ("none", "seq_len", "block", "slot", "duplicate", "short width")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.one_of(st.integers(1, FEW + 1), st.integers(1, 70)),  # both forms of `passes`
+    w=st.integers(1, WIDTH),
+    fault=st.sampled_from(FAULTS),
+    int32=st.booleans(),
+)
+def test_fast_path_refuses_exactly_what_the_general_checks_refuse(seed, n, w, fault, int32):
+    rng = np.random.default_rng(seed)
+    lens, table, slots = _valid(rng, n, w)
+    i = int(rng.integers(n))
+    if fault == "seq_len":
+        lens[i] = rng.choice([0, -1, -(2**31), w * BS + 1, WIDTH * BS + 1, 2**31 - 1])
+    elif fault == "block":
+        j = int(rng.integers((lens[i] - 1) // BS + 1))  # a column the sequence reads
+        table[i, j] = rng.choice([-1, -7, BLOCKS - 1, BLOCKS, 2**31 - 1])
+    elif fault == "slot":
+        slots[i] += int(rng.choice([-1, 1, BS, -(2**40)]))
+    elif fault == "duplicate" and n > 1:
+        k = (i + 1) % n
+        table[k] = table[i]
+        lens[k], slots[k] = lens[i], slots[i]
+    elif fault == "short width" and w > 1:
+        table = np.ascontiguousarray(table[:, : w - 1])  # rows too short for long sequences
+    fast, general = _checks()
+    attn = _attn(lens, table, slots, int32)
+    assert fast.decode is not None
+    seq_lens = attn.seq_lens.numpy()
+    expect = _outcome(general, attn, n)
+    assert fast.decode.passes(seq_lens, table, slots) == (expect == "passed")
+    assert _outcome(fast, attn, n) == expect
+
+
+def test_a_valid_step_passes_and_stays_as_given():
+    fast, general = _checks()
+    lens, table, slots = _valid(np.random.default_rng(0), 8, 5)
+    a, b = (
+        fast.check(_attn(lens, table, slots, True), 8),
+        general.check(_attn(lens, table, slots, True), 8),
+    )
+    for x, y in ((a.seq_lens, b.seq_lens), (a.table, b.table), (a.slots, b.slots)):
+        assert x.dtype == y.dtype and np.array_equal(x, y)
+    assert (a.query_len, b.query_len) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("short", "sequence 1 needs 6 blocks for seq_len 21 (block_size 4) but its row holds 5"),
+        ("zero", "sequence 1 has query_len 1 and seq_len 0"),
+        ("dummy", "sequence 1 uses block id 500 at column 0"),
+        ("slot", "slot_mapping[1] is"),
+        ("shared", "tokens 0 and 1 (sequences 0 and 1) both write cache slot"),
+    ],
+)
+def test_a_bad_decode_step_is_named_as_before(case, message):
+    fast, _ = _checks()
+    lens, table, slots = _valid(np.random.default_rng(1), 3, 5)
+    if case == "short":
+        lens[1] = 21
+    elif case == "zero":
+        lens[1] = 0
+    elif case == "dummy":
+        table[1, 0] = BLOCKS - 1
+    elif case == "slot":
+        slots[1] += 1
+    else:
+        table[1], lens[1], slots[1] = table[0], lens[0], slots[0]
+    with pytest.raises(InputError, match=re.escape(message)):
+        fast.check(_attn(lens, table, slots, False), 3)
+
+
+def test_the_fast_path_needs_the_dummy_last():
+    fast, _ = _checks(dummy=0)  # a dummy first: the general checks' two compares
+    assert fast.decode is None
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, SET_CHECK, SET_CHECK + 1, 300])
+def test_distinct_finds_a_shared_slot_at_every_size(n):
+    slots = np.arange(n, dtype=np.int64) * 3
+    assert distinct(slots)
+    if n >= 2:
+        slots[n - 1] = slots[n // 3]
+        assert not distinct(slots)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    values=st.lists(
+        st.one_of(st.integers(-2, 300), st.integers(-(2**63), 2**63 - 1)), max_size=2 * SMALL
+    ),
+    top=st.one_of(st.integers(0, 310), st.integers(0, 2**63 - 1)),
+    strided=st.booleans(),
+)
+def test_bounds_through_min_and_max_equal_the_unsigned_compare(values, top, strided):
+    a = np.array(values, dtype=np.int64)
+    if strided:
+        a = np.repeat(a, 2)[::2]  # a view with a stride, as a sliced tensor gives
+    high = np.array(top, dtype=np.uint64)
+    assert outside(a, (high, top)) == any_true(a.view(np.uint64) >= high)

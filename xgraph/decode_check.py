@@ -1,0 +1,104 @@
+"""A decode step's attention arrays checked in the fewest numpy calls.
+
+The step's checks (`xgraph.step_attention`) take each field in turn and name the first
+problem they find; a step of one query token per sequence with a block table of one width
+(an array or a tensor), the step an engine issues every token, passes through them in about
+twenty numpy calls. `DecodeCheck.passes` answers, in about a dozen (for up to `FEW`
+sequences, in a loop over Python ints, cheaper still), whether that step passes every one
+of those checks:
+
+- each seq_len is at least 1 and its last position falls in its row (1 <= seq_len <=
+  width * block_size): a table indexed by seq_len, clipped at both ends to an entry naming
+  a column no table has, gives each sequence's last column, and taking the per-column
+  ceilings of that column from a table of exactly `width` rows raises where it is outside;
+- every block id a sequence reads is a cache block other than the dummy (the dummy being
+  the cache's last block, one unsigned compare against those ceilings);
+- each token's slot is the one its row gives its position, and no two tokens share one.
+
+It decides nothing of its own: where it says no, the general checks run on the same
+arrays and raise the error naming the problem, so every step is refused exactly as before
+and none that they would refuse gets through.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .paging import PagedAttention
+from .validation import any_true, same
+
+SET_CHECK = 64  # slots compared through a set of Python ints up to this many, else sorted
+FEW = 4  # up to this many sequences, Python over lists beats numpy's calls
+
+
+def distinct(slots: np.ndarray) -> bool:
+    """Whether no two entries of an int64 array are equal: a set of a few Python ints is
+    cheaper than numpy's calls; more are sorted and their neighbours compared."""
+    n = len(slots)
+    if n < 2:
+        return True
+    if n <= SET_CHECK:
+        return len(set(slots.tolist())) == n
+    s = slots.copy()
+    s.sort()
+    return not any_true(s[1:] == s[:-1])
+
+
+class DecodeCheck:
+    """The checks of a decode step with a block table of one width (see the module doc);
+    only for a layout whose dummy block is the cache's last, id > 0."""
+
+    def __init__(self, layout: PagedAttention, ceiling: np.ndarray, max_seqs: int) -> None:
+        """`ceiling[k, j]`: the largest id column j may hold in a row whose last used column
+        is k (the dummy's id - 1 where j <= k, else any uint32)."""
+        bs, width = layout.block_size, layout.max_blocks_per_seq
+        self.bs, self.dummy, self.bs64 = bs, layout.dummy_block, np.int64(bs)
+        self.ceiling = ceiling
+        # entry s: the last column and the offset in its block of a sequence of s tokens;
+        # 0 and width * bs + 1 (where take clips every value out of range) name the column
+        # `width`, which no table has
+        s = np.arange(width * bs + 2, dtype=np.int64)
+        self.last = (s - 1) // bs
+        self.last[0] = self.last[-1] = width
+        self.offset = (s - 1) % bs
+        self.seq_index = np.arange(max_seqs, dtype=np.int64)
+        self._widths: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def passes(self, seq_lens: np.ndarray, table: np.ndarray, slots: np.ndarray) -> bool:
+        """Whether the step passes every check (its counts and shapes checked already:
+        `seq_lens` [n], `table` [n, w] int32, `slots` [n] int64)."""
+        if len(seq_lens) <= FEW:
+            return self._few(seq_lens, table, slots)
+        w = table.shape[1]
+        ceiling, starts = self._widths.get(w) or self._width(w)
+        last = self.last.take(seq_lens, mode="clip")
+        try:
+            limits = ceiling.take(last, axis=0)  # a column past the row: IndexError
+        except IndexError:
+            return False
+        if any_true(table.view(np.uint32) > limits):
+            return False
+        at = starts[: len(last)] + last  # each sequence's last column, in the flat table
+        expected = table.take(at) * self.bs64 + self.offset.take(seq_lens, mode="clip")
+        return same(slots, expected) and distinct(slots)
+
+    def _few(self, seq_lens: np.ndarray, table: np.ndarray, slots: np.ndarray) -> bool:
+        """`passes` for a few sequences, over Python ints: the same checks, one row at a time
+        (an id is a cache block other than the dummy where 0 <= id < dummy)."""
+        bs, dummy = self.bs, self.dummy
+        top = table.shape[1] * bs  # the longest sequence a row holds
+        tokens = slots.tolist()
+        for s, row, slot in zip(seq_lens.tolist(), table.tolist(), tokens):
+            if not 0 < s <= top:
+                return False
+            last = (s - 1) // bs
+            used = row[: last + 1]
+            if min(used) < 0 or max(used) >= dummy or slot != row[last] * bs + (s - 1) % bs:
+                return False
+        return len(set(tokens)) == len(tokens)
+
+    def _width(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per table width, made once: the ceilings of the rows a sequence may end in (exactly
+        w of them) and where each row starts in the flattened table."""
+        got = self._widths[w] = (np.ascontiguousarray(self.ceiling[:w, :w]), self.seq_index * w)
+        return got

@@ -49,14 +49,42 @@ def _state(seed: int, n: int) -> tuple[LoopBuffers, torch.Tensor]:
     return buf, logits
 
 
+def _packed(buf: LoopBuffers, rows: int = 8) -> LoopBuffers:
+    """The same launch in views of one byte buffer, each sized for `rows` sequences and cut
+    to the launch's, as an executor's persistent buffers are (xgraph.buffers)."""
+    md = buf.md
+    parts = [buf.input_ids, buf.positions, buf.budget, buf.stop_ids, buf.free_blocks]
+    parts += [buf.free_count, md.seq_lens, md.slot_mapping, md.block_tables]
+    growable = {0, 1, 2, 3, 6, 7, 8}  # [n, ...]: sized for `rows`
+    shapes = [(rows, *t.shape[1:]) if i in growable else t.shape for i, t in enumerate(parts)]
+    sizes = [
+        -(-torch.Size(sh).numel() * t.element_size() // 64) * 64 for sh, t in zip(shapes, parts)
+    ]
+    packed = torch.zeros(sum(sizes), dtype=torch.uint8)
+    views, at = [], 0
+    for t, sh, size in zip(parts, shapes, sizes):
+        nbytes = torch.Size(sh).numel() * t.element_size()
+        whole = packed[at : at + nbytes].view(t.dtype).view(sh)
+        view = whole[: t.shape[0]]
+        view.copy_(t)
+        views.append(view)
+        at += size
+    md.seq_lens, md.slot_mapping, md.block_tables = views[6:]
+    return LoopBuffers(*views[:6], md=md)
+
+
 def _params(n: int) -> tuple[torch.Tensor, ...]:
     t = torch.tensor([0.0, 0.7, 1.3, 1.0, 0.5, 2.0])[:n]
     return t, torch.tensor([0, 5, 0, 2, 1, 0])[:n], torch.full((n,), 0.9), torch.arange(n) + 3
 
 
-def _run(tail: StepTail, sampled: bool, seed: int, n: int) -> list[torch.Tensor]:
+def _run(
+    tail: StepTail, sampled: bool, seed: int, n: int, packed: bool = False
+) -> list[torch.Tensor]:
     """Three steps of choice + feedback; everything they report and leave in the buffers."""
     buf, logits = _state(seed, n)
+    if packed:
+        buf = _packed(buf)
     fb = Feedback(buf, **LAYOUT)
     seen = []
     for step in logits:
@@ -102,11 +130,13 @@ def test_multistep_random_states_cover_what_the_feedback_decides():
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 6))
-def test_multistep_compiled_tail_is_bitwise_the_eager_one(compiled, seed, n):
-    """Greedy, over three steps of random launches (the sampled path compiled end to end:
-    test_multistep)."""
-    assert _same(_run(compiled, False, seed, n), _run(EAGER, False, seed, n))
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 6), packed=st.booleans())
+def test_multistep_compiled_tail_is_bitwise_the_eager_one(compiled, seed, n, packed):
+    """Greedy, over three steps of random launches, the buffers fresh tensors or views of
+    one byte buffer (an executor's; the sampled path compiled end to end: test_multistep)."""
+    want = _run(EAGER, False, seed, n)
+    assert _same(_run(EAGER, False, seed, n, packed), want)
+    assert _same(_run(compiled, False, seed, n, packed), want)
     stats = compiled.stats()["greedy"]
     assert stats["fallback"] is None and stats["graph_breaks"] is None
 
@@ -131,7 +161,8 @@ def test_multistep_inductor_tail_is_bitwise_the_eager_one_in_a_tenth_of_the_kern
     ):
         for seed in range(12):
             n = seed % 5 + 2
-            assert _same(_run(tail, False, seed, n), _run(EAGER, False, seed, n))
+            want = _run(EAGER, False, seed, n)
+            assert _same(_run(tail, False, seed, n, packed=seed % 2 == 1), want)
         counts = []
         for t in (EAGER, tail):  # a launch of the shapes compiled above
             buf, logits = _state(99, 4)

@@ -114,7 +114,7 @@ def test_bench_multistep_rows_on_cpu(tmp_path):
         assert r["tokens_equal"] is True  # greedy: K steps per launch change no token
         assert r["tokens_per_s"] > 0 and r["single_step_tokens_per_s"] > 0
         assert r["speedup"] == r["tokens_per_s"] / r["single_step_tokens_per_s"]
-        assert r["graph_step_ms"] > 0 and r["launch_step_ms"] > 0
+        assert r["graph_step_ms"] > 0 and r["launch_step_ms"] > 0 and r["head_and_argmax_ms"] > 0
         kernels = r["kernels"]  # the CPU backend's recordings: its ops, eager
         assert kernels["source"] == "recorded ops" and kernels["graph_step"] > 0
         # a step in a launch: the decoder's ops, then the head, the choice and the feedback

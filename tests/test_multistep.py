@@ -119,7 +119,7 @@ def one_step_at_a_time(model, new, sampling=None):
     return [t[len(p) :] for t, p in zip(seqs.tokens, PROMPTS)]
 
 
-def k_per_launch(model, new, k, sampling=None, free_per_launch=None):
+def k_per_launch(model, new, k, sampling=None, free_per_launch=None, **loop_options):
     for t in model.kv_cache.tensors():
         t.zero_()
     ex = _executor(model)
@@ -137,6 +137,7 @@ def k_per_launch(model, new, k, sampling=None, free_per_launch=None):
         buckets=[1, 2, 4, 8],
         inputs=model.inputs(),
         memory=ex.memory,
+        **loop_options,
     )
     reasons = None
     while min(len(t) - len(p) for t, p in zip(seqs.tokens, PROMPTS)) < new:
@@ -249,3 +250,62 @@ def test_multi_step_finished_sequences_leave_the_cache_alone(model):
     assert all(s[1] != a.dummy_slot for s in first_launch)  # the others kept writing
     loop.close()
     ex.close()
+
+
+class _Counting:
+    """A torch.compile backend (aot_eager underneath) counting the calls of what it compiled."""
+
+    def __init__(self):
+        self.graphs, self.calls = [], 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo import lookup_backend
+
+        self.graphs.append(gm)
+        inner = lookup_backend("aot_eager")(gm, example_inputs)
+
+        def run(*args):
+            self.calls += 1
+            return inner(*args)
+
+        return run
+
+
+@pytest.fixture(scope="module")
+def compiled_tail(model):
+    """One StepTail compiled through a counting backend, shared by the loops of every K
+    (their free lists of one size: the same shapes, so one compile serves them all)."""
+    from xgraph.loop_step import StepTail
+
+    a = xgraph.PagedAttention.for_cache(model.kv_cache, max_seqs=8, max_blocks_per_seq=8)
+    backend = _Counting()
+    layout = dict(block_size=a.block_size, dummy_block=a.dummy_block, dummy_slot=a.dummy_slot)
+    return StepTail(**layout, compiler=backend, max_seqs=8), backend
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_multi_step_compiled_choice_and_feedback_give_the_same_tokens(model, compiled_tail, k):
+    """A compiled StepTail: the choice and the feedback run compiled after every step
+    (mode="eager": no recording, every launch through the compiled code), greedy and
+    seeded, with the tokens of one step at a time."""
+    import warnings
+
+    from xgraph.errors import XGraphWarning
+
+    tail, backend = compiled_tail
+    s = Sampling(
+        temperature=[1.0, 0.7, 0.0], top_k=[0, 20, 0], top_p=[1.0, 0.9, 1.0], seeds=[5, 6, 7]
+    )
+    options = dict(tail=tail, mode="eager", max_free_blocks=16)
+    for sampling, new in ((None, 12), (s, 10)):
+        want = one_step_at_a_time(model, new, sampling)
+        calls = backend.calls
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", XGraphWarning)  # no fallback to the eager code
+            got, reasons = k_per_launch(model, new, k, sampling, **options)
+        assert got == want
+        assert reasons == ["length"] * len(PROMPTS)
+        launches = -(-(new - 1) // k)  # the first token came from the prefill
+        parts = 1 if sampling is None else 2  # greedy: one function; sampled: draws, advance
+        assert backend.calls - calls == parts * launches * k  # every step ran compiled code
+    assert len(backend.graphs) == 3  # greedy, draws, advance: compiled once for every K

@@ -44,6 +44,22 @@ def test_multi_step_greedy_and_seeded_tokens_equal_one_step_at_a_time(gm, k):
     assert all(s["replays"] > 0 and not s["eager"] for s in stats.values())  # graphs ran
 
 
+@pytest.mark.slow
+def test_multi_step_of_a_compiled_model_runs_its_choice_and_feedback_compiled():
+    """GraphModel(compile=...): the loops of every K share one StepTail compiled under the
+    model's compiler; the tokens are those of one step at a time."""
+    ps = _prompts(7)
+    with GraphModel(tiny("qwen3", seed=2), backend="cpu", compile="aot_eager", **LIMITS) as cgm:
+        want = cgm.generate(ps, NEW)
+        got = cgm.generate(ps, NEW, steps_per_launch=4)
+        assert got.tokens == want.tokens
+        tail = cgm.decode_loop(4).tail
+        assert cgm.decode_loop(2).tail is tail
+        greedy = tail.stats()["greedy"]
+        assert greedy["compiles"] >= 1 and greedy["fallback"] is None  # its warm-ups ran it
+        assert cgm.decode_loop(4).executor().compiled
+
+
 def test_multi_step_stops_at_a_stop_token_and_admits_between_launches(gm):
     ps = _prompts(5)
     free = gm.generate(ps, NEW).tokens
@@ -98,4 +114,9 @@ def test_bench_multistep_rows_on_cpu(tmp_path):
         assert r["tokens_equal"] is True  # greedy: K steps per launch change no token
         assert r["tokens_per_s"] > 0 and r["single_step_tokens_per_s"] > 0
         assert r["speedup"] == r["tokens_per_s"] / r["single_step_tokens_per_s"]
-        assert r["graph_step_ms"] > 0 and r["launch_step_ms"] > 0
+        assert r["graph_step_ms"] > 0 and r["launch_step_ms"] > 0 and r["head_and_argmax_ms"] > 0
+        kernels = r["kernels"]  # the CPU backend's recordings: its ops, eager
+        assert kernels["source"] == "recorded ops" and kernels["graph_step"] > 0
+        # a step in a launch: the decoder's ops, then the head, the choice and the feedback
+        assert kernels["launch_per_step"] > kernels["graph_step"]
+        assert kernels["launch_per_step"] == kernels["launch"] / r["k"]

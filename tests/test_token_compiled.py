@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -34,6 +36,28 @@ def test_one_compile_serves_every_count_from_two_and_one_more_serves_one():
         assert torch.equal(tc(x, w), _scaled(x, w))
     assert tc.compiles == 2
     assert tc.stats()["sizes"] == [1, 2, 3, 7, 16, 32]
+
+
+def _pair(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.where(y > 0, x, -x)
+
+
+def test_two_instances_over_one_tensor_keep_to_their_own_bounds():
+    """A tensor two compiled functions take (a decoder's input ids, a multi-step loop's)
+    carries only the bounds of the call it is in: the one of narrower bounds neither falls
+    back to per-size compiles nor fails a static compile over the other's marks."""
+    w = torch.randn(8, 8)
+    wide = TokenCompiled(_scaled, max_tokens=32, backend="eager", name="wide")
+    narrow = TokenCompiled(_pair, max_tokens=4, backend="eager", name="narrow")
+    x = torch.randn(4, 8)  # the shared one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", XGraphWarning)
+        for _ in range(2):
+            assert torch.equal(wide(x, w), _scaled(x, w))
+            y = torch.randn(4, 8)  # the narrow function's own
+            assert torch.equal(narrow(x, y), _pair(x, y))
+    assert (wide.compiles, narrow.compiles) == (1, 1)
+    assert wide.stats()["per_size"] is None and narrow.stats()["per_size"] is None
 
 
 def test_per_size_compiles_once_per_count_and_above_the_largest_runs_uncompiled():

@@ -224,6 +224,8 @@ class TokenCompiled:
         n = tensors[0].shape[0]
         if n > self.max_tokens or n < 1:
             return None
+        for t in tensors:  # another instance's marks (its own bounds) would contradict these
+            _unmark(t)
         if self.dynamic and n >= 2:
             for t in tensors:
                 if t.dim() and t.shape[0] == n:

@@ -37,12 +37,12 @@ from typing import Any
 import torch
 
 from .buckets import Buckets, Input
-from .device_sampling import greedy, sample
 from .errors import InputError, XGraphError
 from .executor import GraphExecutor
 from .feedback import Feedback, LoopBuffers
 from .interfaces import AttentionRunner, Backend
 from .loop_launch import LoopResult, Sampling, launch_inputs, read_back, sampling_inputs
+from .loop_step import StepTail
 from .memory import GraphMemory
 from .metadata import AttentionInputs, AttentionMetadata, KVCache
 from .options import Mode
@@ -103,10 +103,9 @@ class _Loop:
             logits = o.step(input_ids=buf.input_ids, positions=buf.positions)
             if self.sampled:
                 params = (x["temperature"], x["top_k"], x["top_p"], x["seeds"])
-                chosen = sample(logits, *params, buf.positions + 1, o.vocab(logits))
+                outs.append(o.tail.choose_sampled(logits, fb, params, o.vocab(logits)))
             else:
-                chosen = greedy(logits)
-            outs.append(fb.advance(chosen))
+                outs.append(o.tail.choose_greedy(logits, fb))
         result = (torch.stack(outs, 1), fb.generated.clone(), fb.reasons.clone(), fb.tables())
         fb.restore()
         return result
@@ -122,6 +121,15 @@ class DecodeLoop:
         steps: K, the decode steps per launch (>= 1).
         backend, buckets, memory, compiled, name: as GraphExecutor's (`memory` may be another
             executor's GraphMemory: the loop's graphs then share its physical memory).
+        compiler: None (the choice and the feedback eager), or a torch.compile backend
+            ("inductor") they run under after each step (xgraph.loop_step; GraphModel(
+            compile=...) passes its own). Implies `compiled`.
+        tail: the choice and the feedback to run (a StepTail of this cache's layout), shared
+            with other loops, whose compiled code then serves them all (GraphModel's loops of
+            every K share one; `compiler` is then not used); default: a StepTail of its own
+            under `compiler`.
+        mode: the executor's mode: "full" (default: every launch a graph) or "eager"
+            (every launch runs the loop eagerly, the compiled code included).
         inputs: the model's declared inputs, for the bounds of input_ids and positions
             (`Qwen3Model.inputs()`); others are the loop's own.
         max_stop_ids: the most stop tokens one sequence has.
@@ -142,6 +150,9 @@ class DecodeLoop:
         max_stop_ids: int = 4,
         max_free_blocks: int | None = None,
         compiled: bool = False,
+        compiler: str | Callable[..., Any] | None = None,
+        tail: StepTail | None = None,
+        mode: Mode | str = Mode.FULL,
         name: str = "decode-loop",
     ) -> None:
         if type(steps) is not int or steps < 1:
@@ -166,9 +177,33 @@ class DecodeLoop:
         self.memory = GraphMemory.of(self.backend, memory)
         self._owns_memory = not isinstance(memory, GraphMemory)
         self._bounds = {i.name: i.bounds for i in inputs}
-        self.compiled = compiled
+        self.mode = Mode.parse(mode, "mode")
+        if self.mode not in (Mode.FULL, Mode.EAGER):
+            raise XGraphError(f"DecodeLoop: mode={mode!r}; give 'full' or 'eager'.")
+        self.tail = self._tail(tail, compiler)
+        self.compiled = compiled or bool(self.tail.compiled)
         self._executors: dict[bool, GraphExecutor] = {}
         self._vocab: torch.Tensor | None = None
+
+    def _tail(self, tail: StepTail | None, compiler: Any) -> StepTail:
+        """The given StepTail, checked against this cache's layout, or one of its own."""
+        a = self.attention
+        layout = (a.block_size, a.dummy_block, a.dummy_slot)
+        if tail is None:
+            return StepTail(
+                block_size=a.block_size,
+                dummy_block=a.dummy_block,
+                dummy_slot=a.dummy_slot,
+                compiler=compiler,
+                max_seqs=self.buckets.max,
+                name=self.name,
+            )
+        if tail.layout != layout:
+            raise XGraphError(
+                f"DecodeLoop: tail= is a StepTail of the layout {tail.layout} (block size, "
+                f"dummy block, dummy slot); this cache's is {layout}. Give one made for it."
+            )
+        return tail
 
     def vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """arange(V) for logits of width V on their device (the sampler's token ids), made
@@ -208,7 +243,7 @@ class DecodeLoop:
                 buckets=self.buckets,
                 attention=self.attention,
                 memory=self.memory,
-                mode=Mode.FULL,
+                mode=self.mode,
                 compiled=self.compiled,
                 name=f"{self.name}-{'sample' if sampled else 'greedy'}",
             )
@@ -240,6 +275,31 @@ class DecodeLoop:
         them from its allocator; those not given stay the engine's). sampling: None or
         temperature 0 everywhere is greedy.
         """
+        sampled, x = self.prepare(
+            input_ids,
+            positions,
+            attn,
+            budget=budget,
+            stop_ids=stop_ids,
+            free_blocks=free_blocks,
+            sampling=sampling,
+        )
+        out = self.executor(sampled)(**x)
+        return read_back(out, attn, len(attn.query_lens), self.attention.dummy_block)
+
+    def prepare(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        positions: Sequence[int] | torch.Tensor,
+        attn: AttentionInputs,
+        *,
+        budget: int | Sequence[int],
+        stop_ids: Sequence[Sequence[int]] | None = None,
+        free_blocks: Sequence[int] = (),
+        sampling: Sampling | None = None,
+    ) -> tuple[bool, dict[str, Any]]:
+        """A launch's arguments checked: whether it samples (its executor), and the
+        executor's keyword arguments (`attn` among them)."""
         n = len(attn.query_lens)
         sizes = {"stop": self.max_stop_ids, "free": self.max_free_blocks}
         x = launch_inputs(self.attention, attn, positions, budget, stop_ids, free_blocks, sizes)
@@ -250,8 +310,11 @@ class DecodeLoop:
         if sampled:
             assert sampling is not None
             x.update(sampling_inputs(sampling, n))
-        out = self.executor(sampled)(attn=attn, input_ids=ids, positions=pos, **x)
-        return read_back(out, attn, n, self.attention.dummy_block)
+        if self.mode is Mode.EAGER:  # fresh metadata: its rows need every column, as staged
+            a = self.attention
+            table = attn.table(a.dummy_block, a.max_blocks_per_seq)
+            attn = AttentionInputs(attn.query_lens, attn.seq_lens, table, attn.slot_mapping)
+        return sampled, {"attn": attn, "input_ids": ids, "positions": pos, **x}
 
     def _check_positions(self, pos: torch.Tensor, budget: torch.Tensor) -> None:
         """Every position a launch feeds the model stays inside the model's bound."""
@@ -267,7 +330,8 @@ class DecodeLoop:
             )
 
     def stats(self) -> dict[str, Any]:
-        """Each executor's stats, by "greedy" and "sample"."""
+        """Each executor's stats, by "greedy" and "sample" (the compiled choice and
+        feedback's: `tail.stats()`)."""
         return {("sample" if k else "greedy"): ex.stats() for k, ex in self._executors.items()}
 
     def close(self) -> None:

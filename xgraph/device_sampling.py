@@ -14,6 +14,8 @@ multipliers are odd constants below 2**31), so CPU and GPU give the same bits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 _M1, _M2, _M3 = 0x7FEB352D, 0x68E31DA5, 0x2C1B3C6D  # odd, < 2**31: no int64 overflow
@@ -41,9 +43,15 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: torch.Tensor) -
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise [rows, len(vocab)] of the draws of `uniform`."""
-    return -torch.log(-torch.log(uniform(seeds, positions, vocab)))
+Draws = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gumbel(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab: torch.Tensor, draws: Draws = uniform
+) -> torch.Tensor:
+    """Gumbel(0, 1) noise [rows, len(vocab)] of the draws of `uniform` (or of `draws`, the
+    same function compiled: integer ops and exact conversions, so the same bits)."""
+    return -torch.log(-torch.log(draws(seeds, positions, vocab)))
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -59,12 +67,14 @@ def sample(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     vocab: torch.Tensor,
+    draws: Draws = uniform,
 ) -> torch.Tensor:
     """One token per row of [rows, V] logits (int64 [rows]), each row with its own params:
     temperature 0 is greedy; above 0 a draw from softmax(logits / temperature) over the
     row's top_k most likely tokens (0: all) whose probability mass before them is below
     top_p (the most likely one always kept). `vocab` is arange(V) on the logits' device
-    (made once by the caller); `positions` are the positions of the tokens being chosen."""
+    (made once by the caller); `positions` are the positions of the tokens being chosen;
+    `draws` computes `uniform` (xgraph.loop_step passes it compiled)."""
     x = logits.float()
     hot = temperature > 0
     t = torch.where(hot, temperature, torch.ones_like(temperature)).float()
@@ -75,7 +85,7 @@ def sample(
     probs = ordered.softmax(-1)
     before = probs.cumsum(-1) - probs
     keep = keep & ((before < top_p[:, None].float()) | (rank == 0))
-    noise = gumbel(seeds, positions, vocab).gather(1, order)  # each token keeps its own draw
+    noise = gumbel(seeds, positions, vocab, draws).gather(1, order)  # each token keeps its own draw
     scored = torch.where(keep, ordered + noise, torch.full_like(ordered, float("-inf")))
     drawn = order.gather(1, scored.argmax(-1, keepdim=True))[:, 0]
     return torch.where(hot, drawn, greedy(logits))

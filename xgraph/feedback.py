@@ -17,14 +17,19 @@ it is captured with the steps):
   keeps running over what it had, and no write of it reaches the KV cache again.
 
 The state lives in the executor's buffers (the declared inputs and the attention metadata
-the decode runner reads), so the next step's attention sees it. `save` and `restore`
-bracket a launch: the buffers end as they started, so a launch is a function of what the
-host staged (the executor runs a forward eagerly before capturing it, and again as a graph).
+the decode runner reads), so the next step's attention sees it. A `Feedback` keeps those
+buffers as they were staged and `restore` puts them back: the buffers end a launch as they
+started it, so a launch is a function of what the host staged (the executor runs a forward
+eagerly before capturing it, and again as a graph). `advance` is a function of tensors only,
+so xgraph.loop_step can run it (with the token choice) under torch.compile.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -52,12 +57,70 @@ class LoopBuffers:
         return self.input_ids.shape[0]
 
 
+def advance(
+    tokens: torch.Tensor,
+    generated: torch.Tensor,
+    reasons: torch.Tensor,
+    used: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    budget: torch.Tensor,
+    stop_ids: torch.Tensor,
+    free_blocks: torch.Tensor,
+    free_count: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    block_size: int,
+    dummy_block: int,
+    dummy_slot: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step on: this step's chosen tokens [n] in; (the tokens as the launch reports
+    them, -1 for sequences that had finished before this step; generated, reasons, used
+    after it) out. input_ids, positions, seq_lens, slot_mapping and the block-table rows
+    `table` [n, W] are advanced in place. Tensor ops only, the same under torch.compile."""
+    live = reasons == RUNNING
+    out = torch.where(live, tokens, -1)
+    generated = generated + live.long()
+    stop = (stop_ids == tokens[:, None]).any(1) & live
+    spent = live & ~stop & (generated >= budget)
+    reasons = torch.where(stop, STOPPED, torch.where(spent, BUDGET, reasons))
+    go = reasons == RUNNING
+    input_ids.copy_(torch.where(go, tokens, input_ids))
+    positions.add_(go.long())
+    seq_lens.add_(go.to(seq_lens.dtype))
+    # a running sequence whose new position falls in a column without a real block takes
+    # the next block of the free list (in sequence order); one that finds none stops
+    width = table.shape[1]
+    col = torch.div(positions, block_size, rounding_mode="floor")
+    past = col >= width  # the row cannot hold it: no block can be given
+    c = col.clamp(0, width - 1)
+    have = table.long().gather(1, c[:, None])[:, 0]
+    need = go & (past | (have == dummy_block) | (have < 0))
+    want = need & ~past
+    at = used + torch.cumsum(want.long(), 0) - 1  # this sequence's place in the list
+    ok = want & (at < free_count)
+    given = free_blocks.gather(0, at.clamp(0, free_blocks.shape[0] - 1))
+    cell = torch.where(ok, given, have).to(table.dtype)
+    table.scatter_(1, c[:, None], cell[:, None])
+    used = used + ok.long().sum()
+    reasons = torch.where(need & ~ok, NO_BLOCKS, reasons)
+    go = reasons == RUNNING  # a sequence that found no block stops here
+    block = table.long().gather(1, c[:, None])[:, 0]
+    slot = block * block_size + positions % block_size
+    slot_mapping.copy_(torch.where(go, slot, dummy_slot))
+    return out, generated, reasons, used
+
+
 class Feedback:
     """One launch's per-sequence state on the device, advanced after every step."""
 
     def __init__(self, buf: LoopBuffers, block_size: int, dummy_block: int, dummy_slot: int):
-        self.buf, self.bs = buf, block_size
-        self.dummy_block, self.dummy_slot = dummy_block, dummy_slot
+        self.buf = buf
+        self.step = functools.partial(
+            advance, block_size=block_size, dummy_block=dummy_block, dummy_slot=dummy_slot
+        )
         n, md, device = buf.seqs, buf.md, buf.input_ids.device
         self._saved = [
             t.clone() for t in (buf.input_ids, buf.positions, md.seq_lens[:n], md.slot_mapping[:n])
@@ -67,52 +130,31 @@ class Feedback:
         self.reasons = torch.where(buf.budget > 0, RUNNING, BUDGET).to(torch.int64)
         self.used = torch.zeros(1, dtype=torch.int64, device=device)
 
-    def running(self) -> torch.Tensor:
-        return self.reasons == RUNNING
-
-    def advance(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Take this step's chosen tokens [n]; the tokens as the launch reports them (-1 for
-        sequences that had finished before this step)."""
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """What `advance` takes after the tokens: the state, then the buffers it reads and
+        advances."""
         b, md, n = self.buf, self.buf.md, self.buf.seqs
-        live = self.running()
-        out = torch.where(live, tokens, -1)
-        self.generated += live.long()
-        stop = (b.stop_ids == tokens[:, None]).any(1) & live
-        spent = live & ~stop & (self.generated >= b.budget)
-        self.reasons = torch.where(stop, STOPPED, torch.where(spent, BUDGET, self.reasons))
-        go = self.running()
-        b.input_ids.copy_(torch.where(go, tokens, b.input_ids))
-        b.positions.add_(go.long())
-        seq_lens = md.seq_lens[:n]
-        seq_lens.add_(go.to(seq_lens.dtype))
-        self._take_blocks(go)
-        go = self.running()  # a sequence that found no block stops here
-        pos = b.positions
-        col = torch.div(pos, self.bs, rounding_mode="floor").clamp(0, md.block_tables.shape[1] - 1)
-        block = md.block_tables[:n].long().gather(1, col[:, None])[:, 0]
-        slot = block * self.bs + pos % self.bs
-        md.slot_mapping[:n].copy_(torch.where(go, slot, self.dummy_slot))
+        return (
+            self.generated,
+            self.reasons,
+            self.used,
+            b.input_ids,
+            b.positions,
+            b.budget,
+            b.stop_ids,
+            b.free_blocks,
+            b.free_count,
+            md.seq_lens[:n],
+            md.slot_mapping[:n],
+            md.block_tables[:n],
+        )
+
+    def advance(self, x: torch.Tensor, step: Callable[..., Any] | None = None) -> torch.Tensor:
+        """Take this step's chosen tokens [n] (or what `step` chooses them from: `step(x,
+        *state())` returns what `advance` does, by default `advance` itself); the tokens as
+        the launch reports them (-1 for sequences that had finished before this step)."""
+        out, self.generated, self.reasons, self.used = (step or self.step)(x, *self.state())
         return out
-
-    def _take_blocks(self, go: torch.Tensor) -> None:
-        """Give each running sequence whose new position falls in a column without a real
-        block the next block of the free list; one that finds none stops (NO_BLOCKS)."""
-        b, md, n = self.buf, self.buf.md, self.buf.seqs
-        width = md.block_tables.shape[1]
-        col = torch.div(b.positions, self.bs, rounding_mode="floor")
-        past = col >= width  # the row cannot hold it: no block can be given
-        c = col.clamp(0, width - 1)
-        table = md.block_tables[:n]
-        have = table.long().gather(1, c[:, None])[:, 0]
-        need = go & (past | (have == self.dummy_block) | (have < 0))
-        want = need & ~past
-        at = self.used + torch.cumsum(want.long(), 0) - 1  # this sequence's place in the list
-        ok = want & (at < b.free_count)
-        given = b.free_blocks.gather(0, at.clamp(0, b.free_blocks.shape[0] - 1))
-        cell = torch.where(ok, given, have).to(table.dtype)
-        table.scatter_(1, c[:, None], cell[:, None])
-        self.used += ok.long().sum()
-        self.reasons = torch.where(need & ~ok, NO_BLOCKS, self.reasons)
 
     def tables(self) -> torch.Tensor:
         """The sequences' block-table rows as the launch left them (blocks it gave)."""

@@ -7,8 +7,12 @@ For each batch size: decode tokens per second of GraphModel.generate with one st
 engine step (the host samples between steps) and with K steps per launch, the same prompts
 and model, greedy; whether the tokens are equal; the per-token time against the device
 time of one decode step (one graph replay of the single-step executor) and of one step
-inside a launch (the launch's device time / K). The JSON has one row per (batch, K):
-{batch, k, tokens_per_s, single_step_tokens_per_s, speedup, tokens_equal, ...}.
+inside a launch (the launch's device time / K), and what is left of a launch's time per
+token beyond its device time (`host_ms_per_launch`); and the kernels of one graph step
+against those of one launch / K (`kernels`: from a device trace where the profiler traces
+the device, else the backend's recording of each graph, xgraph.bench.step_kernels). The
+JSON has one row per (batch, K): {batch, k, tokens_per_s, single_step_tokens_per_s,
+speedup, tokens_equal, ..., kernels}.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ...bench.kernel_trace import profile_steps
+from ...bench.step_kernels import recorded
 from ...bench.timing import Timer
 from ...metadata import AttentionInputs
 from .bench_runs import build_named, random_prompts
@@ -50,16 +56,48 @@ def _decode_inputs(gm: GraphModel, batch: int, prompt_len: int) -> tuple:
 
 
 def step_seconds(gm: GraphModel, batch: int, prompt_len: int, k: int) -> dict[str, float]:
-    """Device seconds of one single-step decode graph and of one K-step launch."""
+    """Device seconds of one single-step decode graph, of the LM head and argmax after it
+    (eager, as the engine runs them), and of one K-step launch."""
     timer = Timer(gm.backend)
     ids, pos, attn = _decode_inputs(gm, batch, prompt_len)
-    gm.step(ids, pos, attn)  # captured already by the runs; a replay now
+    out = gm.step(ids, pos, attn)  # captured already by the runs; a replay now
     one = min(timer.once(lambda: gm.step(ids, pos, attn)) for _ in range(10))
+    # what every token costs besides the graph step, one step at a time or in a launch
+    head = min(timer.once(lambda: gm.logits(out).argmax(-1)) for _ in range(10))
     loop = gm.decode_loop(k)
     kw = dict(budget=[k] * batch, stop_ids=None)
     loop(ids, pos, attn, **kw)
     launch = min(timer.once(lambda: loop(ids, pos, attn, **kw)) for _ in range(5))
-    return {"graph_step_s": one, "launch_s": launch, "on_device": bool(timer.on_device)}
+    on = bool(timer.on_device)
+    return {"graph_step_s": one, "head_s": head, "launch_s": launch, "on_device": on}
+
+
+def kernel_counts(gm: GraphModel, batch: int, prompt_len: int, k: int) -> dict[str, Any]:
+    """Kernels of one single-step decode graph and of one K-step launch (and per step): a
+    device trace's where the profiler traces the device (with each one's busy time and
+    the launch's longest kernels), else the recordings' launches (the CPU backend's ops)."""
+    ids, pos, attn = _decode_inputs(gm, batch, prompt_len)
+    loop = gm.decode_loop(k)
+    kw: dict[str, Any] = dict(budget=[k] * batch, stop_ids=None)
+    one = profile_steps(gm.backend, lambda: gm.step(ids, pos, attn))
+    out: dict[str, Any]
+    if one is not None:
+        launch = profile_steps(gm.backend, lambda: loop(ids, pos, attn, **kw), steps=3)
+        assert launch is not None
+        out = {"source": "device trace", "graph_step": one["kernels"], "launch": launch["kernels"]}
+        out["graph_step_busy_us"] = one["busy_us"]
+        out["launch_busy_us_per_step"] = launch["busy_us"] / k
+        out["launch_top_kernels_us"] = launch["top_kernels_us"]
+    else:
+        sampled, x = loop.prepare(ids, pos, attn, **kw)
+        out = {
+            "source": "recorded ops",
+            "graph_step": recorded(gm.executor, attn, input_ids=ids, positions=pos),
+            "launch": recorded(loop.executor(sampled), **x),
+        }
+    if out["launch"] is not None:
+        out["launch_per_step"] = out["launch"] / k
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -92,9 +130,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "tokens_equal": got == want,
                     "per_token_ms": per_token * 1e3,
                     "graph_step_ms": t["graph_step_s"] * 1e3,
+                    "head_and_argmax_ms": t["head_s"] * 1e3,
                     "launch_step_ms": t["launch_s"] * 1e3 / k,
                     "per_token_over_graph_step": per_token / t["graph_step_s"],
+                    # what a launch costs beyond its device time: the host's part, not hidden
+                    "host_ms_per_launch": (per_token - t["launch_s"] / k) * k * 1e3,
                     "device_timed": t["on_device"],
+                    "kernels": kernel_counts(gm, batch, args.prompt_len, k),
                 }
             )
             print(_line(rows[-1]), flush=True)
@@ -108,7 +150,9 @@ def _line(r: dict[str, Any]) -> str:
         f"batch {r['batch']:>3} K {r['k']:>2}: {r['tokens_per_s']:9.1f} tok/s vs "
         f"{r['single_step_tokens_per_s']:9.1f} one step at a time ({r['speedup']:.2f}x), "
         f"tokens equal {r['tokens_equal']}, per token {r['per_token_ms']:.3f} ms, graph step "
-        f"{r['graph_step_ms']:.3f} ms, in a launch {r['launch_step_ms']:.3f} ms"
+        f"{r['graph_step_ms']:.3f} ms, in a launch {r['launch_step_ms']:.3f} ms; kernels: "
+        f"{r['kernels']['graph_step']} per graph step, "
+        f"{r['kernels'].get('launch_per_step', '?')} per step in a launch"
     )
 
 

@@ -36,6 +36,7 @@ from ...decode_loop import DecodeLoop
 from ...errors import XGraphError
 from ...executor import GraphExecutor
 from ...interfaces import Backend
+from ...loop_step import StepTail
 from ...memory import GraphMemory
 from ...metadata import AttentionInputs
 from ...options import Fallback, Kind, Mode
@@ -215,6 +216,8 @@ class GraphModel:
             _release_model(model)
             raise
         self.compiled = self._compile(compiler, compile_dynamic, name, compile_cache)
+        self._compiler = compiler  # the multi-step loops' choice and feedback run under it
+        self._tail: StepTail | None = None
         self._loops: dict[int, DecodeLoop] = {}
         self._finalizer = weakref.finalize(self, _release, self.executor, self._loops, model, name)
 
@@ -384,16 +387,25 @@ class GraphModel:
         """The loop that runs `steps` decode steps per launch over this model (xgraph.
         decode_loop), made at its first use: its graphs share the executor's memory, its
         sequences are the executor's up to max_seqs. The LM head and the token choice run
-        inside the launch."""
+        inside the launch; with compile=..., the choice and the step feedback run compiled
+        under the same torch.compile backend (xgraph.loop_step)."""
         loop = self._loops.get(steps)
         if loop is None:
             lim = self.limits
             top = self.executor.buckets.pad(lim.max_seqs) or self.executor.buckets.max
+            a = PagedAttention.for_cache(self.cache, lim.max_seqs, lim.max_blocks_per_seq)
+            if self._tail is None:  # one for every K: its compiled code serves them all
+                self._tail = StepTail(
+                    block_size=a.block_size,
+                    dummy_block=a.dummy_block,
+                    dummy_slot=a.dummy_slot,
+                    compiler=self._compiler,
+                    max_seqs=top,
+                    name=f"{self.executor.name}-loop",
+                )
             loop = self._loops[steps] = DecodeLoop(
                 _LoopStep(self._forward),
-                attention=PagedAttention.for_cache(
-                    self.cache, lim.max_seqs, lim.max_blocks_per_seq
-                ),
+                attention=a,
                 steps=steps,
                 backend=self.backend,
                 buckets=[b for b in self.executor.buckets.sizes if b <= top],
@@ -401,6 +413,7 @@ class GraphModel:
                 inputs=self.inputs(),
                 max_stop_ids=LOOP_STOP_IDS,
                 compiled=self.compiled is not None,
+                tail=self._tail,
                 name=f"{self.executor.name}-loop{steps}",
             )
         return loop

@@ -7,6 +7,7 @@ memo never hides a host read."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -101,6 +102,20 @@ def test_only_the_same_synthetic_step_skips_its_warm_up():
     calls.clear()
     ex.capture([3], progress=False)  # key 4 is captured: nothing recorded again
     assert calls == [] and ex.stats()["captures"] == 3
+    ex.close()
+
+
+def test_a_warm_up_in_another_thread_is_not_reused():
+    """Each thread captures on its own capture stream; a warm-up sets up that stream's."""
+    w, calls = Workload.tiny(), []
+    ex = w.executor(_counting(w, calls), backend="cpu", buckets=SIZES)
+    ex.capture([8], progress=False)  # the first capture: the output buffers
+    t = threading.Thread(target=ex.warm_up, args=([4],))
+    t.start()
+    t.join()
+    calls.clear()
+    ex.capture([4], progress=False)
+    assert calls == [4, 4]
     ex.close()
 
 

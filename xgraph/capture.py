@@ -18,10 +18,11 @@ Pre-capture (`GraphExecutor.capture`, the memory plan's twins) records synthetic
 whose outputs nobody reads, so a capture there returns without replaying its step: on a
 device that replay is the whole forward run again, for nothing; the key's first real step
 replays it as every hit does. A pre-capture step that `warm` already warmed up (the same
-synthetic step, staged the same way, on the same capture stream: the same shapes, kernels
-and lazy initialisation) skips its warm-up too, on one rank (across ranks the lockstep
-checks a warm-up pass before every recording) and after the executor's first capture
-(whose warm-up fixes the output buffers).
+synthetic step, staged the same way, in the same thread, so on the same capture stream: the
+same shapes, kernels and lazy initialisation) skips its warm-up too, on one rank (across
+ranks the lockstep checks a warm-up pass before every recording) and after the executor's
+first capture (whose warm-up fixes the output buffers). The recording plans the runner on
+the step's metadata itself, as the warm-up did before it.
 
 A miss costs the backend's own synchronize at capture begin and none of the executor's, and
 no `empty_cache` but before the first capture allocates the output buffers (the
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -84,7 +86,9 @@ class CaptureTransaction:
         self.seconds = 0.0
         self.failed_keys: dict[tuple, str] = {}
         self.rolled_back = False  # a pool parked by a rollback, its segments not back yet
-        self.warmed: set[tuple[tuple, int]] = set()  # (key, tokens) that `warm` warmed up
+        # (key, tokens, thread) that `warm` warmed up: a thread's captures run on its own
+        # capture stream, where the warm-up set up what is per stream (cuBLAS workspaces)
+        self.warmed: set[tuple[tuple, int, int]] = set()
         # host seconds of the captures' warm-ups, recordings (lease, forward, graph end) and
         # own replays: where a capture's time goes (xgraph bench startup reports them)
         self.parts: Counter[str] = Counter({"warm_up": 0.0, "record": 0.0, "replay": 0.0})
@@ -166,11 +170,11 @@ class CaptureTransaction:
         self.warm_up(step)
         self.cache.eager["warm-up"] += 1
         if self.lockstep.stats() is None and step.device_check is None:
-            self.warmed.add((step.key, step.num_tokens))
+            self.warmed.add(_mark(step))
 
     def _warms(self, step: Staged) -> bool:
         """Whether this capture runs its own warm-up (see the module docstring)."""
-        mark = (step.key, step.num_tokens)
+        mark = _mark(step)
         if mark not in self.warmed:
             return True
         self.warmed.discard(mark)  # one warm-up serves one capture (a retry warms again)
@@ -324,3 +328,8 @@ class CaptureTransaction:
         finally:
             self.backend.synchronize()
             pool.close()
+
+
+def _mark(step: Staged) -> tuple[tuple, int, int]:
+    assert step.key is not None
+    return step.key, step.num_tokens, threading.get_ident()

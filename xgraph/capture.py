@@ -1,6 +1,8 @@
 """The capture transaction: every capture of an executor, one path, all or nothing.
 
     outputs = tx.capture(step)     # a miss: warm up, lease, record, store (or roll back)
+    tx.warm(step)                  # a capture's warm-up alone (GraphExecutor.warm_up)
+    with tx.precapturing(): ...    # the executor's own captures: no replay of their steps
     tx.add_check(entry, step)      # a key recorded for host metadata meets device metadata
     with tx.apart(step, backend, around) as rec: ...   # recorded, read, dropped (no store)
 
@@ -15,6 +17,16 @@ executor's PDL option on (xgraph.pdl_option), a full key's warm-up and record ru
 the backend's PDL capture option and its programmatic edges are counted right after the
 record, before the capture's memory reading ends; piecewise keys never take PDL.
 
+Pre-capture (`GraphExecutor.capture`, the memory plan's twins) records synthetic steps
+whose outputs nobody reads, so a capture there returns without replaying its step: on a
+device that replay is the whole forward run again, for nothing; the key's first real step
+replays it as every hit does. A pre-capture step that `warm` already warmed up (the same
+synthetic step, staged the same way, in the same thread, so on the same capture stream: the
+same shapes, kernels and lazy initialisation) skips its warm-up too, on one rank (across
+ranks the lockstep checks a warm-up pass before every recording) and after the executor's
+first capture (whose warm-up fixes the output buffers). The recording plans the runner on
+the step's metadata itself, as the warm-up did before it.
+
 A miss costs the backend's own synchronize at capture begin and none of the executor's, and
 no `empty_cache` but before the first capture allocates the output buffers (the
 warm-up's cached memory is returned first, so the buffers pin none of it) and at the first
@@ -27,7 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,6 +92,13 @@ class CaptureTransaction:
         self.seconds = 0.0
         self.failed_keys: dict[tuple, str] = {}
         self.rolled_back = False  # a pool parked by a rollback, its segments not back yet
+        # (key, tokens, thread) that `warm` warmed up: a thread's captures run on its own
+        # capture stream, where the warm-up set up what is per stream (cuBLAS workspaces)
+        self.warmed: set[tuple[tuple, int, int]] = set()
+        # host seconds of the captures' warm-ups, recordings (lease, forward, graph end) and
+        # own replays: where a capture's time goes (xgraph bench startup reports them)
+        self.parts: Counter[str] = Counter({"warm_up": 0.0, "record": 0.0, "replay": 0.0})
+        self._precapture = False
 
     def recording(self, kind: Kind, pool: CapturePool, backend: Backend | None = None) -> Recording:
         """A fresh recording of a key of this kind on `pool` (graphs of `backend`)."""
@@ -89,20 +110,23 @@ class CaptureTransaction:
 
     # -- a miss ----------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def precapturing(self) -> Iterator[None]:
+        """Captures in the block are of the executor's own steps (see the module docstring):
+        not replayed, and warmed up only where `warm` did not already."""
+        outer, self._precapture = self._precapture, True
+        try:
+            yield
+        finally:
+            self._precapture = outer
+
     def capture(self, step: Staged) -> Any:
-        """Record the step's key and store it, then replay it: the step's outputs."""
+        """Record the step's key and store it, then replay it: the step's outputs (None for a
+        pre-capture step: not replayed)."""
         assert step.key is not None
         t0 = time.perf_counter()
-        with self.pdl.around(step.kind):  # the launch variants the record takes compile here
-            layout = self.warm_up(step)
-        if layout is not None or self.rolled_back:
-            # the warm-up's cached memory goes back before the output buffers are made for
-            # good; after a rollback, the parked pool's segments go back while its memory
-            # is there (the memory's books count them until then)
-            self.backend.empty_cache()
-            self.rolled_back = False
-        if layout is not None:  # the first capture: the output buffers
-            self.cache.allocate_outputs(layout)
+        self._prepare(step)
+        t1 = time.perf_counter()
         self.outside.start()
         lease: Lease | None = None
         graph: Recording | None = None
@@ -119,15 +143,55 @@ class CaptureTransaction:
                 raise
             failure = lease.space.failure if lease and lease.space else None
             return self.failed(step, failure or exc)
-        seconds = time.perf_counter() - t0
+        t2 = time.perf_counter()
+        seconds = t2 - t0
         entry = Entry(step.kind, graph, lease, seconds)
         self.cache.store(step.key, entry)
         self.captures += 1
         self.seconds += seconds
+        self.parts["warm_up"] += t1 - t0
+        self.parts["record"] += t2 - t1
         self.outside.stop()
         logger.info("%s: captured %s in %.3f s", self.name, step.key, seconds)
+        if self._precapture:
+            return None  # nobody reads it; the key's first real step replays the graph
         self.cache.replay(entry, step, hit=False)  # the capture step's own result
+        self.parts["replay"] += time.perf_counter() - t2
         return self.cache.outputs(step.num_tokens)
+
+    def _prepare(self, step: Staged) -> None:
+        """Before the recording: its warm-up (where it runs), the settle where one is due,
+        and the first time, the output buffers."""
+        layout = None
+        if self._warms(step):
+            with self.pdl.around(step.kind):  # the launch variants the record takes compile here
+                layout = self.warm_up(step)
+        if layout is not None or self.rolled_back:
+            # the warm-up's cached memory goes back before the output buffers are made for
+            # good; after a rollback, the parked pool's segments go back while its memory
+            # is there (the memory's books count them until then)
+            self.backend.empty_cache()
+            self.rolled_back = False
+        if layout is not None:  # the first capture: the output buffers
+            self.cache.allocate_outputs(layout)
+
+    def warm(self, step: Staged) -> None:
+        """A capture's warm-up alone, counted as an eager "warm-up" step; a pre-capture of
+        the same step later skips its own (see the module docstring)."""
+        assert step.key is not None
+        with self.pdl.around(step.kind):  # as the capture's own warm-up would run
+            self.warm_up(step)
+        self.cache.eager["warm-up"] += 1
+        if self.lockstep.stats() is None and step.device_check is None:
+            self.warmed.add(_mark(step))
+
+    def _warms(self, step: Staged) -> bool:
+        """Whether this capture runs its own warm-up (see the module docstring)."""
+        mark = _mark(step)
+        if mark not in self.warmed:
+            return True
+        self.warmed.discard(mark)  # one warm-up serves one capture (a retry warms again)
+        return not (self._precapture and self.cache.has_outputs)
 
     def warm_up(self, step: Staged) -> list[tuple] | None:
         """The forward once, eagerly, on the staged buffers (the device check first); the
@@ -154,9 +218,9 @@ class CaptureTransaction:
         """The key's pieces: the device check (device metadata), then the forward and the
         copy of its outputs into the persistent buffers."""
         tb = step.padded[NUM_TOKENS]
-        prefill = self.runners.prefill
-        if step.kind is Kind.PIECEWISE and step.metadata is not None and prefill is not None:
-            prefill.plan(step.metadata)
+        runner = self.runners.of_graph(step.kind)
+        if step.metadata is not None and runner is not None:
+            runner.plan(step.metadata)  # as the warm-up did, where it ran
         with torch.no_grad():
             if step.device_check is not None:
                 graph.record_check(step.device_check)  # type: ignore[attr-defined]
@@ -277,3 +341,8 @@ class CaptureTransaction:
         finally:
             self.backend.synchronize()
             pool.close()
+
+
+def _mark(step: Staged) -> tuple[tuple, int, int]:
+    assert step.key is not None
+    return step.key, step.num_tokens, threading.get_ident()

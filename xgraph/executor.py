@@ -335,7 +335,8 @@ class GraphExecutor:
             raise XGraphError("kind='eager': choose 'full' or 'piecewise'.")
         what = f"{self.name}: capturing {k.value} graphs"
         todo = query_sizes(sizes, self.buckets, query_len, what)
-        with capture_session():  # the collector off: xgraph.capture_session says why
+        # the collector off (xgraph.capture_session says why); the steps are not replayed
+        with capture_session(), self.transaction.precapturing():
             for n in show_progress(todo, what, progress):
                 self._synthetic_step(n, k, k, key_dims, query_len)
 
@@ -350,7 +351,9 @@ class GraphExecutor:
         self, sizes: Iterable[int] | None = None, kind: Kind | str = Kind.FULL, **key_dims: int
     ) -> None:
         """Run the synthetic steps `capture` would record, eagerly, recording nothing: kernels
-        compile and load, and libraries set up, before any capture or memory reading."""
+        compile and load, and libraries set up, before any capture or memory reading. Each
+        runs as its capture's warm-up would (staged, on the capture stream), which a later
+        `capture` of the same sizes then skips (one rank; xgraph.capture says why)."""
         k = Kind.parse(kind, "kind")
         if k is Kind.EAGER:
             raise XGraphError("kind='eager': choose the layout, 'full' or 'piecewise'.")
@@ -369,10 +372,16 @@ class GraphExecutor:
                 self._agreed_step(lock, tensors, attn, run, True)
                 return
             checked = self.planner.check(tensors, attn, True)
-            step = self.planner.stage(checked, self.planner.decide(checked, run))
+            warm = run is Kind.EAGER  # a warm-up: its capture's, over the staged buffers
+            step = self.planner.stage(
+                checked, self.planner.decide(checked, layout if warm else run)
+            )
             self._steps.acquire(self.name)  # as a step: one at a time over shared memory
             try:
-                self._run(step)
+                if warm and step.key is not None:
+                    self.transaction.warm(step)
+                else:
+                    self._run(step)
             finally:
                 self._steps.release()
 
@@ -419,6 +428,7 @@ class GraphExecutor:
             "replays": cache.replays,
             "eager": dict(cache.eager),
             "capture_seconds": tx.seconds,
+            "capture_parts": dict(tx.parts),  # warm_up, record, replay: host seconds
             "hits": cache.hits(),
             "eager_keys": dict(cache.eager_keys),
             "failed_keys": dict(tx.failed_keys),

@@ -217,6 +217,11 @@ class KeyCache:
         for buf, t in zip(self._bufs, tree_flatten(result)[0]):
             buf[:tb].copy_(t)
 
+    @property
+    def has_outputs(self) -> bool:
+        """Whether the output buffers exist (the first capture makes them)."""
+        return self._bufs is not None
+
     def output_bytes(self) -> int:
         return sum(b.nbytes for b in self._bufs or [])
 

@@ -151,6 +151,10 @@ def _refuse_sdpa(*args: Any, **kwargs: Any) -> Any:
 _direct_sdpa = ScopedPatch(torch.nn.functional, {"scaled_dot_product_attention": _refuse_sdpa})
 
 
+_ATTENTION_KERNELS = ("scaled_dot_product", "flash_attention", "efficient_attention")
+_not_attention: set[Any] = set()  # ops whose names name no attention kernel
+
+
 class _BypassCheck:
     """The op check of every piece: no attention kernel, no op on a KV cache tensor."""
 
@@ -158,11 +162,16 @@ class _BypassCheck:
         self.guarded = guarded
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> None:
-        name = func._schema.name
-        if any(k in name for k in ("scaled_dot_product", "flash_attention", "efficient_attention")):
-            raise CaptureError(_bypass_message(f"{func} (an attention kernel)"))
+        if func not in _not_attention:  # the name, read once per op
+            name = func._schema.name
+            if any(k in name for k in _ATTENTION_KERNELS):
+                raise CaptureError(_bypass_message(f"{func} (an attention kernel)"))
+            _not_attention.add(func)
+        guarded = self.guarded
+        if not guarded:
+            return
         for a in args:
-            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.guarded:
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in guarded:
                 raise CaptureError(_bypass_message(f"{func} on a KV cache tensor"))
 
 

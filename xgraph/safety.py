@@ -95,20 +95,39 @@ def _raise(what: str, how: str) -> None:
     )
 
 
+_INDEX_OPS = ("aten::index", "aten::index_put", "aten::index_put_")
+_COPY_OPS = ("aten::_to_copy", "aten::copy_")
+# ops that no check below looks at, learnt by name once per op (the guard sees every op of
+# every capture: a name and four lookups per op cost a capture more than the op's launch)
+_unchecked: set[Any] = set()
+
+
+def _checked_name(name: str) -> bool:
+    return (
+        name in HOST_READ_OPS or name in _SIZE_KWARG_OPS or name in _INDEX_OPS or name in _COPY_OPS
+    )
+
+
 def check_op(func: Any, args: tuple, kwargs: dict, device: torch.device | None = None) -> None:
     """Raise CaptureError if `func` would read device data on the host during capture."""
+    if func in _unchecked:
+        return
     name = _op_name(func)
+    if not _checked_name(name):
+        if hasattr(func, "_schema"):  # an OpOverload: its name never changes
+            _unchecked.add(func)
+        return
     how = HOST_READ_OPS.get(name)
     if how is not None:
         _raise(str(func), how)
     kw = _SIZE_KWARG_OPS.get(name)
     if kw is not None and kwargs.get(kw) is None and any(isinstance(a, torch.Tensor) for a in args):
         _raise(str(func), f"{name.split('::')[1]} with tensor repeats and no {kw}=")
-    if name in ("aten::index", "aten::index_put", "aten::index_put_") and len(args) > 1:
+    if name in _INDEX_OPS and len(args) > 1:
         # a boolean mask index makes the result size (or the written count) depend on data
         if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()):
             _raise(str(func), "t[mask] / t[mask] = v with a boolean mask (size depends on data)")
-    if device is not None and device.type != "cpu" and name in ("aten::_to_copy", "aten::copy_"):
+    if device is not None and device.type != "cpu" and name in _COPY_OPS:
         # a device -> host copy in the middle of a capture is a synchronising host read
         src = args[1] if name == "aten::copy_" else args[0]
         dst_dev = args[0].device if name == "aten::copy_" else kwargs.get("device", src.device)

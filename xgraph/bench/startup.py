@@ -114,6 +114,7 @@ def _headline(data: dict[str, Any]) -> None:
         "seconds": seconds,
         "per_graph_s": seconds / graphs if seconds and graphs else None,
         "warmup_s": (warm.get("parts") or {}).get("warmup"),
+        "parts": warm.get("capture_parts"),  # host seconds: warm-ups, recordings, replays
         "cold_seconds": (cold.get("parts") or {}).get("capture"),
     }
     p, m = cold.get("predicted_bytes"), cold.get("measured_bytes")

@@ -14,9 +14,10 @@ The bench's own target, `reference` (xgraph/models/qwen3.py over its eager forwa
 `load` (weights over a placeholder cache), `plan` (`predict_graph_memory` of a decode and a
 piecewise executor, before the KV cache), `kv_cache` (the cache and the executors over it),
 `warmup` (every size run eagerly: the kernels' own compilation and loading, reported
-apart), `capture` (every size captured, kernels warm), `first_step` (a prefill of two
-prompts and its greedy tokens). The transformers integration registers `hf`
-(xgraph/integrations/transformers/bench_startup.py).
+apart; each as its capture's warm-up, which the capture then skips), `capture` (every
+size captured, kernels warm; `capture_parts`: its host seconds in warm-ups, recordings and
+replays), `first_step` (a prefill of two prompts and its greedy tokens). The transformers
+integration registers `hf` (xgraph/integrations/transformers/bench_startup.py).
 """
 
 from __future__ import annotations
@@ -153,9 +154,14 @@ def reference(backend: Any, model_name: str, decode: list[int], pieces: list[int
     clock("warmup", lambda: (full.warm_up(), pw.warm_up(kind="piecewise")))
     clock("capture", lambda: _capture_all(full, pw))
     tokens = clock("first_step", lambda: _reference_first_step(model, pw, max(pieces)))
+    stats = [full.stats(), pw.stats()]
     out = {
         "parts": clock.parts,
-        "graphs": full.stats()["captures"] + pw.stats()["captures"],
+        "graphs": sum(s["captures"] for s in stats),
+        # where the capture part went: the captures' warm-ups, recordings and own replays
+        "capture_parts": {
+            k: sum(s["capture_parts"][k] for s in stats) for k in stats[0]["capture_parts"]
+        },
         "predicted_bytes": predicted.total_bytes,
         "measured_bytes": measured_graph_memory(full, pw),
         "plan": predicted.as_dict(),

@@ -141,6 +141,18 @@ def test_multistep_compiled_tail_is_bitwise_the_eager_one(compiled, seed, n, pac
     assert stats["fallback"] is None and stats["graph_breaks"] is None
 
 
+def test_multistep_compiled_tail_over_a_long_vocabulary_splits_its_argmax(compiled):
+    """Rows of 5,000 logits: the compiled tail takes its argmax in two stages
+    (xgraph.row_argmax), with the eager tail's tokens and feedback."""
+    g = torch.Generator().manual_seed(5)
+    for seed in range(4):
+        buf, _ = _state(seed, 3)
+        logits = torch.randint(0, 3, (3, 5000), generator=g).float()  # ties across pieces
+        got, want = Feedback(_packed(buf), **LAYOUT), Feedback(_state(seed, 3)[0], **LAYOUT)
+        assert torch.equal(compiled.choose_greedy(logits, got), EAGER.choose_greedy(logits, want))
+        assert torch.equal(got.generated, want.generated) and torch.equal(got.reasons, want.reasons)
+
+
 @pytest.mark.slow
 def test_multistep_inductor_tail_is_bitwise_the_eager_one_in_a_tenth_of_the_kernels():
     """Inductor on the CPU (one compile for 2 to 6 sequences, one of the draws): the greedy

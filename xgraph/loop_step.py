@@ -7,7 +7,8 @@ backend: "inductor" where the model's decoder runs under Inductor), `StepTail` r
 one compiled function over the launch's static buffers (xgraph.compiled.TokenCompiled: the
 sequence count dynamic, one compile for every bucket of 2 or more, one for 1):
 
-- greedy: the argmax of the logits and the feedback, one compiled function;
+- greedy: the argmax of the logits (in two stages, xgraph.row_argmax: a compiled argmax
+  reduces each row in one program) and the feedback, one compiled function;
 - seeded sampling: the draws' integer hash (device_sampling.uniform) compiled, the float
   part of the draw (temperature, top-k / top-p over the sorted logits, the Gumbel noise)
   eager, then the feedback compiled. The float part stays eager so the tokens are the
@@ -31,11 +32,15 @@ import torch
 from .compiled import TokenCompiled
 from .device_sampling import greedy, sample, uniform
 from .feedback import Feedback, advance
+from .row_argmax import row_argmax
 
 
-def choose_greedy(logits: torch.Tensor, *state: torch.Tensor, **layout: int) -> Any:
-    """The argmax of each row, then the feedback (`advance` on the rest)."""
-    return advance(greedy(logits), *state, **layout)
+def choose_greedy(
+    logits: torch.Tensor, *state: torch.Tensor, split: bool = False, **layout: int
+) -> Any:
+    """The argmax of each row (in two stages where `split`: xgraph.row_argmax, the same
+    bits), then the feedback (`advance` on the rest)."""
+    return advance(row_argmax(logits) if split else greedy(logits), *state, **layout)
 
 
 class StepTail:
@@ -60,7 +65,9 @@ class StepTail:
     ) -> None:
         self.layout = (block_size, dummy_block, dummy_slot)
         layout = dict(block_size=block_size, dummy_block=dummy_block, dummy_slot=dummy_slot)
-        self.greedy: Callable[..., Any] = functools.partial(choose_greedy, **layout)
+        # compiled, a row's argmax is one program: split it (xgraph.row_argmax)
+        split = compiler is not None
+        self.greedy: Callable[..., Any] = functools.partial(choose_greedy, split=split, **layout)
         self.advance: Callable[..., Any] = functools.partial(advance, **layout)
         self.draws: Callable[..., Any] = uniform
         self.compiled: dict[str, TokenCompiled] = {}

@@ -13,8 +13,10 @@ import argparse
 import contextlib
 import json
 import logging
+import signal
 import sys
 import textwrap
+import threading
 import traceback
 import warnings
 from collections.abc import Iterator, Sequence
@@ -312,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _output(verbose):
             return int(args.func(args) or 0)
     except KeyboardInterrupt as exc:
+        if argv is None:  # the process's own command line: the exit follows
+            _ignore_interrupts()
         if verbose:
             traceback.print_exception(exc)
         print("xgraph: interrupted", file=sys.stderr)
@@ -339,6 +343,14 @@ def _error(exc: BaseException, verbose: bool, text: str, hint: bool = False) -> 
     elif hint:
         text += " (run with -v for the traceback)"
     print(f"xgraph: error: {text}", file=sys.stderr)
+
+
+def _ignore_interrupts() -> None:
+    """After the first Ctrl-C only the exit is left: a second one, or one still pending from
+    a library that caught the first (pytest does), would end the process by the signal
+    (status -2) in the middle of the cleanup instead of with the one line and 130."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

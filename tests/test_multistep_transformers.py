@@ -115,6 +115,8 @@ def test_bench_multistep_rows_on_cpu(tmp_path):
         assert r["tokens_per_s"] > 0 and r["single_step_tokens_per_s"] > 0
         assert r["speedup"] == r["tokens_per_s"] / r["single_step_tokens_per_s"]
         assert r["graph_step_ms"] > 0 and r["launch_step_ms"] > 0 and r["head_and_argmax_ms"] > 0
+        with_head = r["graph_step_ms"] + r["head_and_argmax_ms"]
+        assert r["per_token_over_step_and_head"] == pytest.approx(r["per_token_ms"] / with_head)
         kernels = r["kernels"]  # the CPU backend's recordings: its ops, eager
         assert kernels["source"] == "recorded ops" and kernels["graph_step"] > 0
         # a step in a launch: the decoder's ops, then the head, the choice and the feedback

@@ -133,6 +133,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "head_and_argmax_ms": t["head_s"] * 1e3,
                     "launch_step_ms": t["launch_s"] * 1e3 / k,
                     "per_token_over_graph_step": per_token / t["graph_step_s"],
+                    # a step in a launch runs the head and the choice too; the graph step not
+                    "per_token_over_step_and_head": per_token / (t["graph_step_s"] + t["head_s"]),
                     # what a launch costs beyond its device time: the host's part, not hidden
                     "host_ms_per_launch": (per_token - t["launch_s"] / k) * k * 1e3,
                     "device_timed": t["on_device"],
@@ -150,7 +152,9 @@ def _line(r: dict[str, Any]) -> str:
         f"batch {r['batch']:>3} K {r['k']:>2}: {r['tokens_per_s']:9.1f} tok/s vs "
         f"{r['single_step_tokens_per_s']:9.1f} one step at a time ({r['speedup']:.2f}x), "
         f"tokens equal {r['tokens_equal']}, per token {r['per_token_ms']:.3f} ms, graph step "
-        f"{r['graph_step_ms']:.3f} ms, in a launch {r['launch_step_ms']:.3f} ms; kernels: "
+        f"{r['graph_step_ms']:.3f} ms (+ head {r['head_and_argmax_ms']:.3f} ms: "
+        f"{r['per_token_over_step_and_head']:.2f}x per token), "
+        f"in a launch {r['launch_step_ms']:.3f} ms; kernels: "
         f"{r['kernels']['graph_step']} per graph step, "
         f"{r['kernels'].get('launch_per_step', '?')} per step in a launch"
     )

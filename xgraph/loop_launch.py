@@ -124,7 +124,8 @@ def read_back(
     gen = flat[n * k : n * k + n].tolist()
     why = flat[n * k + n : n * k + 2 * n].tolist()
     rows = flat[n * k + 2 * n :].view(n, -1).tolist()
-    before = [list(r) for r in attn.table(-1).tolist()] if n else []
+    bt = attn.block_tables  # the rows as the host gave them: no padded copy to build
+    before = bt.tolist() if isinstance(bt, torch.Tensor) else [list(r) for r in bt]
     given = []
     for row, old in zip(rows, before):
         empty = [c >= len(old) or old[c] < 0 or old[c] == dummy_block for c in range(len(row))]

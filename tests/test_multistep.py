@@ -18,14 +18,18 @@ BS = 4  # block size
 PROMPTS = [[3, 17, 42, 5, 9], [11, 2, 8], [60, 61, 62, 63, 64, 65, 66]]
 
 
-@pytest.fixture(scope="module")
-def model():
+def build_model():
     m = Qwen3Model.build("tiny", num_blocks=64, block_size=BS, seed=1)
     with torch.no_grad():  # larger weights: greedy tokens that change from step to step
         for p in m.parameters():
             if p.dim() == 2:
                 p.mul_(10)
     return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model()
 
 
 def _executor(model):

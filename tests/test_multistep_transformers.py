@@ -78,7 +78,26 @@ def test_multi_step_stops_at_a_stop_token_and_admits_between_launches(gm):
     got = engine.run().tokens
     want = one.run().tokens
     assert got == want
+    assert engine.totals["queued_launches"] > 0  # launches queued behind launches
     assert got[0] == free[0][: free[0].index(stop) + 1]  # ended at its stop token
+
+
+def test_multi_step_queues_the_next_launch_only_while_no_request_waits(gm):
+    """With a request waiting the engine reads every launch back before the next step (it
+    joins at once); with none it queues the next launch behind the current one."""
+    ps = _prompts(9)
+    engine = gm.engine(steps_per_launch=2)
+    engine.add(ps[0], 12)
+    engine.step()  # prefill
+    engine.add(ps[1], 12)  # waits: the next step is a launch, read back before admitting it
+    engine.step()
+    assert engine.totals["queued_launches"] == 0
+    got = engine.run()
+    assert engine.totals["queued_launches"] > 0
+    alone = gm.engine()
+    for p in ps[:2]:
+        alone.add(p, 12)
+    assert got.tokens == alone.run().tokens
 
 
 def test_xgraph_generate_steps_per_launch_prints_the_same_tokens(tmp_path, capsys):

@@ -31,6 +31,7 @@ forward eagerly once before capturing it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,12 +40,13 @@ import torch
 from .buckets import Buckets, Input
 from .errors import InputError, XGraphError
 from .executor import GraphExecutor
-from .feedback import Feedback, LoopBuffers
+from .feedback import RUNNING, Feedback, LoopBuffers
 from .interfaces import AttentionRunner, Backend
-from .loop_launch import LoopResult, Sampling, launch_inputs, read_back, sampling_inputs
+from .loop_chain import Chain, Launch, refuse_eager
+from .loop_launch import SAMPLING, LoopResult, Sampling, launch_free, launch_inputs, sampling_inputs
 from .loop_step import StepTail
 from .memory import GraphMemory
-from .metadata import AttentionInputs, AttentionMetadata, KVCache
+from .metadata import AttentionInputs, AttentionMetadata, KVCache, LaunchState
 from .options import Mode
 from .paging import PagedAttention
 from .plugins import get_backend
@@ -106,7 +108,22 @@ class _Loop:
                 outs.append(o.tail.choose_sampled(logits, fb, params, o.vocab(logits)))
             else:
                 outs.append(o.tail.choose_greedy(logits, fb))
-        result = (torch.stack(outs, 1), fb.generated.clone(), fb.reasons.clone(), fb.tables())
+        n, live = buf.seqs, fb.reasons == RUNNING
+        # where each sequence stands now: the start of a launch queued behind this one
+        state = (
+            buf.input_ids,
+            buf.positions,
+            torch.where(live, buf.budget - fb.generated, 0),
+            md.seq_lens[:n].long(),
+            md.slot_mapping[:n],
+        )
+        result = (
+            torch.stack(outs, 1),
+            fb.generated.clone(),
+            fb.reasons.clone(),
+            fb.tables(),
+            torch.stack(state, 1),
+        )
         fb.restore()
         return result
 
@@ -205,6 +222,11 @@ class DecodeLoop:
             )
         return tail
 
+    @property
+    def chains(self) -> bool:
+        """Whether a launch can queue the next behind it (Launch.then): full graphs only."""
+        return self.mode is Mode.FULL
+
     def vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """arange(V) for logits of width V on their device (the sampler's token ids), made
         at the first launch's eager run, never inside a capture."""
@@ -216,8 +238,10 @@ class DecodeLoop:
     def _inputs(self, sampled: bool) -> list[Input]:
         i64 = torch.int64
         out = [
-            Input("input_ids", i64, ("num_tokens",), bounds=self._bounds.get("input_ids")),
-            Input("positions", i64, ("num_tokens",), bounds=self._bounds.get("positions")),
+            # bounds checked by the loop on the host values (_check_bounds): a chained
+            # launch's are on the device, where a check would wait for the launch before
+            Input("input_ids", i64, ("num_tokens",)),
+            Input("positions", i64, ("num_tokens",)),
             Input("budget", i64, ("num_tokens",), fill=0),  # padding: finished from the start
             Input("stop_ids", i64, ("num_tokens", self.max_stop_ids), fill=-1),
             Input("free_blocks", i64, (self.max_free_blocks,)),
@@ -275,6 +299,29 @@ class DecodeLoop:
         them from its allocator; those not given stay the engine's). sampling: None or
         temperature 0 everywhere is greedy.
         """
+        return self.launch(
+            input_ids,
+            positions,
+            attn,
+            budget=budget,
+            stop_ids=stop_ids,
+            free_blocks=free_blocks,
+            sampling=sampling,
+        ).result()
+
+    def launch(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        positions: Sequence[int] | torch.Tensor,
+        attn: AttentionInputs,
+        *,
+        budget: int | Sequence[int],
+        stop_ids: Sequence[Sequence[int]] | None = None,
+        free_blocks: Sequence[int] = (),
+        sampling: Sampling | None = None,
+    ) -> Launch:
+        """The launch `__call__` runs, queued: `.result()` reads it back, `.then()` queues
+        the next launch of the same sequences behind it (xgraph.loop_chain)."""
         sampled, x = self.prepare(
             input_ids,
             positions,
@@ -284,8 +331,33 @@ class DecodeLoop:
             free_blocks=free_blocks,
             sampling=sampling,
         )
+        n = len(attn.query_lens)
+        reused = {k: x[k] for k in ("stop_ids", *SAMPLING) if k in x}
+        first = (x["positions"].cpu().numpy(), x["budget"].numpy())
+        free = frozenset(int(b) for b in free_blocks)
+        chain = Chain(n, self.steps, *first, depth=0, reused=reused, free=free)
         out = self.executor(sampled)(**x)
-        return read_back(out, attn, len(attn.query_lens), self.attention.dummy_block)
+        a = self.attention
+        queue = functools.partial(self._follow, sampled)
+        return Launch(queue, out, chain, attn.block_tables, a.dummy_block, a.max_blocks_per_seq)
+
+    def _follow(
+        self, sampled: bool, chain: Chain, attn: LaunchState, x: dict, free: list, prior: Launch
+    ) -> Launch:
+        """Queue the launch `prior.then()` asked for (xgraph.loop_chain)."""
+        if not self.chains:
+            raise refuse_eager(self.name)
+        worst, bound = chain.worst_position(), self._bounds.get("positions")
+        if bound is not None and worst >= bound[1]:
+            raise InputError(
+                f"DecodeLoop: a chained launch could feed position {worst}, past the model's "
+                f"bound {bound[1]}; read this launch back and start the next one."
+            )
+        x.update(chain.reused, **launch_free(free, self.attention, self.max_free_blocks))
+        out = self.executor(sampled)(attn=attn, **x)
+        a = self.attention
+        queue = functools.partial(self._follow, sampled)
+        return Launch(queue, out, chain, prior, a.dummy_block, a.max_blocks_per_seq)
 
     def prepare(
         self,
@@ -305,6 +377,7 @@ class DecodeLoop:
         x = launch_inputs(self.attention, attn, positions, budget, stop_ids, free_blocks, sizes)
         ids = torch.as_tensor(input_ids, dtype=torch.int64)
         pos = torch.as_tensor(positions, dtype=torch.int64)
+        self._check_bounds("input_ids", ids)
         self._check_positions(pos, x["budget"])
         sampled = sampling is not None and not sampling.greedy
         if sampled:
@@ -315,6 +388,21 @@ class DecodeLoop:
             table = attn.table(a.dummy_block, a.max_blocks_per_seq)
             attn = AttentionInputs(attn.query_lens, attn.seq_lens, table, attn.slot_mapping)
         return sampled, {"attn": attn, "input_ids": ids, "positions": pos, **x}
+
+    def _check_bounds(self, name: str, v: torch.Tensor) -> None:
+        """A host value outside the model's declared bounds refused, named (a device tensor
+        pays one sync here)."""
+        bound = self._bounds.get(name)
+        if bound is None or not v.numel():
+            return
+        low, high = bound
+        bad = ((v < low) | (v >= high)).nonzero()
+        if len(bad):
+            at = int(bad[0, 0])
+            raise InputError(
+                f"DecodeLoop: input {name!r}[{at}] is {int(v[at])}, outside its bounds "
+                f"[{low}, {high})."
+            )
 
     def _check_positions(self, pos: torch.Tensor, budget: torch.Tensor) -> None:
         """Every position a launch feeds the model stays inside the model's bound."""

@@ -81,25 +81,33 @@ def launch_inputs(
             f"DecodeLoop: stop_ids needs one list per sequence ({n}) of at most "
             f"{sizes['stop']} ids (max_stop_ids)."
         )
-    free = [int(b) for b in free_blocks]
-    bad = [b for b in free if not 0 <= b < a.num_blocks or b == a.dummy_block]
-    if bad or len(free) > sizes["free"] or len(set(free)) != len(free):
-        raise InputError(
-            f"DecodeLoop: free_blocks must be at most {sizes['free']} distinct real cache "
-            f"blocks (0 to {a.num_blocks - 1}, not the dummy block {a.dummy_block}); "
-            f"got {free}."
-        )
     stop_t = torch.full((n, sizes["stop"]), -1, dtype=torch.int64)
     for i, s in enumerate(stops):
         stop_t[i, : len(s)] = torch.tensor(s, dtype=torch.int64)
-    free_t = torch.zeros(sizes["free"], dtype=torch.int64)
-    free_t[: len(free)] = torch.tensor(free, dtype=torch.int64)
     return {
         "budget": torch.tensor(spent, dtype=torch.int64),
         "stop_ids": stop_t,
-        "free_blocks": free_t,
-        "free_count": torch.tensor([len(free)], dtype=torch.int64),
+        **launch_free(free_blocks, a, sizes["free"]),
     }
+
+
+def launch_free(
+    free_blocks: Sequence[int], a: PagedAttention, most: int
+) -> dict[str, torch.Tensor]:
+    """The blocks a launch may give, checked: at most `most` distinct real cache blocks."""
+    free = [int(b) for b in free_blocks]
+    bad = [b for b in free if not 0 <= b < a.num_blocks or b == a.dummy_block]
+    if bad or len(free) > most or len(set(free)) != len(free):
+        raise InputError(
+            f"DecodeLoop: free_blocks must be at most {most} distinct real cache blocks (0 to "
+            f"{a.num_blocks - 1}, not the dummy block {a.dummy_block}); got {free}."
+        )
+    free_t = torch.zeros(most, dtype=torch.int64)
+    free_t[: len(free)] = torch.tensor(free, dtype=torch.int64)
+    return {"free_blocks": free_t, "free_count": torch.tensor([len(free)], dtype=torch.int64)}
+
+
+SAMPLING = ("seeds", "temperature", "top_k", "top_p")  # a sampling launch's own inputs
 
 
 def sampling_inputs(s: Sampling, n: int) -> dict[str, torch.Tensor]:
@@ -111,23 +119,24 @@ def sampling_inputs(s: Sampling, n: int) -> dict[str, torch.Tensor]:
     }
 
 
-def read_back(
-    out: tuple[torch.Tensor, ...], attn: AttentionInputs, n: int, dummy_block: int
+def unpack(
+    flat: torch.Tensor,
+    n: int,
+    k: int,
+    width: int,
+    before: torch.Tensor | Sequence[Sequence[int]],
+    dummy_block: int,
 ) -> LoopResult:
-    """The launch's outputs on the host (one copy), cut to each sequence's new tokens."""
-    tokens, generated, reasons, tables = out
-    k = tokens.shape[1]
-    flat = torch.cat(
-        [tokens[:n].reshape(-1), generated[:n], reasons[:n], tables[:n].long().reshape(-1)]
-    ).cpu()
+    """A launch's outputs on the host (xgraph.loop_chain.pack: tokens [n, k], generated,
+    reasons, block-table rows [n, width], then the state), cut to each sequence's new
+    tokens; `before`: the rows as the launch started, to find the blocks it gave."""
     tok = flat[: n * k].view(n, k)
     gen = flat[n * k : n * k + n].tolist()
     why = flat[n * k + n : n * k + 2 * n].tolist()
-    rows = flat[n * k + 2 * n :].view(n, -1).tolist()
-    bt = attn.block_tables  # the rows as the host gave them: no padded copy to build
-    before = bt.tolist() if isinstance(bt, torch.Tensor) else [list(r) for r in bt]
+    rows = flat[n * k + 2 * n : n * k + 2 * n + n * width].view(n, width).tolist()
+    old_rows = before.tolist() if isinstance(before, torch.Tensor) else [list(r) for r in before]
     given = []
-    for row, old in zip(rows, before):
+    for row, old in zip(rows, old_rows):
         empty = [c >= len(old) or old[c] < 0 or old[c] == dummy_block for c in range(len(row))]
         given.append([b for b, e in zip(row, empty) if e and 0 <= b != dummy_block])
     return LoopResult(

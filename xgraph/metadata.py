@@ -122,6 +122,16 @@ class AttentionInputs:
 
 
 @dataclass
+class LaunchState(AttentionInputs):
+    """Device metadata a multi-step launch left behind (xgraph.decode_loop), the next launch's
+    start: derived on the device from metadata the executor had checked and blocks the host
+    had checked, by the launch's own feedback, so a full graph stages it as given (no device
+    check: a finished sequence's slot is the dummy slot, which the check would refuse).
+    Only the loop builds it; an engine that wants the same for its own tables uses
+    PagedAttention(validate="trusted")."""
+
+
+@dataclass
 class AttentionMetadata:
     """One step's attention inputs as runners read them.
 

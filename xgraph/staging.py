@@ -138,7 +138,7 @@ class StepStaging:
         if attn is not None:
             m, md = self._padded(attn, padded[NUM_TOKENS], num_seqs, bank)
             nbytes = max(nbytes, m.nbytes)
-            if attn.on_device and not self.trusted:
+            if attn.on_device and not (self.trusted or attn.trusted):
                 nbytes = max(nbytes, self._counts(attn, bank))
         st.send(nbytes)
         for view, value, fill in later or ():
@@ -147,7 +147,8 @@ class StepStaging:
         if attn is not None and attn.on_device:
             # the host copy has sent the padding; the real rows follow on the device
             assert self.device_check is not None
-            check = self.device_check.stage(attn, m.device, num_seqs, self.trusted)
+            trusted = self.trusted or attn.trusted
+            check = self.device_check.stage(attn, m.device, num_seqs, trusted)
         return plan.views, md, check
 
     def _counts(self, h: StepAttention, bank: int) -> int:

@@ -34,7 +34,7 @@ import torch
 
 from .decode_check import DecodeCheck, distinct
 from .errors import InputError
-from .metadata import AttentionInputs, AttentionMetadata
+from .metadata import AttentionInputs, AttentionMetadata, LaunchState
 from .paging import PagedAttention
 from .validation import any_true, same
 
@@ -53,6 +53,7 @@ class StepAttention:
     slots: np.ndarray  # int64 [tokens]; on the device as given, int64 or int32 (cast as staged)
     query_len: int  # the query length every sequence has, 0 where they differ
     on_device: bool = False  # seq_lens, table and slots are device tensors, checked there
+    trusted: bool = False  # device metadata staged as given (a launch's own: LaunchState)
 
     @property
     def is_decode(self) -> bool:
@@ -122,7 +123,7 @@ class AttentionCheck:
         `xgraph.device_check` as they are staged."""
         if type(attn) is not AttentionInputs:
             attn = self._given(attn)
-        if not host and self._resident(attn):
+        if not host and (self._resident(attn) or type(attn) is LaunchState):
             return self._device(attn, num_tokens)
         ql, q = self._query_lens(attn.query_lens)
         sl = _ints(self.name, attn.seq_lens, "seq_lens", 1)
@@ -206,7 +207,7 @@ class AttentionCheck:
         # int32 slots (flash-attn-style engines) stay as given: the copy into the int64
         # metadata buffers casts them, exactly
         slots = self._tensor(attn.slot_mapping, "slot_mapping", _SLOTS, None).reshape(-1)
-        h = StepAttention(ql, sl, table, slots, q, on_device=True)
+        h = StepAttention(ql, sl, table, slots, q, True, type(attn) is LaunchState)
         total = q * n if q else int(ql.sum())
         if not n or total != num_tokens or n > self.max_seqs:
             self._counts(h, num_tokens)

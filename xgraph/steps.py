@@ -273,9 +273,10 @@ class StepPlanner:
         h = checked.attn
         if h is not None and h.on_device and d.kind is not Kind.FULL:
             # host-planned runners and eager steps read the lengths on the host: copied
-            # there (a sync) and checked like host metadata
+            # there (a sync) and checked like host metadata (a launch's own state: shapes only)
             assert self.attn_check is not None
-            host = self.attn_check.check(h.on_host(), checked.num_tokens, checked.synthetic, True)
+            shapes_only = checked.synthetic or h.trusted
+            host = self.attn_check.check(h.on_host(), checked.num_tokens, shapes_only, True)
             d = Decision(d.kind, d.key, d.padded, d.reason, host)
         return d
 

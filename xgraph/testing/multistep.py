@@ -71,3 +71,35 @@ class MultiStepTests(BackendTests):
         assert loop.stats()["greedy"]["captures"] == 1
         loop.close()
         ex.close()
+
+    def test_multi_step_chained_launches_equal_one_longer_launch(self, backend: Backend) -> None:
+        """Two launches of 2 steps, the second queued behind the first from the state it left
+        on the device (Launch.then), give the tokens and the cache of one launch of 4."""
+        from xgraph.decode_loop import DecodeLoop
+
+        n = 3
+        works = [tiny_workload(backend, num_blocks=96, max_blocks=8) for _ in range(2)]
+        for w in works:
+            w.randomize_cache(13)
+        ids, lens, rows = _batch(works[0], random.Random(6), n, 4)
+        loops = [
+            DecodeLoop(
+                w.model.forward_logits,
+                attention=w.attention(),
+                steps=k,
+                backend=backend,
+                buckets=[1, 2, 4],
+                inputs=w.inputs(),
+            )
+            for w, k in zip(works, (4, 2))
+        ]
+        want = loops[0](*_step(works[0], ids, lens, rows), budget=[4] * n)
+        first = loops[1].launch(*_step(works[1], ids, lens, rows), budget=[4] * n)
+        second = first.then()
+        got = [a + b for a, b in zip(first.result().tokens, second.result().tokens)]
+        assert got == want.tokens
+        assert second.result().reasons == want.reasons == ["length"] * n
+        for x, y in zip(works[0].cache.tensors(), works[1].cache.tensors()):
+            self.assert_matches(backend, x, y)
+        for loop in loops:
+            loop.close()

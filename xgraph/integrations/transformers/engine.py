@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ...loop_chain import Launch
 from ...loop_launch import Sampling
 from .allocator import BlockAllocator
 from .errors import CapacityError
@@ -65,6 +66,9 @@ class Engine:
             decode steps each (GraphModel.decode_loop: the head, the token choice and the
             next step's inputs on the device; K tokens per sequence reach the host at once);
             steps with a prompt still run one at a time, so requests join between launches.
+            While no request waits, the next launch is queued behind the current one before
+            its tokens are read back (xgraph.loop_chain), so the device does not wait for
+            the host between launches; a request added meanwhile joins one launch later.
             The tokens are the same as with K = 1, greedy or seeded.
     """
 
@@ -97,10 +101,11 @@ class Engine:
         self.progress = TokenProgress(False)
         self._started: float | None = None
         self._counts = graph_step_counts(gm.executor)
+        self._ahead: tuple[list[SeqState], Launch] | None = None  # queued, not read back
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._ahead)
 
     def add(
         self,
@@ -154,6 +159,10 @@ class Engine:
             return []
         if self._started is None:
             self._started = self.clock()
+        if self._ahead is not None:  # a launch queued behind the last: its tokens first
+            seqs, launch = self._ahead
+            self._ahead = None
+            return self._timed(True, True, lambda: self._collect(seqs, launch))
         lim = self.gm.limits
         admit(self.waiting, self.running, self.allocator, lim.max_seqs, lim.block_size)
         plan = schedule(self.running, self.budget)
@@ -161,11 +170,16 @@ class Engine:
             raise CapacityError(f"{self.gm.spec.name}: no sequence could be scheduled.")
         batch = build_batch(plan, self.gm.cache, self.gm.spec.pad_position)
         launch = self._launchable(batch)
+        run = (lambda: self._launch(batch)) if launch else (lambda: self._run(batch))
+        return self._timed(batch.is_decode, launch, run)
+
+    def _timed(self, decode: bool, launch: bool, run: Callable[[], list[TokenEvent]]) -> list:
+        """Run one step and keep its books: steps, decode steps, time and tokens."""
         t0 = self.clock()
-        events = self._launch(batch) if launch else self._run(batch)
+        events = run()
         dt = self.clock() - t0
         self.totals["steps"] += 1
-        if batch.is_decode:
+        if decode:
             self.totals["decode_steps"] += self.k if launch else 1
             self.totals["decode_ns"] += int(dt * 1e9)
             self.totals["decode_tokens"] += len(events)
@@ -247,7 +261,7 @@ class Engine:
                 top_p=[p.top_p for p in ps],
                 seeds=[p.seed for p in ps],
             )
-        out = self.gm.decode_loop(self.k)(
+        launch = self.gm.decode_loop(self.k).launch(
             batch.input_ids,
             batch.positions,
             batch.attn,
@@ -255,11 +269,23 @@ class Engine:
             stop_ids=[sorted(s.stop) for s in seqs],
             sampling=sampling,
         )
+        return self._collect(seqs, launch)
+
+    def _collect(self, seqs: list[SeqState], launch: Launch) -> list[TokenEvent]:
+        """A launch's tokens, the next launch queued behind it first where no request waits
+        and a sequence will still run after it (its budget outlasts this launch)."""
+        alive = [s for s in seqs if not s.done]  # a chained launch's may have finished
+        outlast = any(s.max_new_tokens - s.generated > self.k for s in alive)
+        if outlast and not self.waiting and self.gm.decode_loop(self.k).chains:
+            self._ahead = (seqs, launch.then())
+            self.totals["queued_launches"] += 1
+        out = launch.result()
         if "blocks" in out.reasons:  # admission reserved every block a sequence can need
             raise CapacityError("a decode launch ran out of cache blocks it was given.")
-        for seq, new in zip(seqs, out.tokens):
-            seq.computed += len(new)  # the input token and every new one but the last
-        return self._take(seqs, out.tokens)
+        new = dict(zip(map(id, seqs), out.tokens))
+        for seq in alive:
+            seq.computed += len(new[id(seq)])  # the input token and each new one but the last
+        return self._take(alive, [new[id(s)] for s in alive])
 
     def events(self) -> Iterator[TokenEvent]:
         """Steps until every request has finished, yielding tokens as they are chosen."""

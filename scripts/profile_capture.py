@@ -1,0 +1,55 @@
+"""Where a capture session's host time goes: the reference model's decode and piecewise
+graphs (as `xgraph bench startup` captures them) under cProfile, warm-ups done first.
+
+    python scripts/profile_capture.py --backend cuda --top 40 [--decode 1,2,4,8]
+
+Prints the capture's seconds, then the functions with the most own time and the most
+cumulative time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from xgraph.bench import startup_run as sr
+from xgraph.buckets import sglang_piecewise_sizes, vllm_capture_sizes
+from xgraph.models import Qwen3Model
+from xgraph.plugins import get_backend
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--decode", default="")
+    args = p.parse_args()
+    backend = get_backend(args.backend)
+    decode = [int(s) for s in args.decode.split(",")] if args.decode else vllm_capture_sizes(512)
+    pieces = sglang_piecewise_sizes(2048)
+    dtype = torch.float32 if backend.device.type == "cpu" else torch.bfloat16
+    model = Qwen3Model.build(args.model, num_blocks=1, dtype=dtype, device=backend.device)
+    sr._kv_cache(model, backend, decode, pieces)
+    full, pw = sr._reference_executors(model, backend, decode, pieces)
+    full.warm_up()
+    pw.warm_up(kind="piecewise")
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    sr._capture_all(full, pw)
+    prof.disable()
+    seconds = time.perf_counter() - t0
+    graphs = full.stats()["captures"] + pw.stats()["captures"]
+    print(f"captured {graphs} graphs in {seconds:.2f} s (under cProfile)")
+    for key in ("tottime", "cumtime"):
+        pstats.Stats(prof).sort_stats(key).print_stats(args.top)
+    sr._close([full, pw])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
 """Where a capture session's host time goes: the reference model's decode and piecewise
 graphs (as `xgraph bench startup` captures them) under cProfile, warm-ups done first.
 
-    python scripts/profile_capture.py --backend cuda --top 40 [--decode 1,2,4,8]
+    python -m xgraph.bench.capture_profile --backend cuda --top 40 [--decode 1,2,4,8]
 
 Prints the capture's seconds, then the functions with the most own time and the most
 cumulative time.

@@ -43,7 +43,7 @@ def capturing_graph() -> CheckedGraph | None:
 class _CaptureGuard(TorchDispatchMode):
     """Checks each op before it runs; lets the graph's driver see it after (host recorders)."""
 
-    compiler_disabled = False  # set by _disable_compiler_once
+    compiler_disabled = False  # set by _disable_compiler_once: Dynamo skips the guard
 
     def __init__(self, graph: CheckedGraph, op_check: OpCheck | None) -> None:
         super().__init__()
@@ -61,14 +61,37 @@ class _CaptureGuard(TorchDispatchMode):
 
 
 def _disable_compiler_once() -> None:
-    """The guard is library code: a compiled forward never traces it. torch.compiler.disable
-    imports torch._dynamo (about a second), so it is applied when the first guard is built,
-    not when xgraph is imported (applying it twice is harmless)."""
-    if not _CaptureGuard.compiler_disabled:
+    """The guard is library code: a compiled forward never traces it. Dynamo is told to skip
+    its frame and every frame it calls (a code-object strategy: no wrapper, so no cost per
+    op; re-set for every guard, since torch._dynamo.reset() may clear it). Where that call
+    is missing, torch.compiler.disable wraps the method instead (about 10 us an op). Either
+    imports torch._dynamo (about a second), so it happens when the first guard is built,
+    not when xgraph is imported."""
+    global _skip
+    if _skip is None:
+        _skip = _frame_skipper()
+    _skip()
+
+
+_skip: Callable[[], None] | None = None
+
+
+def _frame_skipper() -> Callable[[], None]:
+    code = _CaptureGuard.__torch_dispatch__.__code__
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+        set_code_exec_strategy(code, strategy)
+    except (ImportError, AttributeError, TypeError):
         _CaptureGuard.__torch_dispatch__ = torch.compiler.disable(  # type: ignore[method-assign]
             _CaptureGuard.__torch_dispatch__
         )
         _CaptureGuard.compiler_disabled = True
+        return lambda: None
+    _CaptureGuard.compiler_disabled = True
+    return lambda: set_code_exec_strategy(code, strategy)
 
 
 class CheckedGraph(Graph):

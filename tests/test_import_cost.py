@@ -66,6 +66,7 @@ def test_a_capture_guard_still_keeps_the_compiler_out():
     assert torch.equal(y, torch.full((4,), 7.0))
     assert _CaptureGuard.compiler_disabled
     assert not hasattr(_CaptureGuard.__torch_dispatch__, "_torchdynamo_disable")
+    assert not hasattr(_CaptureGuard.__torch_dispatch__, "__wrapped__")  # torch's wrapper neither
     """
     assert loaded_after(code, ("torch._dynamo",)) == ["torch._dynamo"]
 

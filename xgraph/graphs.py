@@ -45,6 +45,12 @@ class _CaptureGuard(TorchDispatchMode):
 
     compiler_disabled = False  # set by _disable_compiler_once: Dynamo skips the guard
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch would wrap __torch_dispatch__ to keep Dynamo out, a wrapper every op pays;
+        # _disable_compiler_once keeps it out by the code's strategy instead
+        return False
+
     def __init__(self, graph: CheckedGraph, op_check: OpCheck | None) -> None:
         super().__init__()
         self.graph = graph

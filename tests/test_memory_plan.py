@@ -14,16 +14,24 @@ from xgraph import GraphMemory, XGraphError
 from xgraph.memory_plan import measured_graph_memory
 from xgraph.models import Qwen3Config, Qwen3Model, Workload
 
-BACKENDS = ["cpu", "ascend-sim"]
+# the CUDA adapter's where a GPU is present (the H200 run), skipped elsewhere
+_CUDA = pytest.param(
+    "cuda",
+    marks=pytest.mark.skipif(
+        "cuda" not in xgraph.plugins.registry.available_names(), reason="no CUDA backend here"
+    ),
+)
+BACKENDS = ["cpu", "ascend-sim", _CUDA]
 ORDERS = ["ascending", "random", "largest-first"]
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
 
 
-def _workload(num_blocks: int) -> Workload:
+def _workload(num_blocks: int, device: object = "cpu") -> Workload:
     """The tiny model with a wide vocabulary: the largest bucket's logits alone span several
     of the simulator's 2 MiB chunks, so the prediction is checked in bytes, not one chunk."""
     config = dataclasses.replace(Qwen3Config.tiny(), vocab_size=32768)
-    return Workload(Qwen3Model.build(config, num_blocks=num_blocks, block_size=4), 8, 32)
+    model = Qwen3Model.build(config, num_blocks=num_blocks, block_size=4, device=device)
+    return Workload(model, 8, 32)
 
 
 def _memory(backend) -> GraphMemory:  # type: ignore[no-untyped-def]
@@ -54,7 +62,7 @@ def _books(backend) -> tuple:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("name", BACKENDS)
 def test_the_plan_before_the_cache_predicts_every_bucket_captured(name, order):
     backend = xgraph.get_backend(name)
-    placeholder = _workload(8)  # the real cache does not exist yet
+    placeholder = _workload(8, backend.device)  # the real cache does not exist yet
     memory = _memory(backend)
     ex = _executor(placeholder, backend, memory)
     books = _books(backend)
@@ -65,11 +73,13 @@ def test_the_plan_before_the_cache_predicts_every_bucket_captured(name, order):
         ("full", 64, len(SIZES)),
         ("piecewise", 64, len(SIZES)),
     ]
-    assert plan.executable_bytes == 0 and plan.executables_measured is (name != "cpu")
+    # the CUDA driver's executables cost device memory per kernel node, measured there
+    assert (plan.executable_bytes > 0) is (name == "cuda")
+    assert plan.executables_measured is (name != "cpu")
     ex.close()
     memory.close()
 
-    real = _workload(512)
+    real = _workload(512, backend.device)
     memory = _memory(backend)
     ex = _executor(real, backend, memory)
     for seed, kind in enumerate(("full", "piecewise")):
@@ -86,7 +96,7 @@ def test_the_plan_before_the_cache_predicts_every_bucket_captured(name, order):
 def test_executors_over_one_memory_plan_its_maximum(name):
     """A decode and a prefill executor sharing one memory hold the larger of their pools."""
     backend = xgraph.get_backend(name)
-    w = _workload(8)
+    w = _workload(8, backend.device)
     memory = _memory(backend)
     full, pieces = _executor(w, backend, memory, "full"), _executor(w, backend, memory, "piecewise")
     both = xgraph.predict_graph_memory(full, pieces)

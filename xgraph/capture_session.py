@@ -44,11 +44,12 @@ def _open() -> None:
         t0 = time.perf_counter()
         gc.collect()
         gc.freeze()
-        logger.debug(
-            "capture session: %d objects frozen (%.3f s)",
-            gc.get_freeze_count(),
-            time.perf_counter() - t0,
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # the count walks every frozen object
+            logger.debug(
+                "capture session: %d objects frozen (%.3f s)",
+                gc.get_freeze_count(),
+                time.perf_counter() - t0,
+            )
 
 
 def _close() -> None:

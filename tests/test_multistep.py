@@ -104,8 +104,8 @@ def _choose(logits, positions, sampling):
     )
 
 
-def one_step_at_a_time(model, new, sampling=None):
-    """The reference: the executor's own steps, the choice made after each on the host side."""
+def start(model, sampling=None):
+    """A cache holding the prompts, their first tokens chosen: (executor, books)."""
     for t in model.kv_cache.tensors():
         t.zero_()
     ex = _executor(model)
@@ -114,6 +114,12 @@ def one_step_at_a_time(model, new, sampling=None):
     last_pos = [len(t) - 1 for t in seqs.tokens]
     for i, tok in enumerate(_choose(first, last_pos, sampling).tolist()):
         seqs.tokens[i].append(tok)
+    return ex, seqs
+
+
+def one_step_at_a_time(model, new, sampling=None):
+    """The reference: the executor's own steps, the choice made after each on the host side."""
+    ex, seqs = start(model, sampling)
     for _ in range(new - 1):
         ids, pos, attn = seqs.decode_step()
         logits = ex(input_ids=torch.tensor(ids), positions=torch.tensor(pos), attn=attn)
@@ -124,14 +130,7 @@ def one_step_at_a_time(model, new, sampling=None):
 
 
 def k_per_launch(model, new, k, sampling=None, free_per_launch=None, **loop_options):
-    for t in model.kv_cache.tensors():
-        t.zero_()
-    ex = _executor(model)
-    seqs = Seqs(PROMPTS)
-    first = _prefill(ex, seqs)
-    last_pos = [len(t) - 1 for t in seqs.tokens]
-    for i, tok in enumerate(_choose(first, last_pos, sampling).tolist()):
-        seqs.tokens[i].append(tok)
+    ex, seqs = start(model, sampling)
     a = xgraph.PagedAttention.for_cache(model.kv_cache, max_seqs=8, max_blocks_per_seq=8)
     loop = DecodeLoop(
         model.forward_logits,

@@ -7,16 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_multistep import (
-    BS,
-    PROMPTS,
-    Seqs,
-    _choose,
-    _executor,
-    _prefill,
-    build_model,
-    one_step_at_a_time,
-)
+from test_multistep import BS, PROMPTS, build_model, one_step_at_a_time, start
 
 import xgraph
 from xgraph.decode_loop import DecodeLoop
@@ -27,19 +18,6 @@ from xgraph.loop_launch import Sampling
 @pytest.fixture(scope="module")
 def model():
     return build_model()
-
-
-def _start(model, sampling=None):
-    """A cache holding the prompts, their first tokens chosen: (executor, books)."""
-    for t in model.kv_cache.tensors():
-        t.zero_()
-    ex = _executor(model)
-    seqs = Seqs(PROMPTS)
-    first = _prefill(ex, seqs)
-    last = [len(t) - 1 for t in seqs.tokens]
-    for i, tok in enumerate(_choose(first, last, sampling).tolist()):
-        seqs.tokens[i].append(tok)
-    return ex, seqs
 
 
 def _loop(model, ex, k, **options):
@@ -74,7 +52,7 @@ def _take(seqs, result):
 def chained(model, new, k, sampling=None):
     """Every launch after the first queued behind the one before, each read back only after
     the next is queued (an engine's pipeline): the tokens and the last reasons."""
-    ex, seqs = _start(model, sampling)
+    ex, seqs = start(model, sampling)
     loop = _loop(model, ex, k)
     budget = [new - 1] * len(PROMPTS)  # the first token came from the prefill
     per = 3  # blocks handed to each launch, new to the chain every time
@@ -118,7 +96,7 @@ def test_multi_step_a_sequence_finished_earlier_in_the_chain_stays_finished(mode
     """Budget 2 with K = 2: the first sequence finishes in the first launch; the chained
     launch reports no token for it, the reason it finished with, and writes nothing of it
     into the cache (its own blocks unchanged), while the others go on."""
-    ex, seqs = _start(model)
+    ex, seqs = start(model)
     loop = _loop(model, ex, 2)
     first = _first_launch(loop, seqs, [2, 6, 6], seqs.free[:4])
     second = first.then(seqs.free[4:8])
@@ -139,7 +117,7 @@ def test_multi_step_a_sequence_finished_earlier_in_the_chain_stays_finished(mode
 
 
 def test_multi_step_chain_refuses_blocks_handed_out_before(model):
-    ex, seqs = _start(model)
+    ex, seqs = start(model)
     loop = _loop(model, ex, 2)
     first = _first_launch(loop, seqs, [6, 6, 6], seqs.free[:3])
     with pytest.raises(InputError, match="handed to an earlier launch of this chain"):
@@ -152,7 +130,7 @@ def test_multi_step_chain_refuses_blocks_handed_out_before(model):
 def test_multi_step_chain_refuses_positions_past_the_model_bound(model):
     """Positions bounded at 24: the first launch's 4 steps fit, and so do chained ones
     until a launch could feed a position past the bound; that one is refused."""
-    ex, seqs = _start(model)
+    ex, seqs = start(model)
     bound = xgraph.Input("positions", torch.int64, ("num_tokens",), bounds=(0, 24))
     loop = _loop(model, ex, 4, inputs=[bound])
     first = _first_launch(loop, seqs, [100] * 3, seqs.free[:12])
@@ -168,7 +146,7 @@ def test_multi_step_chain_refuses_positions_past_the_model_bound(model):
 
 
 def test_multi_step_chain_needs_full_graphs(model):
-    ex, seqs = _start(model)
+    ex, seqs = start(model)
     loop = _loop(model, ex, 2, mode="eager")
     first = _first_launch(loop, seqs, [4, 4, 4], seqs.free[:3])
     with pytest.raises(XGraphError, match="chained launches"):

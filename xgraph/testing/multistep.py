@@ -34,12 +34,23 @@ def _step(w, ids, lens, rows):  # type: ignore[no-untyped-def]
     return torch.tensor(ids), torch.tensor(pos), AttentionInputs([1] * len(ids), lens, rows, slots)
 
 
+def _loop(w, backend: Backend, k: int):  # type: ignore[no-untyped-def]
+    from xgraph.decode_loop import DecodeLoop
+
+    return DecodeLoop(
+        w.model.forward_logits,
+        attention=w.attention(),
+        steps=k,
+        backend=backend,
+        buckets=[1, 2, 4],
+        inputs=w.inputs(),
+    )
+
+
 class MultiStepTests(BackendTests):
     """K decode steps per launch equal K steps of the executor, greedy (tokens and cache)."""
 
     def test_multi_step_launch_equals_one_step_at_a_time(self, backend: Backend) -> None:
-        from xgraph.decode_loop import DecodeLoop
-
         k, n = 4, 3
         a_w, b_w = (tiny_workload(backend, num_blocks=96, max_blocks=8) for _ in range(2))
         for w in (a_w, b_w):
@@ -55,14 +66,7 @@ class MultiStepTests(BackendTests):
             for i, t in enumerate(cur):
                 want[i].append(t)
             kv = [x + 1 for x in kv]
-        loop = DecodeLoop(
-            a_w.model.forward_logits,
-            attention=a_w.attention(),
-            steps=k,
-            backend=backend,
-            buckets=[1, 2, 4],
-            inputs=a_w.inputs(),
-        )
+        loop = _loop(a_w, backend, k)
         got = loop(*_step(a_w, ids, lens, rows), budget=[k] * n)
         assert got.tokens == want
         assert got.reasons == ["length"] * n
@@ -75,24 +79,12 @@ class MultiStepTests(BackendTests):
     def test_multi_step_chained_launches_equal_one_longer_launch(self, backend: Backend) -> None:
         """Two launches of 2 steps, the second queued behind the first from the state it left
         on the device (Launch.then), give the tokens and the cache of one launch of 4."""
-        from xgraph.decode_loop import DecodeLoop
-
         n = 3
         works = [tiny_workload(backend, num_blocks=96, max_blocks=8) for _ in range(2)]
         for w in works:
             w.randomize_cache(13)
         ids, lens, rows = _batch(works[0], random.Random(6), n, 4)
-        loops = [
-            DecodeLoop(
-                w.model.forward_logits,
-                attention=w.attention(),
-                steps=k,
-                backend=backend,
-                buckets=[1, 2, 4],
-                inputs=w.inputs(),
-            )
-            for w, k in zip(works, (4, 2))
-        ]
+        loops = [_loop(w, backend, k) for w, k in zip(works, (4, 2))]
         want = loops[0](*_step(works[0], ids, lens, rows), budget=[4] * n)
         first = loops[1].launch(*_step(works[1], ids, lens, rows), budget=[4] * n)
         second = first.then()

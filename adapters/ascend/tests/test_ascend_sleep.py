@@ -82,7 +82,10 @@ def test_a_wake_the_driver_fails_goes_back_to_sleep(sim, call, at) -> None:  # t
     ex.close()
 
 
-def test_the_context_era_refuses_regions_and_sleep(make_sim) -> None:  # type: ignore[no-untyped-def]
+def test_the_context_era_refuses_regions_and_sleep(make_sim, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import xgraph.memory
+
+    monkeypatch.setattr(xgraph.memory, "_warned", set())  # shown once a process: show it here
     backend = make_sim(era="context")
     with pytest.raises(XGraphError, match="cannot place tensors in memory that sleep gives back"):
         xgraph.memory_region("weights", backend)

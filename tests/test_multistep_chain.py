@@ -122,6 +122,9 @@ def test_multi_step_chain_refuses_blocks_handed_out_before(model):
     first = _first_launch(loop, seqs, [6, 6, 6], seqs.free[:3])
     with pytest.raises(InputError, match="handed to an earlier launch of this chain"):
         first.then(seqs.free[2:5])
+    first.then(seqs.free[3:5])
+    with pytest.raises(XGraphError, match="followed already"):  # one state, one next launch
+        first.then(seqs.free[5:7])
     first.result()
     loop.close()
     ex.close()

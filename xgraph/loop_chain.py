@@ -107,6 +107,7 @@ class Launch:
         self._before = before
         self._dummy, self._width = dummy_block, width
         self._result: LoopResult | None = None
+        self._followed = False
 
     def result(self) -> LoopResult:
         """The launch's tokens on the host (waits for this launch only; read once, kept)."""
@@ -128,6 +129,11 @@ class Launch:
         """Queue the next launch of these sequences from the state this one leaves on the
         device; `free_blocks` are blocks it may give, none handed to the chain before."""
         c = self.chain
+        if self._followed:  # two launches from one state could give one block twice
+            raise XGraphError(
+                "DecodeLoop: this launch was followed already (Launch.then); queue the next "
+                "launch behind the one that call returned."
+            )
         free = [int(b) for b in free_blocks]
         reused = sorted(c.free.intersection(free))
         if reused:
@@ -146,7 +152,9 @@ class Launch:
             col["slot_mapping"],
         )
         x = {"input_ids": col["input_ids"], "positions": col["positions"], "budget": col["budget"]}
-        return self._queue(nxt, attn, x, free, self)
+        launch = self._queue(nxt, attn, x, free, self)
+        self._followed = True
+        return launch
 
 
 def refuse_eager(name: str) -> XGraphError:

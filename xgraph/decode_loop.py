@@ -336,10 +336,17 @@ class DecodeLoop:
         first = (x["positions"].cpu().numpy(), x["budget"].numpy())
         free = frozenset(int(b) for b in free_blocks)
         chain = Chain(n, self.steps, *first, depth=0, reused=reused, free=free)
+        return self._queue(sampled, x, chain, attn.block_tables)
+
+    def _queue(
+        self, sampled: bool, x: dict, chain: Chain, before: Sequence[Sequence[int]] | Launch
+    ) -> Launch:
+        """Run a launch through its executor; the queued Launch (`before`: the rows it
+        started from, or the launch it follows)."""
         out = self.executor(sampled)(**x)
         a = self.attention
         queue = functools.partial(self._follow, sampled)
-        return Launch(queue, out, chain, attn.block_tables, a.dummy_block, a.max_blocks_per_seq)
+        return Launch(queue, out, chain, before, a.dummy_block, a.max_blocks_per_seq)
 
     def _follow(
         self, sampled: bool, chain: Chain, attn: LaunchState, x: dict, free: list, prior: Launch
@@ -354,10 +361,7 @@ class DecodeLoop:
                 f"bound {bound[1]}; read this launch back and start the next one."
             )
         x.update(chain.reused, **launch_free(free, self.attention, self.max_free_blocks))
-        out = self.executor(sampled)(attn=attn, **x)
-        a = self.attention
-        queue = functools.partial(self._follow, sampled)
-        return Launch(queue, out, chain, prior, a.dummy_block, a.max_blocks_per_seq)
+        return self._queue(sampled, {"attn": attn, **x}, chain, prior)
 
     def prepare(
         self,

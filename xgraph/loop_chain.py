@@ -58,9 +58,7 @@ class Chain:
     free: frozenset[int]  # every block handed to a launch of the chain so far
 
     def worst_position(self) -> int:
-        """The highest position a launch at this depth can feed (-1 with no sequence)."""
-        if not self.n:
-            return -1
+        """The highest position a launch at this depth can feed."""
         fed = np.minimum(self.first_budget, (self.depth + 1) * self.steps)
         return int((self.first_pos + fed - 1).max())
 

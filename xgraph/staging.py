@@ -135,10 +135,11 @@ class StepStaging:
                 later = later or []
                 later.append((t.device, value, t.fill))
         nbytes, md = plan.nbytes, None
+        trusted = self.trusted or (attn is not None and attn.trusted)
         if attn is not None:
             m, md = self._padded(attn, padded[NUM_TOKENS], num_seqs, bank)
             nbytes = max(nbytes, m.nbytes)
-            if attn.on_device and not (self.trusted or attn.trusted):
+            if attn.on_device and not trusted:
                 nbytes = max(nbytes, self._counts(attn, bank))
         st.send(nbytes)
         for view, value, fill in later or ():
@@ -147,7 +148,6 @@ class StepStaging:
         if attn is not None and attn.on_device:
             # the host copy has sent the padding; the real rows follow on the device
             assert self.device_check is not None
-            trusted = self.trusted or attn.trusted
             check = self.device_check.stage(attn, m.device, num_seqs, trusted)
         return plan.views, md, check
 

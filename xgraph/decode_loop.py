@@ -333,7 +333,7 @@ class DecodeLoop:
         )
         n = len(attn.query_lens)
         reused = {k: x[k] for k in ("stop_ids", *SAMPLING) if k in x}
-        first = (x["positions"].cpu().numpy(), x["budget"].numpy())
+        first = (x["positions"].cpu().numpy(), x["budget"].cpu().numpy())
         free = frozenset(int(b) for b in free_blocks)
         chain = Chain(n, self.steps, *first, depth=0, reused=reused, free=free)
         return self._queue(sampled, x, chain, attn.block_tables)

@@ -81,11 +81,11 @@ def launch_inputs(
             f"DecodeLoop: stop_ids needs one list per sequence ({n}) of at most "
             f"{sizes['stop']} ids (max_stop_ids)."
         )
-    stop_t = torch.full((n, sizes["stop"]), -1, dtype=torch.int64)
+    stop_t = torch.full((n, sizes["stop"]), -1, dtype=torch.int64, device="cpu")
     for i, s in enumerate(stops):
-        stop_t[i, : len(s)] = torch.tensor(s, dtype=torch.int64)
+        stop_t[i, : len(s)] = torch.tensor(s, dtype=torch.int64, device="cpu")
     return {
-        "budget": torch.tensor(spent, dtype=torch.int64),
+        "budget": torch.tensor(spent, dtype=torch.int64, device="cpu"),
         "stop_ids": stop_t,
         **launch_free(free_blocks, a, sizes["free"]),
     }
@@ -102,9 +102,10 @@ def launch_free(
             f"DecodeLoop: free_blocks must be at most {most} distinct real cache blocks (0 to "
             f"{a.num_blocks - 1}, not the dummy block {a.dummy_block}); got {free}."
         )
-    free_t = torch.zeros(most, dtype=torch.int64)
-    free_t[: len(free)] = torch.tensor(free, dtype=torch.int64)
-    return {"free_blocks": free_t, "free_count": torch.tensor([len(free)], dtype=torch.int64)}
+    host = dict(dtype=torch.int64, device="cpu")  # host values, whatever the default device
+    free_t = torch.zeros(most, **host)
+    free_t[: len(free)] = torch.tensor(free, **host)
+    return {"free_blocks": free_t, "free_count": torch.tensor([len(free)], **host)}
 
 
 SAMPLING = ("seeds", "temperature", "top_k", "top_p")  # a sampling launch's own inputs
@@ -112,10 +113,12 @@ SAMPLING = ("seeds", "temperature", "top_k", "top_p")  # a sampling launch's own
 
 def sampling_inputs(s: Sampling, n: int) -> dict[str, torch.Tensor]:
     return {
-        "seeds": torch.tensor(_per_seq("seeds", s.seeds, n), dtype=torch.int64),
-        "temperature": torch.tensor(_per_seq("temperature", s.temperature, n)).float(),
-        "top_k": torch.tensor(_per_seq("top_k", s.top_k, n), dtype=torch.int64),
-        "top_p": torch.tensor(_per_seq("top_p", s.top_p, n)).float(),
+        "seeds": torch.tensor(_per_seq("seeds", s.seeds, n), dtype=torch.int64, device="cpu"),
+        "temperature": torch.tensor(
+            _per_seq("temperature", s.temperature, n), device="cpu"
+        ).float(),
+        "top_k": torch.tensor(_per_seq("top_k", s.top_k, n), dtype=torch.int64, device="cpu"),
+        "top_p": torch.tensor(_per_seq("top_p", s.top_p, n), device="cpu").float(),
     }
 
 

@@ -12,7 +12,11 @@ key's pieces on it (the device-metadata check first, where the step's metadata i
 device, then the forward and the copy of its outputs) and stores the recording in the key
 cache. Any failure, Ctrl-C included, aborts the recording and rolls the lease back; the
 key then follows `on_capture_error`: raised, or run eagerly from then on (warned). Across
-ranks the lockstep checks both passes' collectives (xgraph.distributed.capture). With the
+ranks the lockstep checks both passes' collectives (xgraph.distributed.capture). On one rank of a
+backend whose runtime refuses host reads in a capture itself (CUDA), a full key of an eager
+forward records without the per-op guard, which costs more host time than the ops
+(device -> host copies stay refused); a failed one is diagnosed by its forward once more,
+eagerly, under the guard's checks, which name the op and the model line. With the
 executor's PDL option on (xgraph.pdl_option), a full key's warm-up and record run inside
 the backend's PDL capture option and its programmatic edges are counted right after the
 record, before the capture's memory reading ends; piecewise keys never take PDL.
@@ -57,6 +61,7 @@ from .memory import GraphMemory, Lease, OutsidePoolMeter
 from .options import Fallback, Kind
 from .pdl_option import PDLOption
 from .piecewise import FullGraph, PiecewiseGraph
+from .safety import block_host_copies, checking_host_reads
 from .steps import Staged
 from .validation import NUM_TOKENS
 
@@ -101,12 +106,23 @@ class CaptureTransaction:
         self._precapture = False
 
     def recording(self, kind: Kind, pool: CapturePool, backend: Backend | None = None) -> Recording:
-        """A fresh recording of a key of this kind on `pool` (graphs of `backend`)."""
+        """A fresh recording of a key of this kind on `pool` (graphs of `backend`: a
+        recording kept apart, which keeps the per-op guard)."""
         checks = not self.compiled  # per-op checks would make Dynamo run the forward eagerly
-        b = backend or self.backend
         if kind is Kind.FULL:
-            return FullGraph(b, pool, self.runners.decode, checks)
+            unguarded = backend is None and self._unguarded()
+            return FullGraph(
+                backend or self.backend, pool, self.runners.decode, checks and not unguarded
+            )
+        b = backend or self.backend
         return PiecewiseGraph(b, pool, self.runners.prefill, self.guarded, checks)
+
+    def _unguarded(self) -> bool:
+        """Whether a full key records without the per-op guard: on one rank of a backend
+        whose runtime refuses host reads in a capture itself; a failed capture is diagnosed
+        after (`_diagnose`). Across ranks the guard stays, so no rank runs a diagnosis off
+        the lockstep. Piecewise keys keep it: it refuses attention inside a piece."""
+        return self.backend.capture_refuses_host_reads and self.lockstep.stats() is None
 
     # -- a miss ----------------------------------------------------------------------------
 
@@ -142,7 +158,7 @@ class CaptureTransaction:
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: re-raised
                 raise
             failure = lease.space.failure if lease and lease.space else None
-            return self.failed(step, failure or exc)
+            return self.failed(step, failure or self._diagnose(step, graph, exc))
         t2 = time.perf_counter()
         seconds = t2 - t0
         entry = Entry(step.kind, graph, lease, seconds)
@@ -221,7 +237,8 @@ class CaptureTransaction:
         runner = self.runners.of_graph(step.kind)
         if step.metadata is not None and runner is not None:
             runner.plan(step.metadata)  # as the warm-up did, where it ran
-        with torch.no_grad():
+        unguarded = self._recorded_unguarded(graph)
+        with torch.no_grad(), block_host_copies() if unguarded else contextlib.nullcontext():
             if step.device_check is not None:
                 graph.record_check(step.device_check)  # type: ignore[attr-defined]
             graph.begin()
@@ -233,6 +250,29 @@ class CaptureTransaction:
             self.cache.write_outputs(result, tb)
             del result
         graph.end()
+
+    def _recorded_unguarded(self, graph: Recording | None) -> bool:
+        """Whether `graph` records an eager forward's full key without the per-op guard."""
+        return isinstance(graph, FullGraph) and not graph.check_ops and not self.compiled
+
+    def _diagnose(self, step: Staged, graph: Recording | None, exc: Exception) -> Exception:
+        """The error of a failed capture. Where it recorded without the per-op guard, the
+        forward runs once more, eagerly, under every check a guarded capture makes, so a
+        host read is named by its op and model line; the runtime's own error where the
+        checks find none."""
+        if not self._recorded_unguarded(graph) or isinstance(
+            exc, (CaptureError, VirtualMemoryError)
+        ):
+            return exc
+        try:
+            with checking_host_reads(self.backend.device):
+                self._warm(step)
+        except CaptureError as found:
+            found.__cause__ = exc
+            return found
+        except Exception:  # the forward fails eagerly too: the capture's error says more
+            return exc
+        return exc
 
     def _roll_back(self, graph: Recording | None, lease: Lease | None) -> None:
         self.rolled_back = True

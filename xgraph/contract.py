@@ -88,8 +88,9 @@ def check_backend_class(cls: type[Backend]) -> None:
         if inspect.isabstract(klass):
             missing += [f"{klass.__name__}.{m}" for m in sorted(klass.__abstractmethods__)]
         missing += _half_pairs(klass)
-    if not isinstance(getattr(cls, "graph_executables", None), bool):  # the memory plan's
-        missing.append(f"{cls.__name__}.graph_executables (a bool)")
+    for flag in ("graph_executables", "capture_refuses_host_reads"):  # what the core reads
+        if not isinstance(getattr(cls, flag, None), bool):
+            missing.append(f"{cls.__name__}.{flag} (a bool)")
     if missing:
         raise IncompleteBackendError(
             f"Backend class {cls.__module__}.{cls.__qualname__} is incomplete: it does not "

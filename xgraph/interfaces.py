@@ -332,6 +332,10 @@ class Backend(ABC):
     #: whether a captured graph's executable lives in device memory outside every pool (CUDA,
     #: ACL: the memory plan measures it); False where recordings are host objects (the CPU)
     graph_executables: ClassVar[bool] = True
+    #: whether the runtime fails a capture that reads device data on the host (CUDA: a
+    #: synchronising call from the capturing thread invalidates its capture), so full graphs
+    #: record without the per-op guard and a failed one is diagnosed after (xgraph.capture)
+    capture_refuses_host_reads: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .errors import CaptureError
 
@@ -211,3 +212,70 @@ def block_host_conversions() -> contextlib.AbstractContextManager[None]:
 def host_conversions_blocked() -> bool:
     """Whether this thread is inside a capture guard (tests, diagnostics)."""
     return _host_conversions.active_here()
+
+
+# -- captures without the per-op guard ---------------------------------------------------------
+
+_to, _cpu, _copy = torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.copy_
+
+
+def _host_target(args: tuple, kwargs: dict) -> bool:
+    """Whether Tensor.to's arguments name the host as the destination."""
+    for a in (*args, kwargs.get("device"), kwargs.get("other")):
+        if isinstance(a, torch.Tensor):
+            return a.device.type == "cpu"
+        if isinstance(a, (str, torch.device)):
+            return torch.device(a).type == "cpu"
+    return False
+
+
+def _blocked_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if self.device.type != "cpu" and _host_target(args, kwargs):
+        _raise("Tensor.to", "Tensor.to('cpu') of a device tensor")
+    return _to(self, *args, **kwargs)
+
+
+def _blocked_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if self.device.type != "cpu":
+        _raise("Tensor.cpu", "Tensor.cpu() of a device tensor")
+    return _cpu(self, *args, **kwargs)
+
+
+def _blocked_copy(self: torch.Tensor, src: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if self.device.type == "cpu" and src.device.type != "cpu":
+        _raise("Tensor.copy_", "host_tensor.copy_(device_tensor)")
+    return _copy(self, src, *args, **kwargs)
+
+
+_host_copies = ScopedPatch(
+    torch.Tensor, {"to": _blocked_to, "cpu": _blocked_cpu, "copy_": _blocked_copy}
+)
+
+
+def block_host_copies() -> contextlib.AbstractContextManager[None]:
+    """In this thread, make a device -> host copy by Tensor.to / cpu / copy_ raise
+    CaptureError. A capture without the per-op guard needs it: the runtime refuses a
+    synchronising read, but a non-blocking copy into pinned memory records without error,
+    and host code reading it would see the value of the capture."""
+    return _host_copies.scope()
+
+
+class HostReadCheck(TorchDispatchMode):
+    """`check_op` on every op, recording nothing: an unguarded capture's diagnosis (the
+    forward run once more, eagerly, to name the op and the model line that failed it)."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        check_op(func, args, kwargs, self.device)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def checking_host_reads(device: torch.device | None) -> Iterator[None]:
+    """Every check a guarded capture makes, around eager code (see HostReadCheck)."""
+    with block_host_conversions(), block_host_copies(), HostReadCheck(device):
+        yield

@@ -10,7 +10,7 @@ import torch
 from xgraph.errors import CaptureError
 from xgraph.interfaces import Backend
 
-from .base import BackendTests, capture, line_of, small_mlp
+from .base import BackendTests, capture, line_of, small_mlp, tiny_workload
 
 
 class GraphTests(BackendTests):
@@ -135,3 +135,61 @@ class GraphTests(BackendTests):
         assert pool.reserved_bytes() >= 256 * 256 * 4
         graph.reset()
         pool.close()
+
+    def test_host_reads_in_full_graphs_meet_the_guard_or_the_runtime(
+        self, backend: Backend
+    ) -> None:
+        """`capture_refuses_host_reads`: the executor leaves the per-op guard out of full
+        graphs on the runtime's word, so where it is claimed the runtime must fail such a
+        capture itself; where it is not, the executor records full graphs under the guard."""
+        if not backend.capture_refuses_host_reads:
+            assert all(_guards_seen(backend))
+            return
+        for op in ("item", "nonzero"):
+            _refused_by_the_runtime(backend, op)
+
+
+def _guards_seen(backend: Backend) -> list[bool]:
+    """For each full graph an executor records: whether the capture guard was on."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from xgraph.graphs import _CaptureGuard, capturing_graph
+
+    w = tiny_workload(backend, max_blocks=2, max_seqs=4)
+    seen: list[bool] = []
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if capturing_graph() is not None:
+            stack = _get_current_dispatch_mode_stack()
+            seen.append(any(isinstance(m, _CaptureGuard) for m in stack))
+        return w.model.forward_logits(input_ids, positions)
+
+    ex = w.executor(forward, backend=backend, buckets=[2, 4])
+    ex.capture(progress=False)
+    ex.close()
+    assert len(seen) == 2
+    return seen
+
+
+def _refused_by_the_runtime(backend: Backend, op: str) -> None:
+    x = torch.randn(8, device=backend.device)
+    graph, pool = backend.new_graph(), backend.new_pool()
+    with torch.no_grad():
+        _ = x.sum().item(), x.nonzero()  # warm: kernels load outside the capture
+        backend.synchronize()
+        graph.capture_begin(pool, check_ops=False)
+        with pytest.raises(Exception) as info:
+            _ = x.sum().item() if op == "item" else x.nonzero()
+            graph.capture_end()
+        assert not isinstance(info.value, CaptureError), op  # the runtime's, not the guard's
+        graph.abort()
+    assert not graph.capturing
+    pool = pool if not pool.poisoned else backend.new_pool()
+    g2 = backend.new_graph()
+    y = capture(g2, pool, lambda t: t * 2, x)  # the backend still captures and replays
+    x.fill_(1)
+    g2.replay()
+    backend.synchronize()
+    assert torch.equal(y.cpu(), torch.full((8,), 2.0))
+    g2.reset()
+    pool.close()

@@ -36,6 +36,9 @@ class CUDABackend(TorchBackend):
     # a gloo group moves cuda tensors through the host: not capturable. Captures already run
     # in thread-local mode on the capture stream, as NCCL requires (docs/distributed.md)
     collective_backend = "nccl"
+    # a synchronising call from the capturing thread fails (cudaErrorStreamCaptureUnsupported)
+    # and invalidates the capture: full graphs record without the per-op guard
+    capture_refuses_host_reads = True
 
     @classmethod
     def default_runtime(cls) -> TorchRuntime:

@@ -57,7 +57,7 @@ class DummyRuntime(SimRuntime):
     """The runtime: a real adapter's is one-liners over its torch module (torch.cuda ...)."""
 
     def __init__(self) -> None:
-        super().__init__(granularity=GRANULARITY)
+        super().__init__(granularity=GRANULARITY, refuse_host_reads=True)
 
 
 class DummyBackend(TorchBackend):
@@ -67,6 +67,7 @@ class DummyBackend(TorchBackend):
     runtime: SimRuntime
     runtime_class = DummyRuntime
     virtual_memory_class = DummyVirtualMemory
+    capture_refuses_host_reads = True  # its runtime fails a capture that reads on the host
 
     @classmethod
     def availability(cls) -> Availability:

@@ -17,6 +17,9 @@
 - replay: re-runs the recorded ops; they count as queued on the current stream until it
   synchronizes (the recording's `replayed` says whether its last replay may still run).
 - reset: gives back the pool use and the host use of a completed capture, and only of one.
+- where the runtime's `refuse_host_reads` is set (CUDA's rule: a synchronising call from
+  the capturing thread fails and invalidates the capture), an op that hands the host a
+  device value (`SYNCHRONISING_READS`) fails the capture.
 - a readable graph (`keep`, made by SimRuntime.readable_graph) describes what it records:
   `launches()` after capture_end (the parameterization check).
 The recorder is a TorchDispatchMode of the capturing thread: it records the ops issued on
@@ -45,6 +48,10 @@ if TYPE_CHECKING:
     from .streams import Queued, SimStream
 
 MODES = ("global", "thread_local", "relaxed")
+# ops that wait for the device to give the host a value (SimRuntime.refuse_host_reads)
+SYNCHRONISING_READS = frozenset(
+    ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero", "aten::equal")
+)
 
 
 def leave_recorder(recorder: TorchDispatchMode) -> None:
@@ -73,6 +80,11 @@ class SimRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if self.runtime.refuse_host_reads and func._schema.name in SYNCHRONISING_READS:
+            self.invalid = self.runtime.STREAM_CAPTURED  # as CUDA invalidates the capture
+            raise self.runtime.error(
+                self.invalid, str(func), "a synchronising host read while the stream captures"
+            )
         out = func(*args, **kwargs)
         if self.runtime.streams.current() is not self.stream:
             return out  # another stream: runs, is not recorded

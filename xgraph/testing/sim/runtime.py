@@ -78,8 +78,10 @@ class SimRuntime(TorchRuntime):
         *,
         faults: Faults | None = None,
         memory: HostVirtualMemory | None = None,
+        refuse_host_reads: bool = False,
     ) -> None:
         self.device = torch.device("cpu")
+        self.refuse_host_reads = refuse_host_reads  # CUDA's rule, for a backend that claims it
         self.device_index = 0
         self.capacity = capacity
         self.faults = faults or Faults()

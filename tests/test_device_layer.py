@@ -277,3 +277,41 @@ def test_a_capture_begun_during_a_device_synchronize_waits_for_it(backend) -> No
     del out
     rt.empty_cache()
     _clean(backend)
+
+
+def test_pool_readings_wait_for_another_threads_routed_capture(backend) -> None:  # type: ignore[no-untyped-def]
+    """A routed capture's segment requests run Python inside the caching allocator's mutex,
+    and torch's MemPool readings hold the GIL while they wait for it: on a real device the
+    two deadlock. So a reading (and a new pool) in another thread waits until the routed
+    capture ends, and the capture itself reads its own pool at once."""
+    from xgraph.memory import GraphMemory
+
+    memory = GraphMemory(backend, "shared-physical")
+    lease = memory.begin()
+    other = backend.new_pool()
+    inside, release, order = threading.Event(), threading.Event(), []
+
+    def capture() -> None:
+        graph = backend.new_graph()
+        with torch.no_grad(), xgraph.graph(graph, lease.pool):
+            y = torch.zeros(64).add_(1)  # a segment request, routed to the memory's chunks
+            assert lease.pool.use_count() is not None  # its own reading: no wait
+            inside.set()
+            release.wait(10)
+            order.append("capture ended")
+        graph.reset()
+        del y
+
+    th = threading.Thread(target=capture)
+    th.start()
+    assert inside.wait(10)
+    reader = threading.Thread(target=lambda: order.append(("read", other.use_count())))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and order == []  # waiting for the routed capture
+    release.set()
+    th.join(10)
+    reader.join(10)
+    assert order[0] == "capture ended" and order[1][0] == "read"
+    other.close()
+    memory.close()

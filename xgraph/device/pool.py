@@ -38,6 +38,12 @@ from .runtime import PoolId, TorchRuntime
 logger = logging.getLogger("xgraph")
 
 _lock = threading.Lock()
+# One thread at a time where torch's caching allocator and Python meet: a routed pool's
+# segment requests run Python inside the allocator's mutex (they need the GIL), and torch's
+# MemPool bindings (made, use_count, snapshot, dropped) hold the GIL while they wait for
+# that mutex. A routed capture or allocation holds this lock throughout, and each of those
+# bindings takes it, so neither waits for the other's half (a deadlock of two threads).
+allocator_lock = threading.RLock()
 _allocators: weakref.WeakKeyDictionary[TorchRuntime, Any] = weakref.WeakKeyDictionary()
 # per runtime, per thread: the keeper's stream and scratch tensor (a stream captures for one
 # thread at a time: two threads making pools at once capture their keepers side by side)
@@ -56,19 +62,23 @@ def routing_allocator(runtime: TorchRuntime) -> Any:
 def mempool_use_count(mempool: Any) -> int | None:
     """torch's use count of a MemPool's pool; None where this torch cannot say."""
     fn = getattr(mempool, "use_count", None)
-    return int(fn()) if fn is not None else None
+    if fn is None:
+        return None
+    with allocator_lock:
+        return int(fn())
 
 
 def pool_segment_bytes(runtime: TorchRuntime, pool_id: PoolId, mempool: Any) -> int:
     """Bytes of the segments the caching allocator holds for one pool id."""
     snap = getattr(mempool, "snapshot", None)
-    if snap is None:
-        segments = runtime.memory_snapshot()
-    else:
-        try:
-            segments = snap(include_traces=False)
-        except TypeError:  # older torch: no include_traces
-            segments = snap()
+    with allocator_lock:
+        if snap is None:
+            segments = runtime.memory_snapshot()
+        else:
+            try:
+                segments = snap(include_traces=False)
+            except TypeError:  # older torch: no include_traces
+                segments = snap()
     # filtered anyway: some torch versions' MemPool.snapshot() returns every pool's segments
     want = tuple(pool_id)
     return sum(
@@ -151,7 +161,8 @@ class _Parked:
         uses = mempool_use_count(self.mempool)
         if uses is not None and uses > 1:  # graphs captured on it still hold it
             return False
-        self.mempool = None  # the last reference: its destructor gives the segments back
+        with allocator_lock:
+            self.mempool = None  # the last reference: its destructor gives the segments back
         return True
 
 
@@ -162,7 +173,8 @@ class MemPoolCapturePool(CapturePool):
         super().__init__(segments)
         self.runtime = runtime
         allocator = routing_allocator(runtime) if segments is not None else None
-        self._mempool: Any = runtime.new_mempool(allocator)
+        with allocator_lock:
+            self._mempool: Any = runtime.new_mempool(allocator)
         self.id: PoolId = tuple(self._mempool.id)  # type: ignore[assignment]
         self._keeper: Any = None
         try:
@@ -194,7 +206,7 @@ class MemPoolCapturePool(CapturePool):
     def capturing(self) -> contextlib.AbstractContextManager[Any]:
         if self.segments is None:
             return contextlib.nullcontext()
-        return routing(self.segments)
+        return _routed(self.segments)
 
     def allocating(self) -> contextlib.AbstractContextManager[Any] | None:
         """This thread's allocations in the block come from the pool and their segments from
@@ -230,8 +242,16 @@ class MemPoolCapturePool(CapturePool):
 
 
 @contextlib.contextmanager
+def _routed(segments: SegmentAllocator) -> Iterator[None]:
+    """This thread's segment requests go to `segments`, one routed thread at a time (see
+    `allocator_lock`)."""
+    with allocator_lock, routing(segments):
+        yield
+
+
+@contextlib.contextmanager
 def _allocating(
     segments: SegmentAllocator, place: contextlib.AbstractContextManager[Any]
 ) -> Iterator[None]:
-    with routing(segments), place:
+    with _routed(segments), place:
         yield

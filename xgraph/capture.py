@@ -109,12 +109,10 @@ class CaptureTransaction:
         """A fresh recording of a key of this kind on `pool` (graphs of `backend`: a
         recording kept apart, which keeps the per-op guard)."""
         checks = not self.compiled  # per-op checks would make Dynamo run the forward eagerly
+        b = backend or self.backend
         if kind is Kind.FULL:
             unguarded = backend is None and self._unguarded()
-            return FullGraph(
-                backend or self.backend, pool, self.runners.decode, checks and not unguarded
-            )
-        b = backend or self.backend
+            return FullGraph(b, pool, self.runners.decode, checks and not unguarded)
         return PiecewiseGraph(b, pool, self.runners.prefill, self.guarded, checks)
 
     def _unguarded(self) -> bool:

@@ -20,6 +20,15 @@ from typing import Any, Protocol
 
 from .runtime import TorchRuntime
 
+# One thread at a time where torch's caching allocator and Python meet: a routed pool's
+# segment requests run Python inside the allocator's mutex (they need the GIL), and torch's
+# bindings over that mutex (a MemPool made, read, dropped; the cache emptied; a capture's
+# pool use given back) hold the GIL while they wait for it. A routed capture or allocation
+# holds this lock throughout and each of those calls takes it, so neither waits for the
+# other's half (a deadlock of two threads). Taken before a book's own lock; the book takes
+# it without waiting (a held one means a routed capture or allocation runs: later).
+allocator_lock = threading.RLock()
+
 
 class Parked(Protocol):
     """Something held until no capture runs; `drop()` says whether it is gone for good."""
@@ -91,11 +100,16 @@ class CaptureBook:
 
     def when_quiet(self, fn: Any) -> bool:
         """Run `fn()` if no capture runs (none begins meanwhile); whether it ran."""
-        with self._lock:
-            if not self._quiet():
-                return False
-            fn()
-            return True
+        if not allocator_lock.acquire(blocking=False):
+            return False
+        try:
+            with self._lock:
+                if not self._quiet():
+                    return False
+                fn()
+                return True
+        finally:
+            allocator_lock.release()
 
     def parked(self) -> int:
         with self._lock:
@@ -103,9 +117,14 @@ class CaptureBook:
 
     def drain(self) -> None:
         """Drop what is parked and ready, unless a capture runs (none begins meanwhile)."""
-        with self._lock:
-            if self._quiet():
-                self._parked = [item for item in self._parked if not item.drop()]
+        if not allocator_lock.acquire(blocking=False):
+            return  # the next drain drops them (every capture's end drains)
+        try:
+            with self._lock:
+                if self._quiet():
+                    self._parked = [item for item in self._parked if not item.drop()]
+        finally:
+            allocator_lock.release()
 
 
 def _still_capturing(runtime: TorchRuntime, stream: Any) -> bool:

@@ -32,18 +32,12 @@ import torch
 from ..errors import XGraphError
 from ..interfaces import CapturePool, SegmentAllocator
 from ..routing import callback_pointers, handed_out, routing
-from .captures import book
+from .captures import allocator_lock, book
 from .runtime import PoolId, TorchRuntime
 
 logger = logging.getLogger("xgraph")
 
 _lock = threading.Lock()
-# One thread at a time where torch's caching allocator and Python meet: a routed pool's
-# segment requests run Python inside the allocator's mutex (they need the GIL), and torch's
-# MemPool bindings (made, use_count, snapshot, dropped) hold the GIL while they wait for
-# that mutex. A routed capture or allocation holds this lock throughout, and each of those
-# bindings takes it, so neither waits for the other's half (a deadlock of two threads).
-allocator_lock = threading.RLock()
 _allocators: weakref.WeakKeyDictionary[TorchRuntime, Any] = weakref.WeakKeyDictionary()
 # per runtime, per thread: the keeper's stream and scratch tensor (a stream captures for one
 # thread at a time: two threads making pools at once capture their keepers side by side)
@@ -92,17 +86,18 @@ def undo_pool_capture(
     """Give back what the runtime took of a pool for a capture it did not complete: this
     thread's allocation routing, and the capture's uses (`now` - `base`, the use counts
     after and before; where the runtime cannot count, a routed capture took one)."""
-    try:
-        runtime.end_allocate_to_pool(pool_id)
-        routed = True
-    except Exception:  # "not currently recording to mempool_id": nothing to undo
-        routed = False
-    taken = now - base if now is not None and base is not None else int(routed)
-    try:
-        for _ in range(taken):
-            runtime.release_pool(pool_id)
-    except Exception:
-        logger.exception("releasing pool %s after a failed capture failed", pool_id)
+    with allocator_lock:
+        try:
+            runtime.end_allocate_to_pool(pool_id)
+            routed = True
+        except Exception:  # "not currently recording to mempool_id": nothing to undo
+            routed = False
+        taken = now - base if now is not None and base is not None else int(routed)
+        try:
+            for _ in range(taken):
+                runtime.release_pool(pool_id)
+        except Exception:
+            logger.exception("releasing pool %s after a failed capture failed", pool_id)
 
 
 def _thread_kits(runtime: TorchRuntime) -> threading.local:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dot_precision, dot_upcast, pdl_options
+from . import dot_precision, dot_upcast, pdl_options, prefetch
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
 from .operand import accumulate, input_tile, weight_tile
 from .tuning import Config
@@ -58,19 +58,20 @@ def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn,
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, s_xm, s_wn, s_ym, s_rm, eps,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, s_ym, s_rm,
+                 eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                  RESIDUAL: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                 PREFETCH: tl.constexpr, LINE: tl.constexpr, EARLY: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
-    if PDL:  # nothing the previous kernel writes is read, nor anything written, before this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # nothing the previous kernel writes is read, nor anything written, before this
+    prefetch.enter(W, rn.to(tl.int64), n_ok, split * k_per, k_pre, K, s_wn, BLOCK_K, LINE,
+                   PREFETCH, PDL, EARLY)
     acc, ss = product(X, W, G, rn.to(tl.int64), rm, n_ok, m_ok,
                       split * k_per + tl.arange(0, BLOCK_K), K, k_per, s_xm, s_wn,
                       BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST, PRECISION)
@@ -121,6 +122,7 @@ def launch(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, c.block_n)
     res = residual if residual is not None else y
+    pre, pre_opts = prefetch.options(w, per, c.block_k)
     _gemv_kernel[(tiles, split)](
         x,
         w,
@@ -133,6 +135,7 @@ def launch(
         n,
         k,
         per,
+        pre,
         x.stride(0),
         w.stride(0),
         y.stride(0),
@@ -151,6 +154,7 @@ def launch(
         PRECISION=dot_precision(w.dtype),
         num_warps=c.warps,
         num_stages=c.stages,
+        **pre_opts,
         **(pdl or pdl_options()),
     )
     return y

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dot_precision, dot_upcast, pdl_options
+from . import dot_precision, dot_upcast, pdl_options, prefetch
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
 from .gemv import k_share, workspace
 from .operand import accumulate, input_tile, weight_tile
@@ -80,20 +80,22 @@ def _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn,
 
 
 @triton.jit
-def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, s_xm, s_wn, s_ym, s_cs,
-                eps, head_eps,
+def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, k_pre, s_xm, s_wn, s_ym,
+                s_cs, eps, head_eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                 NORM: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
-                UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                PREFETCH: tl.constexpr, LINE: tl.constexpr, EARLY: tl.constexpr):
     head = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     rows = head.to(tl.int64) * (2 * HALF) + tl.arange(0, HALF)
-    if PDL:  # nothing the previous kernel writes is read, nor anything written, before this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # nothing the previous kernel writes is read, nor anything written, before this
+    prefetch.enter(W, head.to(tl.int64) * (2 * HALF) + tl.arange(0, 2 * HALF),
+                   tl.full([2 * HALF], True, tl.int1), split * k_per, k_pre, K, s_wn, BLOCK_K,
+                   LINE, PREFETCH, PDL, EARLY)
     lo, hi, ss = _halves(X, W, G, rows, rm, m_ok, split * k_per + tl.arange(0, BLOCK_K), K,
                          k_per, s_xm, s_wn, BLOCK_M, HALF, BLOCK_K, NORM, MMA, EVEN, UPCAST,
                          PRECISION)
@@ -135,6 +137,7 @@ def launch(
     per, split = k_share(k, c if counts is not None else c._replace(split=1))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = hq + 2 * hkv
+    pre, pre_opts = prefetch.options(w, per, c.block_k)
     _qkv_kernel[(tiles, split)](
         x,
         w,
@@ -148,6 +151,7 @@ def launch(
         m,
         k,
         per,
+        pre,
         x.stride(0),
         w.stride(0),
         y.stride(0),
@@ -167,6 +171,7 @@ def launch(
         PRECISION=dot_precision(w.dtype),
         num_warps=c.warps,
         num_stages=c.stages,
+        **pre_opts,
         **(pdl or pdl_options()),
     )
     return y

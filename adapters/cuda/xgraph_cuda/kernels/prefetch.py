@@ -1,0 +1,107 @@
+"""A projection's entry: its weights asked of L2, then the wait for its predecessor.
+
+A decode projection's weights never depend on the kernel before it, only its input rows do.
+So each program first asks L2 for (a prefix of) its own weight slice, one `prefetch.global.L2`
+per 128-byte line, and only then waits (`gdc_wait` under PDL). Launched programmatically, a
+projection's programs start while the previous kernel still runs, and its weight stream
+overlaps that kernel's tail instead of following it; launched plainly, the whole slice is in
+flight from the program's first instruction instead of `num_stages` tiles. A prefetch is a
+hint: it writes nothing and changes no result (the race check compares with and without).
+
+How much to ask for: the whole slice where the projection's weights fit in a third of L2;
+else the same share of every program's slice (the programs then read the rest as before),
+so what is asked for is still in L2 when the loop reaches it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+
+LINE_BYTES = 128  # one L2 request per cache line
+_MODES = ("auto", "on", "off")
+
+
+@triton.jit
+def _ask(ptr):
+    """One L2 prefetch per pointer (a hint: nothing is written, no register is kept)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [ptr],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def weight_slice(W, rows, n_ok, k0, k_len, K, s_wn, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for weight rows `rows` (int64), columns k0 .. k0 + k_len (LINE elements a
+    request); rows past the matrix and columns past K ask for W's first line instead."""
+    c = tl.arange(0, BLOCK_K // LINE) * LINE
+    for kk in range(0, k_len, BLOCK_K):
+        k = k0 + kk + c
+        ok = n_ok[:, None] & (k < K)[None, :]
+        _ask(tl.where(ok, W + rows[:, None] * s_wn + k[None, :], W))
+
+
+@triton.jit
+def enter(W, rows, n_ok, k0, k_pre, K, s_wn, BLOCK_K: tl.constexpr, LINE: tl.constexpr,
+          PREFETCH: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    """A projection program's first instructions: its weight prefix asked of L2 (nothing the
+    previous kernel writes), then, under PDL, the wait for the previous kernel and the
+    release of the next one (before the wait with EARLY: the next kernel's programs may
+    then start their own prefetch while this one waits)."""
+    if PREFETCH:
+        weight_slice(W, rows, n_ok, k0, k_pre, K, s_wn, BLOCK_K, LINE)
+    if PDL:
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        else:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+def mode() -> str:
+    """XGRAPH_CUDA_PREFETCH: auto (on the GPU), on, off."""
+    v = os.environ.get("XGRAPH_CUDA_PREFETCH", "auto").strip().lower()
+    return v if v in _MODES else "auto"
+
+
+def l2_bytes(device: torch.device) -> int:
+    """The device's L2 size (a small fixed size in the interpreter)."""
+    if device.type != "cuda":
+        return 4 << 20
+    return int(torch.cuda.get_device_properties(device).L2_cache_size)
+
+
+def columns(w: torch.Tensor, per: int, block_k: int) -> int:
+    """Columns of its K share each program asks L2 for before it waits (0: none): the whole
+    share where the matrix fits in a third of L2, else the matching fraction of it in whole
+    K tiles, at least one."""
+    if interpreting() or not w.is_cuda or mode() == "off":
+        return 0
+    budget = l2_bytes(w.device) // 3
+    total = w.numel() * w.element_size()
+    if total <= budget:
+        return per
+    return max(block_k, (per * budget // total) // block_k * block_k)
+
+
+def early() -> bool:
+    """XGRAPH_CUDA_PDL_TRIGGER=early: a projection releases its successor before it waits."""
+    return os.environ.get("XGRAPH_CUDA_PDL_TRIGGER", "late").strip().lower() == "early"
+
+
+def options(w: torch.Tensor, per: int, block_k: int) -> tuple[int, dict]:
+    """(columns each program asks L2 for, the launch's PREFETCH, LINE and EARLY constexprs)."""
+    cols = columns(w, per, block_k)
+    line = min(block_k, max(1, LINE_BYTES // w.element_size()))
+    return cols, {"PREFETCH": cols > 0, "LINE": line, "EARLY": early()}

@@ -1,0 +1,169 @@
+"""The reference model's decode step captured by hand under launch variants of the CUDA
+adapter's decode kernels: replay time, kernels by name, and the race check of each PDL
+variant against its baseline.
+
+    OUT=out python experiments/decode_variants.py --model qwen3-0.6b --buckets 1,8,64 \\
+        --variants plain,pdl,prefetch,pdl+prefetch,pdl+prefetch+early
+
+A variant is a set of switches: `pdl` (the backend's PDL capture option), `prefetch` (the
+projections ask L2 for their weights before they wait: XGRAPH_CUDA_PREFETCH), `early` (they
+release their successor before they wait: XGRAPH_CUDA_PDL_TRIGGER). Each is captured into
+its own graph (the switches are read at launch); per bucket and variant: device us per
+replay (events over 100 replays, median of 5 rounds), kernels of one replay by name
+(torch.profiler) for the first and last variant, and for PDL variants the race check
+(`--replays` pairs against the same binaries launched without the attribute).
+Writes `$OUT/decode-variants-<model>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+import xgraph
+from xgraph.attention import step_context
+from xgraph.bench.anchors import static_inputs
+from xgraph.bench.kernel_trace import _kernel_spans, split_steps, step_stats
+from xgraph.bench.report import workload
+from xgraph.pdl import capture_options, race_check
+
+ENV = {"prefetch": ("XGRAPH_CUDA_PREFETCH", "on", "off"),
+       "early": ("XGRAPH_CUDA_PDL_TRIGGER", "early", "late")}
+
+
+@contextmanager
+def switches(variant: str):
+    parts = set(variant.split("+"))
+    old = {v[0]: os.environ.get(v[0]) for v in ENV.values()}
+    for name, (var, on, off) in ENV.items():
+        os.environ[var] = on if name in parts else off
+    try:
+        yield "pdl" in parts
+    finally:
+        for var, val in old.items():
+            if val is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = val
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, reps: int = 100) -> float:
+    rounds = []
+    for _ in range(5):
+        graph.replay()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        rounds.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(rounds)
+
+
+def capture(forward, kernels, pdl: bool, baseline: bool = False):
+    with capture_options(kernels, "full", pdl, baseline=baseline):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            forward()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+            out = forward()
+    edges = kernels.pdl.programmatic_edges(graph) if kernels.pdl is not None else None
+    graph.instantiate()
+    return graph, out, edges
+
+
+def kernels_of(graph, steps: int = 3) -> dict[str, Any]:
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+            torch.cuda.synchronize()
+    per = split_steps(_kernel_spans(prof), steps)
+    one = per[len(per) // 2]
+    names: dict[str, list[float]] = {}
+    for s, e, n in one:
+        names.setdefault(n[:90], []).append(e - s)
+    table = sorted(((sum(v), len(v), n) for n, v in names.items()), reverse=True)
+    return {"stats": step_stats(one),
+            "by_name": [{"name": n, "count": c, "us": round(t, 2)} for t, c, n in table],
+            "sequence": [[round(s - one[0][0], 2), round(e - s, 2), n[:40]] for s, e, n in one]}
+
+
+def bucket(backend, w, b: int, variants: list[str], replays: int) -> dict[str, Any]:
+    kernels = backend.activate()
+    step = w.decode_step(random.Random(b), b, max_context=256).with_tensor_tables(
+        w.max_blocks, w.cache.dummy_block)
+    ids, pos, ctx, _ = static_inputs(backend, w, step)
+
+    def forward():
+        with torch.no_grad(), step_context(ctx):
+            return w.model.forward(ids, pos)
+
+    g = torch.Generator(device="cuda").manual_seed(b)
+    vocab = w.model.config.vocab_size
+
+    def feed(i: int) -> None:
+        ids.copy_(torch.randint(0, vocab, ids.shape, device="cuda", generator=g))
+
+    def run(graph, out):
+        return lambda: (graph.replay(), torch.cuda.synchronize(), [out])[2]
+
+    rows: dict[str, Any] = {}
+    for i, v in enumerate(variants):
+        with switches(v) as pdl:
+            graph, out, edges = capture(forward, kernels, pdl)
+            row: dict[str, Any] = {"edges": edges, "us": replay_us(graph)}
+            if i in (0, len(variants) - 1):
+                row["kernels"] = kernels_of(graph)
+            if pdl and replays:
+                base, bout, _ = capture(forward, kernels, False, baseline=True)
+                rep = race_check(run(graph, out), run(base, bout), feed, replays, b)
+                row["race"] = {"replays": replays, "mismatches": rep.mismatches,
+                               "verdict": rep.describe()}
+        rows[v] = row
+        print(b, v, {k: row[k] for k in row if k != "kernels"}, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--buckets", default="1,8,64")
+    p.add_argument("--variants", default="plain,pdl,prefetch,pdl+prefetch,pdl+prefetch+early")
+    p.add_argument("--replays", type=int, default=50)
+    a = p.parse_args(argv)
+    backend = xgraph.get_backend("cuda")
+    buckets = [int(x) for x in a.buckets.split(",")]
+    w = workload(backend, a.model, max_seqs=max(buckets), context=512)
+    out = {"model": a.model, "device": torch.cuda.get_device_name(),
+           "buckets": {b: bucket(backend, w, b, a.variants.split(","), a.replays)
+                       for b in buckets}}
+    for b, rows in out["buckets"].items():
+        for v, r in rows.items():
+            if "kernels" in r:
+                print(f"--- {a.model} b={b} {v}: {r['kernels']['stats']}")
+                for k in r["kernels"]["by_name"][:14]:
+                    print(f"   {k['us']:8.1f} us  x{k['count']:3d}  {k['name']}")
+    path = os.path.join(os.environ.get("OUT", "."), f"decode-variants-{a.model}.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

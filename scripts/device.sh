@@ -165,10 +165,11 @@ has kernels && stage kernels 130 75 python3 adapters/cuda/tools/bench_kernels.py
 # decode-limit (only when named): issue 35's run, under 6 minutes. bench decode of qwen3-0.6b
 # at 1/8/64 and qwen3-8b at 1/8 (kernels per step, idle share, distance from float32; only
 # reduce-overhead compiled: xgraph's row is the executor over the forward with the fused
-# kernels, XGRAPH_CUDA_LINEAR=triton unless LIMIT_LINEAR names another), the PDL race check
+# kernels, XGRAPH_CUDA_LINEAR=triton unless LIMIT_LINEAR names another, its full graphs with
+# PDL: XGRAPH_PDL=1 unless LIMIT_PDL=0), the PDL race check
 # over 200 replays per bucket, then the record: $OUT/decode-limit.json (kept as
 # docs/results/h200/decode-limit.json), its table printed last
-limit_env=(env "XGRAPH_CUDA_LINEAR=${LIMIT_LINEAR:-triton}")
+limit_env=(env "XGRAPH_CUDA_LINEAR=${LIMIT_LINEAR:-triton}" "XGRAPH_PDL=${LIMIT_PDL:-1}")
 limit_args=(--backend cuda --iters 30 --compile-buckets none)
 has decode-limit && stage decode-limit-0.6b 150 45 "${limit_env[@]}" xgraph bench decode \
   "${limit_args[@]}" \

@@ -15,6 +15,7 @@ so what is asked for is still in L2 when the loop reaches it.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -75,24 +76,29 @@ def mode() -> str:
     return v if v in _MODES else "auto"
 
 
+@functools.cache
 def l2_bytes(device: torch.device) -> int:
-    """The device's L2 size (a small fixed size in the interpreter)."""
+    """The device's L2 size (a small fixed size off the GPU)."""
     if device.type != "cuda":
         return 4 << 20
     return int(torch.cuda.get_device_properties(device).L2_cache_size)
 
 
-def columns(w: torch.Tensor, per: int, block_k: int) -> int:
-    """Columns of its K share each program asks L2 for before it waits (0: none): the whole
-    share where the matrix fits in a third of L2, else the matching fraction of it in whole
-    K tiles, at least one."""
-    if interpreting() or not w.is_cuda or mode() == "off":
-        return 0
-    budget = l2_bytes(w.device) // 3
-    total = w.numel() * w.element_size()
+def share(total: int, per: int, block_k: int, budget: int) -> int:
+    """Columns of a K share of `per` each program asks for, for a matrix of `total` bytes
+    and an L2 budget: all of it where the matrix fits, else the matching fraction in whole K
+    tiles, at least one."""
     if total <= budget:
         return per
     return max(block_k, (per * budget // total) // block_k * block_k)
+
+
+def columns(w: torch.Tensor, per: int, block_k: int) -> int:
+    """Columns of its K share each program of a projection over `w` asks L2 for before it
+    waits: a third of L2 is the budget (0 in the interpreter, off the GPU or when off)."""
+    if interpreting() or not w.is_cuda or mode() == "off":
+        return 0
+    return share(w.numel() * w.element_size(), per, block_k, l2_bytes(w.device) // 3)
 
 
 def early() -> bool:

@@ -38,7 +38,9 @@ def test_a_sample_depends_on_the_step_and_seed_only() -> None:
     f.sample("a", 2, step, lambda: w.eager(step, forward=w.model.forward))
     w.eager(other, forward=w.model.forward)  # writes other slots in between
     f.sample("b", 2, step, lambda: w.eager(step, forward=w.model.forward))
-    assert torch.equal(f.samples[2]["a"], f.samples[2]["b"])
+    a, b = f.samples[2]["a"], f.samples[2]["b"]
+    assert len(a) == f.states and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not torch.equal(a[0], a[1])  # the states differ: each is its own seed's cache
     found = f.finish()
     assert found[2]["a"] == found[2]["b"] < 1e-5  # float32 on the CPU: the reference itself
 

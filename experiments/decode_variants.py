@@ -35,8 +35,10 @@ from xgraph.bench.kernel_trace import _kernel_spans, split_steps, step_stats
 from xgraph.bench.report import workload
 from xgraph.pdl import capture_options, race_check
 
-ENV = {"prefetch": ("XGRAPH_CUDA_PREFETCH", "on", "off"),
-       "early": ("XGRAPH_CUDA_PDL_TRIGGER", "early", "late")}
+ENV = {
+    "prefetch": ("XGRAPH_CUDA_PREFETCH", "on", "off"),
+    "early": ("XGRAPH_CUDA_PDL_TRIGGER", "early", "late"),
+}
 
 
 @contextmanager
@@ -99,15 +101,18 @@ def kernels_of(graph, steps: int = 3) -> dict[str, Any]:
     for s, e, n in one:
         names.setdefault(n[:90], []).append(e - s)
     table = sorted(((sum(v), len(v), n) for n, v in names.items()), reverse=True)
-    return {"stats": step_stats(one),
-            "by_name": [{"name": n, "count": c, "us": round(t, 2)} for t, c, n in table],
-            "sequence": [[round(s - one[0][0], 2), round(e - s, 2), n[:40]] for s, e, n in one]}
+    return {
+        "stats": step_stats(one),
+        "by_name": [{"name": n, "count": c, "us": round(t, 2)} for t, c, n in table],
+        "sequence": [[round(s - one[0][0], 2), round(e - s, 2), n[:40]] for s, e, n in one],
+    }
 
 
 def bucket(backend, w, b: int, variants: list[str], replays: int) -> dict[str, Any]:
     kernels = backend.activate()
     step = w.decode_step(random.Random(b), b, max_context=256).with_tensor_tables(
-        w.max_blocks, w.cache.dummy_block)
+        w.max_blocks, w.cache.dummy_block
+    )
     ids, pos, ctx, _ = static_inputs(backend, w, step)
 
     def forward():
@@ -133,8 +138,11 @@ def bucket(backend, w, b: int, variants: list[str], replays: int) -> dict[str, A
             if pdl and replays:
                 base, bout, _ = capture(forward, kernels, False, baseline=True)
                 rep = race_check(run(graph, out), run(base, bout), feed, replays, b)
-                row["race"] = {"replays": replays, "mismatches": rep.mismatches,
-                               "verdict": rep.describe()}
+                row["race"] = {
+                    "replays": replays,
+                    "mismatches": rep.mismatches,
+                    "verdict": rep.describe(),
+                }
         rows[v] = row
         print(b, v, {k: row[k] for k in row if k != "kernels"}, flush=True)
     return rows
@@ -150,9 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     backend = xgraph.get_backend("cuda")
     buckets = [int(x) for x in a.buckets.split(",")]
     w = workload(backend, a.model, max_seqs=max(buckets), context=512)
-    out = {"model": a.model, "device": torch.cuda.get_device_name(),
-           "buckets": {b: bucket(backend, w, b, a.variants.split(","), a.replays)
-                       for b in buckets}}
+    out = {
+        "model": a.model,
+        "device": torch.cuda.get_device_name(),
+        "buckets": {b: bucket(backend, w, b, a.variants.split(","), a.replays) for b in buckets},
+    }
     for b, rows in out["buckets"].items():
         for v, r in rows.items():
             if "kernels" in r:

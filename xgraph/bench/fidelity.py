@@ -8,8 +8,9 @@ variants that moves by several percent with the seed (a batch-1 step is one row 
 the distance pools every state's rows. The reference is a float32 copy of the model
 and of that cache state, run eagerly with torch's own ops (no backend kernel) and the
 reference attention. Each output goes through the float32 LM head; the distance is
-||logits - logits_ref|| / ||logits_ref|| over the step's real rows of every state. The gate the issue sets:
-xgraph's distance at most 1.1x reduce-overhead's (torch.compile's bf16 numerics).
+||logits - logits_ref|| / ||logits_ref|| over the step's real rows of every state. The gate
+the issue sets: xgraph's distance at most 1.1x reduce-overhead's (torch.compile's bf16
+numerics).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from xgraph_cuda.kernels import prefetch  # noqa: E402
+from xgraph_cuda.kernels import prefetch
 
 
 def test_share_is_the_whole_slice_where_the_matrix_fits():

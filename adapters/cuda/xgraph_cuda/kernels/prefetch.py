@@ -53,8 +53,20 @@ def weight_slice(W, rows, n_ok, k0, k_len, K, s_wn, BLOCK_K: tl.constexpr, LINE:
 
 
 @triton.jit
-def enter(W, rows, n_ok, k0, k_pre, K, s_wn, BLOCK_K: tl.constexpr, LINE: tl.constexpr,
-          PREFETCH: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+def enter(
+    W,
+    rows,
+    n_ok,
+    k0,
+    k_pre,
+    K,
+    s_wn,
+    BLOCK_K: tl.constexpr,
+    LINE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY: tl.constexpr,
+):
     """A projection program's first instructions: its weight prefix asked of L2 (nothing the
     previous kernel writes), then, under PDL, the wait for the previous kernel and the
     release of the next one (before the wait with EARLY: the next kernel's programs may

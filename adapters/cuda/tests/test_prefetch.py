@@ -32,10 +32,13 @@ def test_no_ask_off_the_gpu_or_when_switched_off(monkeypatch):
     cols, opts = prefetch.options(w, 256, 128)
     assert cols == 0 and opts["PREFETCH"] is False
     assert opts["LINE"] == 64  # 128-byte lines of bf16
-    monkeypatch.setenv("XGRAPH_CUDA_PREFETCH", "off")
+    monkeypatch.delenv("XGRAPH_CUDA_PREFETCH", raising=False)
     assert prefetch.mode() == "off"
+    monkeypatch.setenv("XGRAPH_CUDA_PREFETCH", "on")
+    assert prefetch.mode() == "on"
+    assert prefetch.options(w, 256, 128)[0] == 0  # on, but not on the GPU
     monkeypatch.setenv("XGRAPH_CUDA_PREFETCH", "bogus")
-    assert prefetch.mode() == "auto"
+    assert prefetch.mode() == "off"
 
 
 def test_early_release_is_an_explicit_choice(monkeypatch):

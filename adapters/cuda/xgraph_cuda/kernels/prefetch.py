@@ -25,7 +25,7 @@ import triton.language as tl
 from . import interpreting
 
 LINE_BYTES = 128  # one L2 request per cache line
-_MODES = ("auto", "on", "off")
+_MODES = ("on", "off")
 
 
 @triton.jit
@@ -83,9 +83,9 @@ def enter(
 
 
 def mode() -> str:
-    """XGRAPH_CUDA_PREFETCH: auto (on the GPU), on, off."""
-    v = os.environ.get("XGRAPH_CUDA_PREFETCH", "auto").strip().lower()
-    return v if v in _MODES else "auto"
+    """XGRAPH_CUDA_PREFETCH: on, off (the default until a device run shows the gain)."""
+    v = os.environ.get("XGRAPH_CUDA_PREFETCH", "off").strip().lower()
+    return v if v in _MODES else "off"
 
 
 @functools.cache
@@ -108,7 +108,7 @@ def share(total: int, per: int, block_k: int, budget: int) -> int:
 def columns(w: torch.Tensor, per: int, block_k: int) -> int:
     """Columns of its K share each program of a projection over `w` asks L2 for before it
     waits: a third of L2 is the budget (0 in the interpreter, off the GPU or when off)."""
-    if interpreting() or not w.is_cuda or mode() == "off":
+    if interpreting() or not w.is_cuda or mode() != "on":
         return 0
     return share(w.numel() * w.element_size(), per, block_k, l2_bytes(w.device) // 3)
 

@@ -29,6 +29,7 @@ from .validation import any_true, same
 
 SET_CHECK = 64  # slots compared through a set of Python ints up to this many, else sorted
 FEW = 4  # up to this many sequences, Python over lists beats numpy's calls
+_U32 = np.dtype(np.uint32)  # (a dtype object: `view` skips looking the type up)
 
 
 def distinct(slots: np.ndarray) -> bool:
@@ -52,7 +53,10 @@ class DecodeCheck:
         """`ceiling[k, j]`: the largest id column j may hold in a row whose last used column
         is k (the dummy's id - 1 where j <= k, else any uint32)."""
         bs, width = layout.block_size, layout.max_blocks_per_seq
-        self.bs, self.dummy, self.bs64 = bs, layout.dummy_block, np.int64(bs)
+        self.bs, self.dummy = bs, layout.dummy_block
+        # a 0-d array, not a numpy scalar: a ufunc takes it without converting a scalar
+        # (a third of the multiply's cost), and the product is int64 as before
+        self.bs64 = np.array(bs, dtype=np.int64)
         self.ceiling = ceiling
         # entry s: the last column and the offset in its block of a sequence of s tokens;
         # 0 and width * bs + 1 (where take clips every value out of range) name the column
@@ -62,24 +66,28 @@ class DecodeCheck:
         self.last[0] = self.last[-1] = width
         self.offset = (s - 1) % bs
         self.seq_index = np.arange(max_seqs, dtype=np.int64)
-        self._widths: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._widths: dict[int, tuple[np.ndarray, list[np.ndarray | None]]] = {}
 
     def passes(self, seq_lens: np.ndarray, table: np.ndarray, slots: np.ndarray) -> bool:
         """Whether the step passes every check (its counts and shapes checked already:
         `seq_lens` [n], `table` [n, w] int32, `slots` [n] int64)."""
         if len(seq_lens) <= FEW:
             return self._few(seq_lens, table, slots)
-        w = table.shape[1]
+        n, w = table.shape
         ceiling, starts = self._widths.get(w) or self._width(w)
         last = self.last.take(seq_lens, mode="clip")
         try:
             limits = ceiling.take(last, axis=0)  # a column past the row: IndexError
         except IndexError:
             return False
-        if any_true(table.view(np.uint32) > limits):
+        if any_true(table.view(_U32) > limits):
             return False
-        at = starts[: len(last)] + last  # each sequence's last column, in the flat table
-        expected = table.take(at) * self.bs64 + self.offset.take(seq_lens, mode="clip")
+        first = starts[n]
+        if first is None:  # sliced once per sequence count
+            first = starts[n] = self.seq_index[:n] * w
+        at = first + last  # each sequence's last column, in the flat table
+        # every seq_len is in [1, w * bs] here (the take above), so no clipping
+        expected = table.take(at) * self.bs64 + self.offset.take(seq_lens)
         return same(slots, expected) and distinct(slots)
 
     def _few(self, seq_lens: np.ndarray, table: np.ndarray, slots: np.ndarray) -> bool:
@@ -97,8 +105,10 @@ class DecodeCheck:
                 return False
         return len(set(tokens)) == len(tokens)
 
-    def _width(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+    def _width(self, w: int) -> tuple[np.ndarray, list[np.ndarray | None]]:
         """Per table width, made once: the ceilings of the rows a sequence may end in (exactly
-        w of them) and where each row starts in the flattened table."""
-        got = self._widths[w] = (np.ascontiguousarray(self.ceiling[:w, :w]), self.seq_index * w)
+        w of them), and per sequence count where each row starts in the flattened table
+        (made at its first step)."""
+        starts: list[np.ndarray | None] = [None] * (len(self.seq_index) + 1)
+        got = self._widths[w] = (np.ascontiguousarray(self.ceiling[:w, :w]), starts)
         return got

@@ -107,7 +107,7 @@ class AttentionCheck:
         ceiling = np.where(self.used, self.dummy - 1, np.iinfo(np.uint32).max)
         self.ceiling = ceiling.astype(np.uint32)
         self._by_width: dict[int, tuple[np.ndarray | None, np.ndarray]] = {}
-        self.bs64, self.mask = np.int64(bs), bs - 1
+        self.bs64, self.mask = np.array(bs, dtype=np.int64), bs - 1  # 0-d: see DecodeCheck
         # a decode step's checks in fewer calls (where it finds a problem, the checks below
         # run and name it)
         self.decode = DecodeCheck(layout, self.ceiling, max_seqs) if self.one_compare else None

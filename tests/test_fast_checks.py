@@ -1,6 +1,7 @@
 """The fast forms of the step checks accept exactly what the general forms accept: the decode
 path of the attention checks (xgraph.decode_check), so every step is refused with the same
-error, and the token inputs' bounds through Python's min and max (xgraph.validation)."""
+error, host tensors of the usual form viewed at once (xgraph.step_fields), and the token
+inputs' bounds through Python's min and max (xgraph.validation)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xgraph import AttentionInputs, InputError, PagedAttention
+from xgraph import AttentionInputs, InputError, PagedAttention, step_attention
 from xgraph.decode_check import FEW, SET_CHECK, distinct
 from xgraph.step_attention import AttentionCheck
+from xgraph.step_fields import host_fields
 from xgraph.validation import SMALL, any_true, outside
 
 BS, WIDTH, BLOCKS = 4, 6, 501  # the dummy is block 500, the cache's last
@@ -162,3 +164,67 @@ def test_bounds_through_min_and_max_equal_the_unsigned_compare(values, top, stri
         a = np.repeat(a, 2)[::2]  # a view with a stride, as a sliced tensor gives
     high = np.array(top, dtype=np.uint64)
     assert outside(a, (high, top)) == any_true(a.view(np.uint64) >= high)
+
+
+def _arrays(check: AttentionCheck, attn: AttentionInputs, n: int) -> object:
+    """What a check returns (each array's dtype and bytes), or its error."""
+    try:
+        h = check.check(attn, n)
+    except InputError as exc:
+        return f"InputError: {exc}"
+    got = [(a.dtype.str, a.shape, a.tobytes()) for a in (h.query_lens, h.seq_lens, h.table)]
+    return got, (h.slots.dtype.str, h.slots.tobytes()), h.query_len
+
+
+SHAPES = ("as given", "rows", "seq_lens 2-d", "table 1-d", "slots 2-d", "too wide")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 12),
+    w=st.integers(1, WIDTH),
+    fault=st.sampled_from(FAULTS),
+    shape=st.sampled_from(SHAPES),
+    dtypes=st.tuples(
+        st.sampled_from([torch.int32, torch.int64, torch.int16]),
+        st.sampled_from([torch.int32, torch.int64]),
+        st.sampled_from([torch.int64, torch.int32]),
+    ),
+)
+def test_host_tensors_viewed_at_once_equal_the_field_by_field_path(
+    seed, n, w, fault, shape, dtypes
+):
+    """`host_fields` (the usual form in one call) returns what the field-by-field path
+    returns, bitwise, and every other form falls through to that path's errors."""
+    rng = np.random.default_rng(seed)
+    lens, table, slots = _valid(rng, n, w)
+    if fault == "seq_len":
+        lens[0] = 0
+    elif fault == "block":
+        table[0, 0] = -1
+    elif fault == "slot":
+        slots[0] += 1
+    sl, tb, sm = (
+        torch.from_numpy(np.ascontiguousarray(a)).to(d)
+        for a, d in zip((lens, table, slots), dtypes)
+    )
+    if shape == "rows":
+        tb = tb[1:]
+    elif shape == "seq_lens 2-d":
+        sl = sl[:, None]
+    elif shape == "table 1-d":
+        tb = tb.reshape(-1)
+    elif shape == "slots 2-d":
+        sm = sm[:, None]
+    elif shape == "too wide":
+        tb = torch.cat([tb, tb.new_full((len(tb), WIDTH + 1 - w), -1)], 1)
+    attn = AttentionInputs([1] * n, sl, tb, sm)
+    fast, _ = _checks()
+    viewed = host_fields(sl, tb, sm, WIDTH)
+    usual = dtypes[1:] == (torch.int32, torch.int64) and dtypes[0] is not torch.int16
+    assert (viewed is not None) == (usual and shape in ("as given", "rows"))
+    expect = _arrays(fast, attn, n)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_attention, "host_fields", lambda *a: None)
+        assert _arrays(fast, attn, n) == expect

@@ -115,7 +115,11 @@ class TokenCheck:
             v = inputs.get(name)
             if type(v) is not torch.Tensor or v.dtype is not dtype:
                 self._tensor(spec.input, v, inputs)
-            shape = v.shape
+            if np_ok and v.is_cpu:  # the usual form: its numpy view, whose shape is a tuple
+                a = v.numpy() if not v.requires_grad else v.detach().numpy()
+                shape = a.shape
+            else:  # on the device, or a dtype numpy cannot view (bfloat16): staged by torch
+                a, shape = None, v.shape
             if tail is None or len(shape) != ndim or (ndim > 1 and shape[1:] != tail):
                 self._sizes(spec, shape, sizes)
                 n = sizes.get(NUM_TOKENS, -1)
@@ -123,15 +127,14 @@ class TokenCheck:
                 if n >= 0:
                     self._disagree(spec.input, NUM_TOKENS, n, shape[0])
                 n = sizes[NUM_TOKENS] = shape[0]
-            if v.is_cpu:
-                a = v.numpy() if not v.requires_grad else v.detach().numpy()
+            if a is not None:
                 if high is not None and outside(a, high):
                     self._bounds(spec, v)  # outside [0, high): named there
                 elif other_bounds:
                     self._bounds(spec, v)
-                arrays.append(a if np_ok else None)
+                arrays.append(a)
                 continue
-            if v.device != self.device:
+            if not v.is_cpu and v.device != self.device:
                 self._device(spec.input, v)
             if spec.input.bounds is not None:
                 self._bounds(spec, v)
@@ -174,7 +177,7 @@ class TokenCheck:
             "input must agree on it."
         )
 
-    def _sizes(self, spec: _Spec, shape: torch.Size, sizes: dict[str, int]) -> None:
+    def _sizes(self, spec: _Spec, shape: tuple[int, ...], sizes: dict[str, int]) -> None:
         """Rank, fixed dims, and each symbolic dim's size recorded (agreeing, within max)."""
         i = spec.input
         if len(shape) != len(spec.fixed):

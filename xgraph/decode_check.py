@@ -27,7 +27,7 @@ import numpy as np
 from .paging import PagedAttention
 from .validation import any_true, same
 
-SET_CHECK = 64  # slots compared through a set of Python ints up to this many, else sorted
+SET_CHECK = 40  # slots compared through a set of Python ints up to this many, else sorted
 # up to FEW sequences, Python over lists beats numpy's calls where n * (k + ROW_IDS) <=
 # FEW_IDS, k the columns the longest sequence reads (a row costs about as much as ROW_IDS
 # more ids; measured: one sequence up to 56 columns, two up to 24, four up to 8)

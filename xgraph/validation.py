@@ -35,7 +35,7 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.tobytes() == b.tobytes()
 
 
-SMALL = 32  # up to this many values, min and max of a list beat a numpy compare
+SMALL = 16  # up to this many values, min and max of a list beat a numpy compare
 # a dtype object and the ufunc itself: `view` and the compare skip a lookup and the
 # operator's dispatch (a tenth of a us each, per input and step)
 _U64, _AT_LEAST = np.dtype(np.uint64), np.greater_equal

@@ -61,20 +61,6 @@ class _Spec:
     unsigned_high: tuple[np.ndarray, int] | None  # bounds [0, high) of int64 values (`outside`)
 
 
-@dataclass(slots=True)
-class CheckedTokens:
-    """A step's token inputs: the tensors by name, the size of every symbolic dim, and a
-    numpy view of each host tensor numpy can view (None: staged through torch)."""
-
-    tensors: dict[str, torch.Tensor]
-    sizes: dict[str, int]
-    arrays: list[np.ndarray | None]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.sizes[NUM_TOKENS]
-
-
 class TokenCheck:
     """The declared inputs of one executor, checked in one pass per step."""
 
@@ -107,8 +93,12 @@ class TokenCheck:
             for s, np_ok in zip(self.specs, numpy_ok)
         ]
 
-    def check(self, inputs: Mapping[str, Any]) -> CheckedTokens:
-        """The step's tensors and sizes; InputError naming the input at the first problem."""
+    def check(
+        self, inputs: Mapping[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, int], list[np.ndarray | None]]:
+        """(the step's tensors by name, the size of every symbolic dim, a numpy view of each
+        host tensor numpy can view, else None); InputError naming the input at the first
+        problem. A tuple, not an object: one allocation less per step."""
         if len(inputs) != len(self._loop):
             self._names(inputs)
         sizes: dict[str, int] = {}
@@ -144,7 +134,7 @@ class TokenCheck:
             arrays.append(None)
         if n < 0:
             raise InputError(f"{self.name}: no input has a 'num_tokens' dim.")
-        return CheckedTokens(inputs if type(inputs) is dict else dict(inputs), sizes, arrays)
+        return inputs if type(inputs) is dict else dict(inputs), sizes, arrays
 
     # -- the checks, each raising its own message ------------------------------------------
 

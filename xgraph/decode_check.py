@@ -4,8 +4,8 @@ The step's checks (`xgraph.step_attention`) take each field in turn and name the
 problem they find; a step of one query token per sequence with a block table of one width
 (an array or a tensor), the step an engine issues every token, passes through them in about
 twenty numpy calls. `DecodeCheck.passes` answers, in about a dozen (for up to `FEW`
-sequences, in a loop over Python ints, cheaper still), whether that step passes every one
-of those checks:
+sequences whose rows' used columns are few, in a loop over Python ints over those columns
+only, cheaper still), whether that step passes every one of those checks:
 
 - each seq_len is at least 1 and its last position falls in its row (1 <= seq_len <=
   width * block_size): a table indexed by seq_len, clipped at both ends to an entry naming

@@ -1,6 +1,7 @@
 """The fast forms of the step checks accept exactly what the general forms accept: the decode
 path of the attention checks (xgraph.decode_check), so every step is refused with the same
-error, and the token inputs' bounds through Python's min and max (xgraph.validation)."""
+error, host tensors of the usual form viewed at once (xgraph.step_fields), and the token
+inputs' bounds through Python's min and max (xgraph.validation)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xgraph import AttentionInputs, InputError, PagedAttention
+from xgraph import AttentionInputs, InputError, PagedAttention, step_attention
 from xgraph.decode_check import FEW, SET_CHECK, distinct
 from xgraph.step_attention import AttentionCheck
+from xgraph.step_fields import host_fields
 from xgraph.validation import SMALL, any_true, outside
 
 BS, WIDTH, BLOCKS = 4, 6, 501  # the dummy is block 500, the cache's last
 
 
-def _checks(block_size: int = BS, dummy: int = BLOCKS - 1) -> tuple[AttentionCheck, AttentionCheck]:
+def _checks(
+    block_size: int = BS, dummy: int = BLOCKS - 1, width: int = WIDTH
+) -> tuple[AttentionCheck, AttentionCheck]:
     """(with the fast path, without it) over one layout."""
     layout = PagedAttention(
         max_seqs=80,
-        max_blocks_per_seq=WIDTH,
+        max_blocks_per_seq=width,
         dummy_slot=dummy * block_size,
         dummy_block=dummy,
         block_size=block_size,
@@ -43,9 +47,10 @@ def _outcome(check: AttentionCheck, attn: AttentionInputs, n: int) -> str:
     return "passed"
 
 
-def _valid(rng: np.random.Generator, n: int, w: int, bs: int = BS) -> tuple:
-    """A decode step of n sequences over distinct blocks, tables [n, w], -1 past each row."""
-    lens = rng.integers(1, w * bs + 1, n)
+def _valid(rng: np.random.Generator, n: int, w: int, bs: int = BS, longest: int = 0) -> tuple:
+    """A decode step of n sequences over distinct blocks, tables [n, w], -1 past each row;
+    sequences up to `longest` tokens (default: what a row holds)."""
+    lens = rng.integers(1, (longest or w * bs) + 1, n)
     blocks = rng.permutation(BLOCKS - 1)[: n * w].reshape(n, w).astype(np.int32)
     last = (lens - 1) // bs
     table = np.where(np.arange(w)[None, :] <= last[:, None], blocks, -1).astype(np.int32)
@@ -61,20 +66,14 @@ def _attn(lens: np.ndarray, table: np.ndarray, slots: np.ndarray, int32: bool) -
 FAULTS = ("none", "seq_len", "block", "slot", "duplicate", "short width")
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    n=st.one_of(st.integers(1, FEW + 1), st.integers(1, 70)),  # both forms of `passes`
-    w=st.integers(1, WIDTH),
-    fault=st.sampled_from(FAULTS),
-    int32=st.booleans(),
-)
-def test_fast_path_refuses_exactly_what_the_general_checks_refuse(seed, n, w, fault, int32):
-    rng = np.random.default_rng(seed)
-    lens, table, slots = _valid(rng, n, w)
+def _faulty(
+    rng: np.random.Generator, n: int, w: int, fault: str, width: int, longest: int
+) -> tuple:
+    """A decode step (`_valid`) with one fault planted."""
+    lens, table, slots = _valid(rng, n, w, longest=longest)
     i = int(rng.integers(n))
     if fault == "seq_len":
-        lens[i] = rng.choice([0, -1, -(2**31), w * BS + 1, WIDTH * BS + 1, 2**31 - 1])
+        lens[i] = rng.choice([0, -1, -(2**31), w * BS + 1, width * BS + 1, 2**31 - 1])
     elif fault == "block":
         j = int(rng.integers((lens[i] - 1) // BS + 1))  # a column the sequence reads
         table[i, j] = rng.choice([-1, -7, BLOCKS - 1, BLOCKS, 2**31 - 1])
@@ -86,13 +85,62 @@ def test_fast_path_refuses_exactly_what_the_general_checks_refuse(seed, n, w, fa
         lens[k], slots[k] = lens[i], slots[i]
     elif fault == "short width" and w > 1:
         table = np.ascontiguousarray(table[:, : w - 1])  # rows too short for long sequences
-    fast, general = _checks()
+    return lens, table, slots
+
+
+def _same_outcome(fast: AttentionCheck, general: AttentionCheck, step: tuple, int32: bool) -> None:
+    lens, table, slots = step
     attn = _attn(lens, table, slots, int32)
     assert fast.decode is not None
     seq_lens = attn.seq_lens.numpy()
-    expect = _outcome(general, attn, n)
+    expect = _outcome(general, attn, len(lens))
     assert fast.decode.passes(seq_lens, table, slots) == (expect == "passed")
-    assert _outcome(fast, attn, n) == expect
+    assert _outcome(fast, attn, len(lens)) == expect
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.one_of(st.integers(1, FEW + 1), st.integers(1, 70)),  # both forms of `passes`
+    w=st.integers(1, WIDTH),
+    fault=st.sampled_from(FAULTS),
+    int32=st.booleans(),
+)
+def test_fast_path_refuses_exactly_what_the_general_checks_refuse(seed, n, w, fault, int32):
+    step = _faulty(np.random.default_rng(seed), n, w, fault, WIDTH, 0)
+    _same_outcome(*_checks(), step, int32)
+
+
+WIDE = 40  # FEW sequences of a table this wide: Python over the columns they read, or numpy
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, FEW + 1),
+    w=st.integers(WIDE - 4, WIDE),
+    longest=st.sampled_from([3 * BS, 0]),  # few columns read (Python), or up to all (numpy)
+    fault=st.sampled_from(FAULTS),
+    int32=st.booleans(),
+)
+def test_few_sequences_of_a_wide_table_are_refused_as_the_general_checks_refuse(
+    seed, n, w, longest, fault, int32
+):
+    step = _faulty(np.random.default_rng(seed), n, w, fault, WIDE, longest)
+    _same_outcome(*_checks(width=WIDE), step, int32)
+
+
+def test_few_sequences_read_only_the_columns_they_use_or_go_to_numpy():
+    fast, _ = _checks(width=WIDE)
+    assert fast.decode is not None
+    rng = np.random.default_rng(3)
+    for longest, python in ((3 * BS, True), (WIDE * BS, False)):
+        lens = np.array([longest, 1])
+        table = rng.permutation(BLOCKS - 1)[: 2 * WIDE].reshape(2, WIDE).astype(np.int32)
+        slots = table[[0, 1], (lens - 1) // BS].astype(np.int64) * BS + (lens - 1) % BS
+        got = fast.decode._few(lens, table, slots)
+        assert got is True if python else got is None
+        assert fast.decode.passes(lens, table, slots)
 
 
 def test_a_valid_step_passes_and_stays_as_given():
@@ -162,3 +210,67 @@ def test_bounds_through_min_and_max_equal_the_unsigned_compare(values, top, stri
         a = np.repeat(a, 2)[::2]  # a view with a stride, as a sliced tensor gives
     high = np.array(top, dtype=np.uint64)
     assert outside(a, (high, top)) == any_true(a.view(np.uint64) >= high)
+
+
+def _arrays(check: AttentionCheck, attn: AttentionInputs, n: int) -> object:
+    """What a check returns (each array's dtype and bytes), or its error."""
+    try:
+        h = check.check(attn, n)
+    except InputError as exc:
+        return f"InputError: {exc}"
+    got = [(a.dtype.str, a.shape, a.tobytes()) for a in (h.query_lens, h.seq_lens, h.table)]
+    return got, (h.slots.dtype.str, h.slots.tobytes()), h.query_len
+
+
+SHAPES = ("as given", "rows", "seq_lens 2-d", "table 1-d", "slots 2-d", "too wide")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 12),
+    w=st.integers(1, WIDTH),
+    fault=st.sampled_from(FAULTS),
+    shape=st.sampled_from(SHAPES),
+    dtypes=st.tuples(
+        st.sampled_from([torch.int32, torch.int64, torch.int16]),
+        st.sampled_from([torch.int32, torch.int64]),
+        st.sampled_from([torch.int64, torch.int32]),
+    ),
+)
+def test_host_tensors_viewed_at_once_equal_the_field_by_field_path(
+    seed, n, w, fault, shape, dtypes
+):
+    """`host_fields` (the usual form in one call) returns what the field-by-field path
+    returns, bitwise, and every other form falls through to that path's errors."""
+    rng = np.random.default_rng(seed)
+    lens, table, slots = _valid(rng, n, w)
+    if fault == "seq_len":
+        lens[0] = 0
+    elif fault == "block":
+        table[0, 0] = -1
+    elif fault == "slot":
+        slots[0] += 1
+    sl, tb, sm = (
+        torch.from_numpy(np.ascontiguousarray(a)).to(d)
+        for a, d in zip((lens, table, slots), dtypes)
+    )
+    if shape == "rows":
+        tb = tb[1:]
+    elif shape == "seq_lens 2-d":
+        sl = sl[:, None]
+    elif shape == "table 1-d":
+        tb = tb.reshape(-1)
+    elif shape == "slots 2-d":
+        sm = sm[:, None]
+    elif shape == "too wide":
+        tb = torch.cat([tb, tb.new_full((len(tb), WIDTH + 1 - w), -1)], 1)
+    attn = AttentionInputs([1] * n, sl, tb, sm)
+    fast, _ = _checks()
+    viewed = host_fields(sl, tb, sm, WIDTH)
+    usual = dtypes[1:] == (torch.int32, torch.int64) and dtypes[0] is not torch.int16
+    assert (viewed is not None) == (usual and shape in ("as given", "rows"))
+    expect = _arrays(fast, attn, n)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_attention, "host_fields", lambda *a: None)
+        assert _arrays(fast, attn, n) == expect

@@ -133,3 +133,29 @@ def test_garbage_past_seq_len_in_a_real_block_is_ignored():
     out = ex(**step.kwargs())
     torch.testing.assert_close(out, ref_w.eager(step), rtol=1e-5, atol=1e-5)
     ex.close()
+
+
+def test_a_host_input_numpy_cannot_view_is_checked_and_staged_through_torch():
+    """A bfloat16 host input (embeddings, say) has no numpy view: its checks and its staging
+    go through torch, and a graph step equals the eager forward."""
+
+    def forward(x, e):
+        return x[:, None].float() + e.float()
+
+    ex = xgraph.GraphExecutor(
+        forward,
+        inputs=[
+            xgraph.Input("x", torch.int64, ("num_tokens",), bounds=(0, 100)),
+            xgraph.Input("e", torch.bfloat16, ("num_tokens", 4), bounds=(-2, 2)),
+        ],
+        backend="cpu",
+        buckets=[2, 4],
+    )
+    x, e = torch.arange(3), torch.linspace(-1, 1, 12, dtype=torch.bfloat16).view(3, 4)
+    for _ in range(2):  # the capture, then a replay
+        torch.testing.assert_close(ex(x=x, e=e, clone=True), forward(x, e))
+    with pytest.raises(xgraph.InputError, match=r"input 'e'\[0, 0\] is 3.0, outside its bounds"):
+        ex(x=x, e=e + 4 * (torch.arange(12).view(3, 4) == 0))
+    with pytest.raises(xgraph.InputError, match="input 'e' dim 1 is 3, declared 4"):
+        ex(x=x, e=e[:, :3])
+    ex.close()

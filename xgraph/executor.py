@@ -210,7 +210,7 @@ class GraphExecutor:
         two overlapping steps could not both be right). Serialize steps in the engine.
         Steps of executors sharing graph memory wait for each other (`memory.steps`).
         """
-        if not self._busy.acquire(blocking=False):  # not a context manager: the hot path
+        if not self._busy.acquire(False):  # no context manager, no keyword: the hot path
             self._refuse("step")
         try:
             if self.holdings.closed:

@@ -59,9 +59,11 @@ def pad_into(
     out.seq_lens[:n] = seq_lens
     if query_start_loc is not None:
         out.query_start_loc[...] = query_start_loc
-    rows[:n, :w] = table
     if w < rows.shape[1]:
+        rows[:n, :w] = table
         rows[:n, w:] = dummy_block
+    else:  # the full width: one index less to build
+        rows[:n] = table
     if t < len(out.slots):  # (the tests skip empty writes: each costs a numpy call)
         out.slots[t:] = dummy_slot
     if n < len(out.seq_lens):

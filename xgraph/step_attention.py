@@ -36,10 +36,10 @@ from .decode_check import DecodeCheck, distinct
 from .errors import InputError
 from .metadata import AttentionInputs, AttentionMetadata, LaunchState
 from .paging import PagedAttention
+from .step_fields import host_fields, ints
 from .validation import any_true, same
 
 FIELDS = tuple(f.name for f in fields(AttentionInputs))
-_LENGTHS = frozenset((torch.int64, torch.int32))  # tensor dtypes lengths are used in
 _SLOTS = (torch.int64, torch.int32)  # slot-mapping tensors: int32 is widened, exactly
 
 
@@ -107,7 +107,7 @@ class AttentionCheck:
         ceiling = np.where(self.used, self.dummy - 1, np.iinfo(np.uint32).max)
         self.ceiling = ceiling.astype(np.uint32)
         self._by_width: dict[int, tuple[np.ndarray | None, np.ndarray]] = {}
-        self.bs64, self.mask = np.int64(bs), bs - 1
+        self.bs64, self.mask = np.array(bs, dtype=np.int64), bs - 1  # 0-d: see DecodeCheck
         # a decode step's checks in fewer calls (where it finds a problem, the checks below
         # run and name it)
         self.decode = DecodeCheck(layout, self.ceiling, max_seqs) if self.one_compare else None
@@ -123,13 +123,24 @@ class AttentionCheck:
         `xgraph.device_check` as they are staged."""
         if type(attn) is not AttentionInputs:
             attn = self._given(attn)
-        if not host and (self._resident(attn) or type(attn) is LaunchState):
+        # host tensors of the usual dtypes and ranks viewed at once (never device metadata:
+        # a LaunchState, or host tensors where the CPU counts as the device)
+        usual = (
+            host_fields(attn.seq_lens, attn.block_tables, attn.slot_mapping, self.width)
+            if type(attn) is AttentionInputs and not self.cpu_is_device
+            else None
+        )
+        if usual is None and not host and (self._resident(attn) or type(attn) is LaunchState):
             return self._device(attn, num_tokens)
         ql, q = self._query_lens(attn.query_lens)
-        sl = _ints(self.name, attn.seq_lens, "seq_lens", 1)
         n = len(ql)
-        table, rows = self._table(attn.block_tables, n)
-        slots = _ints(self.name, attn.slot_mapping, "slot_mapping", 0, torch.int64)
+        if usual is not None and len(usual[1]) == n:
+            sl, table, slots = usual
+            rows: Any = table.shape[1]
+        else:  # field by field, each form's errors named
+            sl = ints(self.name, attn.seq_lens, "seq_lens", 1)
+            table, rows = self._table(attn.block_tables, n)
+            slots = ints(self.name, attn.slot_mapping, "slot_mapping", 0, torch.int64)
         h = StepAttention(ql, sl, table, slots, q)
         total = q * n if q else int(ql.sum())
         if not n or len(sl) != n or total != num_tokens or n > self.max_seqs:
@@ -223,10 +234,10 @@ class AttentionCheck:
         """A field as a tensor on the executor's device (host values are copied there)."""
         if not isinstance(value, torch.Tensor):
             if field == "block_tables":
-                ints = self._table(value, n)[0]
+                given = self._table(value, n)[0]
             else:
-                ints = _ints(self.name, value, field, 1, dtypes[0])
-            value = torch.from_numpy(np.ascontiguousarray(ints)).to(self.device)
+                given = ints(self.name, value, field, 1, dtypes[0])
+            value = torch.from_numpy(np.ascontiguousarray(given)).to(self.device)
         if value.dtype not in dtypes:
             want = " or ".join(str(d) for d in dtypes)
             raise InputError(
@@ -269,8 +280,8 @@ class AttentionCheck:
                 n = len(given)
                 if q == 1 and n <= self.max_seqs:
                     return self.ones[n], 1
-                return _ints(self.name, given, "query_lens", 1), q
-        ql = _ints(self.name, given, "query_lens", 1)
+                return ints(self.name, given, "query_lens", 1), q
+        ql = ints(self.name, given, "query_lens", 1)
         if not len(ql):
             return ql, 0
         first = int(ql[0])
@@ -285,7 +296,7 @@ class AttentionCheck:
             if table.ndim == 2 and table.shape[0] == n and table.shape[1] <= self.width:
                 return table, table.shape[1]
         if isinstance(given, (torch.Tensor, np.ndarray)):
-            table = _ints(self.name, given, "block_tables", 2, torch.int32)
+            table = ints(self.name, given, "block_tables", 2, torch.int32)
             if table.shape[0] != n:
                 raise InputError(
                     f"{self.name}: block_tables must be int32 [num_seqs={n}, width]; got "
@@ -311,7 +322,7 @@ class AttentionCheck:
                 f"{self.name}: block_tables must be an int32 tensor [seqs, width] or a list of "
                 f"rows of block ids; got {type(given).__name__}."
             ) from None
-        ids = _ints(self.name, flat, "block_tables", 1, torch.int32)
+        ids = ints(self.name, flat, "block_tables", 1, torch.int32)
         w = int(lens.max()) if n else 0
         if w > self.width:
             self._too_wide(w)
@@ -415,73 +426,3 @@ class AttentionCheck:
             f"{int(seq[b])}) both write cache slot {int(s[i])}; two tokens of one step "
             "cannot share a slot. Give each sequence its own blocks to write."
         )
-
-
-def _ints(
-    name: str, value: Any, field: str, ndim: int, dtype: torch.dtype | None = None
-) -> np.ndarray:
-    """A field as an integer numpy array (int64, or int32 for the table; lengths given as
-    int32 tensors stay int32) of rank `ndim` (0: any shape, flattened).
-    Tensors must have the field's dtype where it has one (`dtype`; an int32 tensor for an
-    int64 field, the slots, is widened: exact); any integer dtype otherwise. Lists and
-    arrays of integers are converted; floats, bools and other types are refused (a
-    truncated length would be silently wrong)."""
-    if type(value) is torch.Tensor:
-        dt = value.dtype
-        if (dt is dtype or (dtype is None and dt in _LENGTHS)) and value.is_cpu:
-            a = value.numpy()  # the usual form, a host tensor: no copy (int32 lengths stay)
-            if a.ndim == ndim:
-                return a
-            if not ndim:
-                return a if a.ndim == 1 else a.reshape(-1)
-        elif dt is torch.int32 and dtype is torch.int64 and value.is_cpu and not ndim:
-            return value.numpy().reshape(-1).astype(np.int64)  # int32 slots: widened, exact
-    elif type(value) is list and dtype is None:
-        a = np.asarray(value)  # Python ints: int64
-        if a.dtype == np.int64 and a.ndim == ndim:
-            return a
-    return _convert(name, value, field, ndim, dtype)
-
-
-def _widens(given: torch.dtype, dtype: torch.dtype) -> bool:
-    """Whether a tensor of `given` converts to `dtype` exactly, whatever its values: int32
-    slot mappings to int64."""
-    return given is torch.int32 and dtype is torch.int64
-
-
-def _convert(name: str, value: Any, field: str, ndim: int, dtype: torch.dtype | None) -> np.ndarray:
-    """`_ints` for every other form, and its errors."""
-    want = np.int32 if dtype is torch.int32 else np.int64
-    if isinstance(value, torch.Tensor):
-        if dtype is not None and value.dtype is not dtype and not _widens(value.dtype, dtype):
-            also = " or torch.int32" if dtype is torch.int64 else ""
-            raise InputError(
-                f"{name}: {field} must be {dtype}{also}; got {value.dtype}. Pass "
-                f"{field}.to({dtype})."
-            )
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype is torch.bool:
-            raise InputError(f"{name}: {field} must hold integers; got {value.dtype}.")
-        a = (value if value.is_cpu else value.cpu()).numpy()  # on a device: one copy (a sync)
-    else:
-        try:
-            a = np.asarray(value)
-        except (TypeError, ValueError):
-            a = np.asarray(value, dtype=object)
-        if a.dtype.kind not in "iu" and a.size:  # (an empty list is float64)
-            raise InputError(
-                f"{name}: {field} must hold integers (a list, array or tensor); got "
-                f"{type(value).__name__} of {a.dtype}."
-            )
-    if not ndim:
-        a = a.reshape(-1)
-    elif a.ndim != ndim:
-        shape = "one int per sequence" if ndim == 1 else "[seqs, width]"
-        raise InputError(f"{name}: {field} must be {shape}; got shape {a.shape}.")
-    if a.dtype != want:
-        b = a.astype(want)
-        if not a.size:
-            return b
-        if not same(b.astype(a.dtype), a):  # a value changed: it does not fit `want`
-            raise InputError(f"{name}: {field} holds values outside {np.dtype(want).name}.")
-        a = b
-    return a

@@ -258,9 +258,13 @@ class StepPlanner:
         dc = self.device_check
         if dc is not None and dc.pending:
             dc.raise_pending()
-        tokens = self.tokens.check(inputs)
-        h = self._attention(attn, tokens.num_tokens, synthetic)
-        return Checked(tokens.tensors, tokens.sizes, tokens.arrays, h, synthetic)
+        tensors, sizes, arrays = self.tokens.check(inputs)
+        ac = self.attn_check
+        if ac is not None and attn is not None:  # the usual step, without a call between
+            h = ac.check(attn, sizes[NUM_TOKENS], synthetic)
+        else:
+            h = self._attention(attn, sizes[NUM_TOKENS], synthetic)
+        return Checked(tensors, sizes, arrays, h, synthetic)
 
     def decide(
         self, checked: Checked, kind: Kind | None = None, pad_to: Mapping[str, int] | None = None

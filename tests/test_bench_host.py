@@ -37,5 +37,6 @@ def test_host_bench_reports_every_phase(tmp_path: Path) -> None:
         assert r["step_us"] > r["raw_replay_us"] > 0
         assert r["overhead_us"] == r["step_us"] - r["raw_replay_us"]
         assert r["engine_step_us"] > r["raw_replay_us"]  # the anchor sends six tensors first
+        assert r["beyond_engine_us"] == r["step_us"] - r["engine_step_us"]
     assert data["cpu"]
     assert "overhead_us" in host.summarize(data) and "engine_step_us" in host.summarize(data)

@@ -9,7 +9,7 @@ A variant is a set of switches: `pdl` (the backend's PDL capture option), `prefe
 projections ask L2 for their weights before they wait: XGRAPH_CUDA_PREFETCH), `early` (they
 release their successor before they wait: XGRAPH_CUDA_PDL_TRIGGER). Each is captured into
 its own graph (the switches are read at launch); per bucket and variant: device us per
-replay (events over 100 replays, median of 5 rounds), kernels of one replay by name
+replay (pdl_race.py's events over 50 replays, median of 5 rounds), kernels of one replay by name
 (torch.profiler) for the first and last variant, and for PDL variants the race check
 (`--replays` pairs against the same binaries launched without the attribute).
 Writes `$OUT/decode-variants-<model>.json`.
@@ -33,7 +33,11 @@ from xgraph.attention import step_context
 from xgraph.bench.anchors import static_inputs
 from xgraph.bench.kernel_trace import _kernel_spans, split_steps, step_stats
 from xgraph.bench.report import workload
-from xgraph.pdl import capture_options, race_check
+from xgraph.pdl import race_check
+
+# the PDL tool's capture (pdl / waits / plain) and replay timing, reused
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "adapters", "cuda", "tools"))
+import pdl_race
 
 ENV = {
     "prefetch": ("XGRAPH_CUDA_PREFETCH", "on", "off"),
@@ -57,35 +61,9 @@ def switches(variant: str):
                 os.environ[var] = val
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, reps: int = 100) -> float:
-    rounds = []
-    for _ in range(5):
-        graph.replay()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        rounds.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(rounds)
-
-
-def capture(forward, kernels, pdl: bool, baseline: bool = False):
-    with capture_options(kernels, "full", pdl, baseline=baseline):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            forward()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
-            out = forward()
-    edges = kernels.pdl.programmatic_edges(graph) if kernels.pdl is not None else None
-    graph.instantiate()
-    return graph, out, edges
+def replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    """Median of 5 rounds of the PDL tool's timing (events over its replays)."""
+    return statistics.median(pdl_race.replay_us(graph) for _ in range(5))
 
 
 def kernels_of(graph, steps: int = 3) -> dict[str, Any]:
@@ -131,12 +109,12 @@ def bucket(backend, w, b: int, variants: list[str], replays: int) -> dict[str, A
     rows: dict[str, Any] = {}
     for i, v in enumerate(variants):
         with switches(v) as pdl:
-            graph, out, edges = capture(forward, kernels, pdl)
+            graph, out, edges = pdl_race.capture(forward, kernels, "pdl" if pdl else "plain")
             row: dict[str, Any] = {"edges": edges, "us": replay_us(graph)}
             if i in (0, len(variants) - 1):
                 row["kernels"] = kernels_of(graph)
             if pdl and replays:
-                base, bout, _ = capture(forward, kernels, False, baseline=True)
+                base, bout, _ = pdl_race.capture(forward, kernels, "waits")
                 rep = race_check(run(graph, out), run(base, bout), feed, replays, b)
                 row["race"] = {
                     "replays": replays,

@@ -259,11 +259,7 @@ class StepPlanner:
         if dc is not None and dc.pending:
             dc.raise_pending()
         tensors, sizes, arrays = self.tokens.check(inputs)
-        ac = self.attn_check
-        if ac is not None and attn is not None:  # the usual step, without a call between
-            h = ac.check(attn, sizes[NUM_TOKENS], synthetic)
-        else:
-            h = self._attention(attn, sizes[NUM_TOKENS], synthetic)
+        h = self._attention(attn, sizes[NUM_TOKENS], synthetic)
         return Checked(tensors, sizes, arrays, h, synthetic)
 
     def decide(

@@ -48,7 +48,7 @@ def outside(a: np.ndarray, high: tuple[np.ndarray, int]) -> bool:
     if a.ndim == 1 and len(a) <= SMALL:
         v = a.tolist()
         return bool(v) and (min(v) < 0 or max(v) >= high[1])
-    return 1 in _AT_LEAST(a.view(_U64), high[0]).tobytes()  # any_true, without its call
+    return any_true(_AT_LEAST(a.view(_U64), high[0]))
 
 
 @dataclass(frozen=True)

@@ -148,49 +148,76 @@ class CompileCache:
 
     @property
     def path(self) -> Path | None:
-        return None if self.directory is None else self.directory / f"{self.key}{SUFFIX}"
+        return self.path_of()
 
     def load(self) -> bool:
         """Load this key's artifacts into the compiler's caches; False where there is no
         file or it was ignored (warned once)."""
-        path = self.path
-        if path is None or not path.is_file():
+        payload = self.read()
+        if payload is None:
             return False
-        try:
-            fields, payload = _read(path)
-            if fields != self.fields:
-                raise XGraphError(f"its fields are another model's or setup's ({path.name})")
-            if _hot_load(payload) is None:
-                raise XGraphError("torch could not read the artifacts in it")
-        except Exception as exc:  # a bad file costs a compile, never the process
-            self._ignore(path, exc)
+        if _hot_load(payload) is None:
+            self._ignore(self.path, XGraphError("torch could not read the artifacts in it"))
             return False
         self.loaded = True
-        logger.info("compile cache: loaded %s (%d bytes)", path, len(payload))
+        logger.info("compile cache: loaded %s (%d bytes)", self.path, len(payload))
         return True
 
     def save(self) -> bool:
         """Write what this process has compiled so far under this key (atomically: a reader
         never sees half a file); False where the cache is off or nothing was compiled."""
-        path = self.path
-        if path is None:
+        if self.directory is None:
             return False
         got = torch.compiler.save_cache_artifacts()
         if not got or not got[0]:
+            return False
+        self.saved = self.write(got[0])
+        return self.saved
+
+    def path_of(self, part: str = "") -> Path | None:
+        """The file of this key's `part` ("": torch.compile's artifacts; others name what
+        else is kept under the key, such as a precompiled forward)."""
+        if self.directory is None:
+            return None
+        return self.directory / f"{self.key}{'-' + part if part else ''}{SUFFIX}"
+
+    def read(self, part: str = "") -> bytes | None:
+        """The payload of this key's `part`; None where there is none, or the file is
+        ignored (unreadable, truncated, another key's fields: warned once)."""
+        path = self.path_of(part)
+        if path is None or not path.is_file():
+            return None
+        try:
+            fields, payload = _read(path)
+            if fields != self.fields:
+                raise XGraphError(f"its fields are another model's or setup's ({path.name})")
+        except Exception as exc:  # a bad file costs a compile, never the process
+            self._ignore(path, exc)
+            return None
+        return payload
+
+    def write(self, payload: bytes, part: str = "") -> bool:
+        """Keep `payload` as this key's `part`, atomically; False where the cache is off or
+        the disk refused (warned once: later processes compile again)."""
+        path = self.path_of(part)
+        if path is None:
             return False
         header = json.dumps(self.fields, sort_keys=True).encode()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=SUFFIX)
             with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + struct.pack("<I", len(header)) + header + got[0])
+                f.write(MAGIC + struct.pack("<I", len(header)) + header + payload)
             os.replace(tmp, path)
         except OSError as exc:  # a read-only or full disk: the next start compiles again
             self._warn(f"could not write {path} ({exc}); later processes will compile again")
             return False
-        self.saved = True
-        logger.info("compile cache: saved %s (%d bytes)", path, len(got[0]))
+        logger.info("compile cache: wrote %s (%d bytes)", path, len(payload))
         return True
+
+    def ignore(self, part: str, exc: BaseException) -> None:
+        """A `part` read whole but unusable (torch refused it): ignored, warned once."""
+        self._ignore(self.path_of(part), exc)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -201,7 +228,7 @@ class CompileCache:
             "ignored": self.problem,
         }
 
-    def _ignore(self, path: Path, exc: Exception) -> None:
+    def _ignore(self, path: Path | None, exc: BaseException) -> None:
         self.problem = f"{type(exc).__name__}: {exc}"
         self._warn(
             f"ignored {path} ({self.problem}); compiling as if it were absent. Delete the "

@@ -37,11 +37,12 @@ import itertools
 import logging
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from . import precompiled
 from .compile_cache import CompileCache
 from .errors import XGraphWarning
 
@@ -150,6 +151,11 @@ class TokenCompiled:
         cache: a CompileCache (xgraph.compile_cache): loaded before the first compile, and
             saved after each call that compiled a graph, so the next process on this machine
             loads what this one compiled instead of compiling it.
+        static: tensors the forward reads whose sizes never change (the KV cache): marked
+            static for Dynamo, so it never unifies their sizes with the token count.
+        ahead: with a cache and Inductor, compile each token class ahead of time and keep
+            it whole beside the cache's artifacts (xgraph.precompiled), so a later process
+            loads it without tracing; where torch cannot, compile as before (warned once).
         options: further torch.compile keyword arguments (`options=`, `mode=`).
     """
 
@@ -165,6 +171,8 @@ class TokenCompiled:
         inductor_config: dict[str, Any] | None = None,
         hint: int | None = None,
         cache: CompileCache | None = None,
+        ahead: bool = True,
+        static: Sequence[torch.Tensor] = (),
         **options: Any,
     ) -> None:
         if max_tokens < 1:
@@ -185,6 +193,10 @@ class TokenCompiled:
             self.cache.load()  # before any compile: the compiler's caches then hold its results
         self._saved_at = 0  # graphs compiled when the cache was last written
         self._compile(fullgraph)
+        self.static = list(static)
+        self.hold_static(True)
+        wanted = ahead and not options and self.cache is not None and self.cache.directory
+        self.ahead = Ahead(self) if wanted and precompiled.supported() else None
 
     def _compile(self, fullgraph: bool) -> None:
         """Compile afresh: new code (so no earlier graph or recompile count carries over)."""
@@ -196,6 +208,25 @@ class TokenCompiled:
             dynamic=None if self.dynamic else False,
             **self.options,
         )
+
+    def hold_static(self, on: bool) -> None:
+        """Put the static marks on `static` (Dynamo's path) or take them off (a loaded
+        ahead-of-time function: its guards were rebuilt without them and refuse marks)."""
+        if getattr(self, "_static_on", None) is on:
+            return
+        self._static_on = on
+        for t in self.static:
+            if on:
+                torch._dynamo.mark_static(t)
+            else:
+                for name in ("_dynamo_static_indices", "_has_dynamo_dim_marking"):
+                    t.__dict__.pop(name, None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled only inside a snapshot of an object that holds it (torch's ahead-of-time
+        # compile records the state of the arguments its guards read): compiled code is
+        # this process's and never travels
+        return (Detached, (self.name,))
 
     @property
     def compiles(self) -> int:
@@ -213,6 +244,7 @@ class TokenCompiled:
             "fallback": self.fallback,
             "sizes": sorted(self.sizes),
             "cache": None if self.cache is None else self.cache.stats(),
+            "ahead": None if self.ahead is None else self.ahead.stats(),
         }
 
     def _mark(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
@@ -240,6 +272,12 @@ class TokenCompiled:
         n = self._mark(args, kwargs)
         if n is None:
             return self.fn(*args, **kwargs)
+        if self.ahead is not None:
+            got = self.ahead(n, args, kwargs)
+            if got is not MISS:
+                self._done(n)
+                return got
+            self.hold_static(True)
         try:
             out = self._compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as exc:
@@ -248,11 +286,14 @@ class TokenCompiled:
             if not (self.dynamic and _branches_on_shape(exc)):
                 raise
             return self._static(exc, args, kwargs)
+        self._done(n)
+        return out
+
+    def _done(self, n: int) -> None:
         self.sizes.add(n)
         if self.cache is not None and self.backend.graphs != self._saved_at:
             self._saved_at = self.backend.graphs  # a new graph: the next process loads it
             self.cache.save()
-        return out
 
     def _static(self, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The forward branches on the token count: compile once per count from now on."""
@@ -285,3 +326,106 @@ class TokenCompiled:
         msg = f"{self.name}: torch.compile of the forward {what}."
         warnings.warn(msg, XGraphWarning, stacklevel=3)
         logger.warning(msg)
+
+
+class Detached:
+    """What a TokenCompiled pickles to: its name, and nothing it compiled."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+MISS = object()  # Ahead's answer where the ordinary compiled path must run the call
+
+
+class Ahead:
+    """A TokenCompiled's forwards compiled ahead of time, one per token class, loaded from
+    or kept in its compile cache (xgraph.precompiled)."""
+
+    def __init__(self, owner: TokenCompiled) -> None:
+        self.owner = owner
+        self.fn, self.prefix = precompiled.target(owner.fn)
+        self.functions: dict[str, Any] = {}
+        self.loaded: list[str] = []
+        self.compiled: list[str] = []
+        self.refused = 0  # calls whose guards the function refused (they ran the other path)
+        self.refusal: str | None = None  # the first refusal's failing guard
+        self.off: str | None = None  # why it stopped, if it did
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "loaded": sorted(self.loaded),
+            "compiled": sorted(self.compiled),
+            "refused_calls": self.refused,
+            "refusal": self.refusal,
+            "off": self.off,
+        }
+
+    def tag(self, n: int) -> str:
+        return "one" if n == 1 else ("many" if self.owner.dynamic else f"n{n}")
+
+    def __call__(self, n: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.off is not None:
+            return MISS
+        self.owner.hold_static(False)
+        tag = self.tag(n)
+        fn = self.functions.get(tag) or self._get(tag, args, kwargs)
+        if fn is None:
+            return MISS
+        full = (*self.prefix, *args)
+        for t in (*args, *kwargs.values()):  # marks steer tracing; the function has its shapes
+            if isinstance(t, torch.Tensor):
+                _unmark(t)
+        if not fn.guard_check(*full, **kwargs):
+            self.refused += 1
+            if self.refusal is None:
+                self.refusal = precompiled.why_refused(fn, full, kwargs)
+            return MISS
+        return fn(*full, **kwargs)
+
+    def _get(self, tag: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        cache, part = self.owner.cache, f"ahead-{tag}"
+        assert cache is not None
+        payload = cache.read(part)
+        if payload is not None:
+            try:
+                fn = precompiled.load(payload, getattr(self.fn, "__globals__", None))
+            except Exception as exc:  # unusable here: compiled again below, warned once
+                cache.ignore(part, exc)
+            else:
+                self.loaded.append(tag)
+                self.functions[tag] = fn
+                return fn
+        backend = self.owner.backend
+        try:
+            fn = precompiled.compile_ahead(
+                self.fn,
+                (*self.prefix, *args),
+                kwargs,
+                dynamic=self.owner.dynamic,
+                options=backend.inductor_config,
+            )
+        except Exception as exc:  # torch cannot here: the ordinary path compiles instead
+            self._stop(exc)
+            return None
+        backend.graphs += 1
+        self.compiled.append(tag)
+        self.functions[tag] = fn
+        try:
+            cache.write(precompiled.dump(fn), part)
+        except Exception as exc:  # this process keeps it; later ones compile again
+            self._stop(exc, keep=True)
+        return fn
+
+    def _stop(self, exc: BaseException, keep: bool = False) -> None:
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        if not keep:
+            self.off = reason
+        self.owner._warn(
+            f"cannot be kept compiled ahead of time ({reason}); "
+            + (
+                "this process uses it, later ones compile again"
+                if keep
+                else "compiling it as before"
+            )
+        )

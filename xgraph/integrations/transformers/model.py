@@ -95,6 +95,12 @@ def _split_head(
     return split_head(full, hidden, model, ids, positions)
 
 
+def _transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
 def _compile_backend(compile: Any) -> Any:
     """None (not compiled), or the torch.compile backend (True: Inductor; a name, or a
     backend callable)."""
@@ -251,8 +257,6 @@ class GraphModel:
         """The decoder under torch.compile, one compile for every bucket (or per bucket)."""
         if compiler is None:
             return None
-        for t in self.cache.tensors():  # fixed sizes: never unified with the token count
-            torch._dynamo.mark_static(t)
         inductor = DYNAMIC_INDUCTOR_CONFIG if dynamic else None
         settings = {
             "backend": compiler if isinstance(compiler, str) else getattr(compiler, "__name__", ""),
@@ -261,6 +265,7 @@ class GraphModel:
             "inductor": inductor,
             "linears": sorted({type(m).__name__ for m in self.model.modules()}),
             "limits": dataclasses.asdict(self.limits),
+            "transformers": _transformers_version(),
         }
         cache = CompileCache.for_model(
             model_class=f"{type(self.model).__module__}.{type(self.model).__qualname__}",
@@ -278,6 +283,7 @@ class GraphModel:
             name=name,
             inductor_config=inductor,
             cache=cache,
+            static=list(self.cache.tensors()),  # fixed sizes: never unified with the token count
         )
         self._forward.compiled = compiled
         return compiled

@@ -177,12 +177,21 @@ def test_stale_sources_name_what_changed(tmp_path, source, monkeypatch):
     import fwdmod
 
     try:
-        digest = precompiled._lines_digest("fwdmod", 1, 5)
-        assert precompiled.stale_sources([["fwdmod", 1, 5, digest]]) == []
-        assert precompiled.stale_sources([["fwdmod", 1, 5, "0" * 64]]) == ["fwdmod:1-5"]
-        assert precompiled.stale_sources([["no_such_module", 1, 5, digest]]) == [
-            "no_such_module:1-5"
+        first = fwdmod.Block.forward.__code__.co_firstlineno
+        assert precompiled._defined_at("fwdmod")[first] == "Block.forward"
+        last = first + 2
+        digest = precompiled._lines_digest("fwdmod", first, last)
+        row = ["fwdmod", first, last, digest, "Block.forward"]
+        assert precompiled.stale_sources([row]) == []
+        assert precompiled.stale_sources([[*row[:3], "0" * 64, row[4]]]) == [
+            f"fwdmod:{first}-{last}"
         ]
+        assert precompiled.stale_sources([["no_such_module", *row[1:]]]) == [
+            f"no_such_module:{first}-{last}"
+        ]
+        # the same file, the method replaced at run time (a kernel library's patch)
+        monkeypatch.setattr(fwdmod.Block, "forward", lambda self, x: x)
+        assert precompiled.stale_sources([row]) == ["fwdmod.Block.forward (replaced at run time)"]
     finally:
         sys.modules.pop(fwdmod.__name__, None)
 

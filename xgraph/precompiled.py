@@ -43,7 +43,7 @@ import torch
 
 from .errors import XGraphError
 
-FORMAT = 1
+FORMAT = 2
 
 
 @functools.cache
@@ -93,24 +93,64 @@ def _lines_digest(module_name: str, first: int, last: int) -> str | None:
 
 
 def _sources(compiled: Any) -> list[list[Any]]:
-    """[module, first line, last line, digest] of every source the trace inlined."""
-    out = []
+    """[module, first line, last line, digest, name] of every source the trace inlined;
+    name: the module-level function or method whose code it is (None for nested code)."""
+    out, defined = [], {}
     for s in compiled.source_info().inlined_sources:
-        out.append([s.module, s.firstlineno, s.lastlineno, _lines_digest(*_span(s))])
+        m, a, b = s.module, s.firstlineno, s.lastlineno
+        if m not in defined:
+            defined[m] = _defined_at(m)
+        out.append([m, a, b, _lines_digest(m, a, b), defined[m].get(a)])
     return sorted(out, key=lambda r: (r[0], r[1]))
 
 
-def _span(s: Any) -> tuple[str, int, int]:
-    return s.module, s.firstlineno, s.lastlineno
+def _code_of(obj: Any) -> Any:
+    """The code object behind a function, method or decorated function; None otherwise."""
+    obj = getattr(obj, "__func__", obj)  # staticmethod, classmethod
+    obj = inspect.unwrap(obj) if callable(obj) else obj
+    return getattr(obj, "__code__", None)
+
+
+def _defined_at(module_name: str) -> dict[int, str]:
+    """First line -> qualified name of the module's own functions and its classes' methods."""
+    module = sys.modules.get(module_name)
+    out: dict[int, str] = {}
+    if module is None:
+        return out
+    for name, obj in vars(module).items():
+        if inspect.isclass(obj) and obj.__module__ == module_name:
+            members = [(f"{name}.{k}", v) for k, v in vars(obj).items()]
+        else:
+            members = [(name, obj)]
+        for qual, member in members:
+            code = _code_of(member)
+            if code is not None and code.co_filename == getattr(module, "__file__", None):
+                out.setdefault(code.co_firstlineno, qual)
+    return out
+
+
+def _still_bound(module_name: str, qual: str | None, first: int) -> bool:
+    """Whether `qual` in the live module is still the code starting at line `first` (not
+    replaced at run time: a patched method runs other code than its file's)."""
+    if qual is None:
+        return True
+    obj: Any = sys.modules.get(module_name)
+    for part in qual.split("."):
+        obj = vars(obj).get(part) if obj is not None and hasattr(obj, "__dict__") else None
+    code = _code_of(obj)
+    return code is not None and code.co_firstlineno == first
 
 
 def stale_sources(sources: list[list[Any]]) -> list[str]:
-    """The recorded sources whose lines differ in this process (or cannot be read)."""
-    return [
-        f"{m}:{a}-{b}"
-        for m, a, b, digest in sources
-        if digest is None or digest != _lines_digest(m, a, b)
-    ]
+    """The recorded sources whose lines differ in this process (or cannot be read), or
+    whose function was replaced at run time."""
+    out = []
+    for module, first, last, digest, qual in sources:
+        if digest is None or digest != _lines_digest(module, first, last):
+            out.append(f"{module}:{first}-{last}")
+        elif not _still_bound(module, qual, first):
+            out.append(f"{module}.{qual} (replaced at run time)")
+    return out
 
 
 def target(fn: Callable[..., Any]) -> tuple[Callable[..., Any], tuple[Any, ...]]:

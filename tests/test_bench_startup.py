@@ -13,7 +13,7 @@ from xgraph.bench import startup
 from xgraph.buckets import sglang_piecewise_sizes
 from xgraph.cli import main as xgraph_main
 
-PARTS = {"start", "load", "plan", "kv_cache", "warmup", "capture", "first_step"}
+PARTS = {"start", "weights", "plan", "kv_cache", "warmup", "capture", "first_step"}
 
 
 @pytest.mark.slow
@@ -31,6 +31,10 @@ def test_bench_startup_reference_cold_and_warm(tmp_path, capsys):
         assert set(data[phase]["parts"]) == PARTS
         assert data[phase]["seconds"] == pytest.approx(sum(data[phase]["parts"].values()))
         assert run["process_seconds"] >= data[phase]["seconds"] * 0.99
+        parts = data[phase]["parts"]
+        assert data[phase]["xgraph_seconds"] == pytest.approx(
+            data[phase]["seconds"] - parts["start"] - parts["weights"]
+        )
     mp = data["memory_prediction"]
     assert mp["predicted_bytes"] > 0 and mp["rel_err"] <= 0.05
     assert data["tokens_equal"] == {"reference": True} and data["mismatches"] == []

@@ -104,7 +104,11 @@ def _headline(data: dict[str, Any]) -> None:
     main = targets["hf" if "hf" in ran else ran[0]] if ran else {}  # hf: the target
     for phase in ("cold", "warm"):
         run = main.get(phase, {})
-        data[phase] = {"seconds": run.get("seconds"), "parts": run.get("parts")}
+        data[phase] = {
+            "seconds": run.get("seconds"),
+            "xgraph_seconds": run.get("xgraph_seconds"),
+            "parts": run.get("parts"),
+        }
     ref = targets.get("reference", {})
     warm, cold = ref.get("warm", {}), ref.get("cold", {})
     seconds = (warm.get("parts") or {}).get("capture")
@@ -167,6 +171,10 @@ def run(
     return data
 
 
+# the table's part columns (a target without one leaves it empty)
+PARTS = ("start", "weights", "load", "compile", "plan", "warmup", "capture")
+
+
 def summarize(data: dict[str, Any]) -> str:
     rows = []
     for name, t in data["targets"].items():
@@ -174,12 +182,13 @@ def summarize(data: dict[str, Any]) -> str:
             r = t.get(phase, {})
             parts = r.get("parts") or {}
             row = {"target": name, "process": phase, "seconds": r.get("seconds")}
-            row.update({k: parts.get(k) for k in ("start", "load", "compile", "capture")})
+            row["xgraph"] = r.get("xgraph_seconds")
+            row.update({k: parts.get(k) for k in PARTS})
             row["first_step"] = parts.get("first_step")
             row["graphs"] = r.get("graphs")
             row["error"] = (r.get("error") or r.get("skipped") or "")[:80]
             rows.append(row)
-    cols = ["target", "process", "seconds", "start", "load", "compile", "capture"]
+    cols = ["target", "process", "seconds", "xgraph", *PARTS]
     text = table(rows, [*cols, "first_step", "graphs", "error"])
     mp, cap = data.get("memory_prediction") or {}, data.get("capture") or {}
     return (

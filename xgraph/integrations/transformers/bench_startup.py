@@ -3,7 +3,8 @@
 transformers' Qwen3 of the reference shape (random weights from its config, as
 `bench_runs.build_named` builds it) through `GraphModel(compile=True)`, decode and piecewise
 graphs at the decode sizes. Parts (xgraph.bench.startup_run runs it in a fresh process):
-`load` (the model and the GraphModel: probe, cache, executor), `compile` (the compiled
+`weights` (the model with random weights from its config), `load` (the GraphModel:
+probe, cache, executor), `compile` (the compiled
 forward's first runs: Dynamo and Inductor, or the compile cache's artifacts), `plan` (its
 graph memory), `capture` (every decode size and every piecewise bucket), `first_step` (the
 first token of two prompts through `generate`). `register()` offers it to the bench; the
@@ -48,10 +49,8 @@ def run(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> 
     clock = Clock(backend)
     dtype = torch.float32 if backend.device.type == "cpu" else torch.bfloat16
 
-    def load() -> GraphModel:
-        return _graph_model(build_named(model_name, dtype, backend.device), backend, decode)
-
-    gm = clock("load", load)
+    model = clock("weights", lambda: build_named(model_name, dtype, backend.device))
+    gm = clock("load", lambda: _graph_model(model, backend, decode))
     ex = gm.executor
     top = max(decode)
     clock("compile", lambda: (ex.warm_up([top, 1]), ex.warm_up([top], kind="piecewise")))

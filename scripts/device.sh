@@ -153,7 +153,7 @@ has multistep && stage multistep 300 20 python3 -m \
   --batches 1,32 --k 8 --json "$OUT/multistep.json"
 # startup (only when named): cold and warm processes of the reference model and of the
 # transformers Qwen3 compiled, model build to first token (docs/startup.md)
-has startup && stage startup 300 30 xgraph bench startup --backend cuda --model "$model" \
+has startup && stage startup 480 30 xgraph bench startup --backend cuda --model "$model" \
   --json "$OUT/startup.json"
 has dist && stage dist 540 40 bash -c dist
 # kernels (only when named): every decode kernel at the 0.6B and 8B shapes, rows 1-64, over

@@ -201,3 +201,22 @@ def test_a_payload_of_another_format_is_refused():
     payload = len(header).to_bytes(4, "little") + header
     with pytest.raises(Exception, match="format is 99"):
         precompiled.load(payload)
+
+
+def test_a_torch_that_gates_the_feature_behind_its_flag(tmp_path, monkeypatch):
+    """torch 2.11 attaches aot_compile only under torch._dynamo.config.enable_aot_compile
+    (off by default there): xgraph sets it for its own compiles and loads only."""
+    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
+    precompiled.supported.cache_clear()
+    try:
+        assert precompiled.supported()
+        f = TokenCompiled(_twice_sin, 16, cache=_cache(tmp_path))
+        x = torch.linspace(0, 1, 6)
+        torch.testing.assert_close(f(x), _twice_sin(x))
+        assert f.stats()["ahead"]["compiled"] == ["many"]
+        assert torch._dynamo.config.enable_aot_compile is False  # set back
+        g = TokenCompiled(_twice_sin, 16, cache=_cache(tmp_path))  # loads what f kept
+        torch.testing.assert_close(g(x), _twice_sin(x))
+        assert g.stats()["ahead"]["loaded"] == ["many"] and g.compiles == 0
+    finally:
+        precompiled.supported.cache_clear()

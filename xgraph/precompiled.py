@@ -29,6 +29,7 @@ backend that does not serialize), `TokenCompiled` warns once and compiles as bef
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -46,12 +47,22 @@ from .errors import XGraphError
 FORMAT = 2
 
 
+def _enabled() -> Any:
+    """Where torch gates the feature behind a flag (torch 2.11:
+    torch._dynamo.config.enable_aot_compile), the flag set for what is compiled inside."""
+    config = torch._dynamo.config
+    if hasattr(config, "enable_aot_compile"):
+        return config.patch(enable_aot_compile=True)
+    return contextlib.nullcontext()
+
+
 @functools.cache
 def supported() -> bool:
     """Whether this torch can compile ahead of time and load the result."""
     if not hasattr(torch.compiler, "load_compiled_function"):
         return False
-    return hasattr(torch.compile(_probe, backend="eager"), "aot_compile")  # nothing traced
+    with _enabled():
+        return hasattr(torch.compile(_probe, backend="eager"), "aot_compile")  # nothing traced
 
 
 def _probe() -> None:
@@ -172,14 +183,15 @@ def compile_ahead(
 ) -> Any:
     """`fn` traced and compiled by Inductor for calls like (args, kwargs), their marks
     (mark_dynamic) included; the result is callable and serializable."""
-    compiled = torch.compile(
-        fn,
-        backend="inductor",
-        fullgraph=True,
-        dynamic=None if dynamic else False,
-        options={**options, "guard_filter_fn": keep_guards},
-    )
-    out = compiled.aot_compile((args, kwargs))
+    with _enabled():
+        compiled = torch.compile(
+            fn,
+            backend="inductor",
+            fullgraph=True,
+            dynamic=None if dynamic else False,
+            options={**options, "guard_filter_fn": keep_guards},
+        )
+        out = compiled.aot_compile((args, kwargs))
     out.disable_guard_check()  # the caller checks, so a refusal falls back, not raises
     return out
 
@@ -215,7 +227,10 @@ def load(payload: bytes, f_globals: dict[str, Any] | None = None) -> Any:
             f"the model's code changed since it was written ({', '.join(stale[:3])}{more})"
         )
     # the traced function's module globals: its global guards and bytecode read them
-    out = torch.compiler.load_compiled_function(io.BytesIO(payload[4 + n :]), f_globals=f_globals)
+    with _enabled():
+        out = torch.compiler.load_compiled_function(
+            io.BytesIO(payload[4 + n :]), f_globals=f_globals
+        )
     out.disable_guard_check()
     return out
 

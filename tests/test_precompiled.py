@@ -18,6 +18,7 @@ import torch
 from xgraph import precompiled
 from xgraph.compile_cache import CompileCache
 from xgraph.compiled import Detached, TokenCompiled
+from xgraph.errors import XGraphWarning
 
 pytestmark = pytest.mark.skipif(not precompiled.supported(), reason="torch has no aot_compile")
 
@@ -220,3 +221,22 @@ def test_a_torch_that_gates_the_feature_behind_its_flag(tmp_path, monkeypatch):
         assert g.stats()["ahead"]["loaded"] == ["many"] and g.compiles == 0
     finally:
         precompiled.supported.cache_clear()
+
+
+def test_a_forward_that_cannot_be_kept_serves_this_process_alone(tmp_path, monkeypatch):
+    """torch cannot serialize it: this process runs what it compiled, warned once; other
+    token classes compile the ordinary way, and nothing is written."""
+
+    def refuse(compiled):
+        raise TypeError("cannot pickle 'Thing' object")
+
+    monkeypatch.setattr(precompiled, "dump", refuse)
+    f = TokenCompiled(_twice_sin, 16, cache=_cache(tmp_path))
+    x = torch.linspace(0, 1, 6)
+    with pytest.warns(XGraphWarning, match="cannot be kept compiled ahead of time"):
+        torch.testing.assert_close(f(x), _twice_sin(x))
+    torch.testing.assert_close(f(x[:1]), _twice_sin(x[:1]))  # one token: the ordinary path
+    stats = f.stats()["ahead"]
+    assert stats["compiled"] == ["many"] and "Thing" in stats["unsaved"]
+    assert stats["off"] is None and f.compiles == 2
+    assert not any("ahead" in p.name for p in tmp_path.iterdir())

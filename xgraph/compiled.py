@@ -351,6 +351,7 @@ class Ahead:
         self.refused = 0  # calls whose guards the function refused (they ran the other path)
         self.refusal: str | None = None  # the first refusal's failing guard
         self.off: str | None = None  # why it stopped, if it did
+        self.unsaved: str | None = None  # why a compiled function could not be kept, if so
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -359,6 +360,7 @@ class Ahead:
             "refused_calls": self.refused,
             "refusal": self.refusal,
             "off": self.off,
+            "unsaved": self.unsaved,
         }
 
     def tag(self, n: int) -> str:
@@ -369,7 +371,9 @@ class Ahead:
             return MISS
         self.owner.hold_static(False)
         tag = self.tag(n)
-        fn = self.functions.get(tag) or self._get(tag, args, kwargs)
+        fn = self.functions.get(tag)
+        if fn is None and self.unsaved is None:  # unsaved: later classes compile as before
+            fn = self._get(tag, args, kwargs)
         if fn is None:
             return MISS
         full = (*self.prefix, *args)
@@ -419,7 +423,9 @@ class Ahead:
 
     def _stop(self, exc: BaseException, keep: bool = False) -> None:
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
-        if not keep:
+        if keep:
+            self.unsaved = reason
+        else:
             self.off = reason
         self.owner._warn(
             f"cannot be kept compiled ahead of time ({reason}); "

@@ -8,9 +8,8 @@ every object the process holds: an engine's heap (a model, a tokenizer, the comp
 caches) takes it from milliseconds to a large part of each capture (vLLM: 35 s to 2 s for
 67 graphs of Qwen3-0.6B once it froze the collector, PR #21146). A collection in the middle
 of a capture is a hazard too: a finalizer it runs may free device memory or call into the
-runtime while the stream is being captured. So a session collects once, when it opens
-(the garbage of before dies then, not mid-capture; fully in the process's first session,
-the young generations in later ones), freezes what survives (an explicit
+runtime while the stream is being captured. So a session collects once, when it opens (the
+garbage of before dies then, not mid-capture), freezes what survives (an explicit
 `gc.collect()` inside, torch's own among them, then skips it) and disables the collector;
 leaving it, on every path (an exception, KeyboardInterrupt), unfreezes and puts the
 collector back as it was. Sessions nest (only the outermost one acts) and are process-wide,
@@ -32,11 +31,10 @@ _lock = threading.Lock()
 _depth = 0
 _was_enabled = False
 _was_frozen = 0
-_collected = False  # whether a session of this process has run a full collection
 
 
 def _open() -> None:
-    global _depth, _was_enabled, _was_frozen, _collected
+    global _depth, _was_enabled, _was_frozen
     with _lock:
         _depth += 1
         if _depth > 1:
@@ -44,12 +42,7 @@ def _open() -> None:
         _was_enabled, _was_frozen = gc.isenabled(), gc.get_freeze_count()
         gc.disable()  # first: no automatic collection between the collect and the freeze
         t0 = time.perf_counter()
-        # a full collection walks every object the heap holds (half a second a session with
-        # transformers and Inductor loaded): the process's first session takes one (what
-        # loading a model left dies then), later ones the young generations only; older
-        # garbage is frozen with the rest, so it cannot be freed mid-capture either
-        gc.collect(1 if _collected else 2)
-        _collected = True
+        gc.collect()
         gc.freeze()
         if logger.isEnabledFor(logging.DEBUG):  # the count walks every frozen object
             logger.debug(

@@ -157,7 +157,7 @@ class CompileCache:
         if payload is None:
             return False
         if _hot_load(payload) is None:
-            self._ignore(self.path, XGraphError("torch could not read the artifacts in it"))
+            self.ignore("", XGraphError("torch could not read the artifacts in it"))
             return False
         self.loaded = True
         logger.info("compile cache: loaded %s (%d bytes)", self.path, len(payload))
@@ -171,8 +171,10 @@ class CompileCache:
         got = torch.compiler.save_cache_artifacts()
         if not got or not got[0]:
             return False
-        self.saved = self.write(got[0])
-        return self.saved
+        if not self.write(got[0]):
+            return False
+        self.saved = True
+        return True
 
     def path_of(self, part: str = "") -> Path | None:
         """The file of this key's `part` ("": torch.compile's artifacts; others name what

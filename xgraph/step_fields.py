@@ -60,7 +60,7 @@ def ints(
                 return a
             if not ndim:
                 return a if a.ndim == 1 else a.reshape(-1)
-        elif dt is torch.int32 and dtype is torch.int64 and value.is_cpu and not ndim:
+        elif _widens(dt, dtype) and value.is_cpu and not ndim:
             return value.numpy().reshape(-1).astype(np.int64)  # int32 slots: widened, exact
     elif type(value) is list and dtype is None:
         a = np.asarray(value)  # Python ints: int64

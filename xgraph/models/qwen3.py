@@ -264,9 +264,11 @@ class Qwen3Model(nn.Module):
         xgraph.compiled.TokenCompiled; `dynamic=False`: one compile per token count).
         `options`: TokenCompiled's (backend="inductor", fullgraph=True, ...). Pass the result
         to an executor made with `compiled=True` as its forward."""
-        self.mark_cache_static()
         fn = self.forward_logits if logits else self.forward
-        return TokenCompiled(fn, max_tokens, dynamic=dynamic, name="qwen3", **options)
+        static = list(self.kv_cache.tensors())  # marked by TokenCompiled (its `static`)
+        return TokenCompiled(
+            fn, max_tokens, dynamic=dynamic, name="qwen3", static=static, **options
+        )
 
     def mark_cache_static(self) -> None:
         """Keep the cache tensors' sizes static under torch.compile(dynamic=True) (build()

@@ -180,15 +180,22 @@ class HostVirtualMemory(CheckedVirtualMemory):
 
 
 def proportional_resident_bytes() -> int:
-    """The process's Pss from /proc/self/smaps_rollup: shared pages counted once per process."""
+    """The process's anonymous and shared-memory Pss from /proc/self/smaps_rollup (pages
+    mapped at several addresses counted once). File-backed pages (the libraries' code) are
+    left out: their Pss moves whenever another process maps or unmaps the same library, which
+    a memory reading must not see. Kernels without the split give the whole Pss."""
+    got: dict[str, int] = {}
     try:
         with open("/proc/self/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
+                key, _, rest = line.partition(":")
+                if key in ("Pss", "Pss_Anon", "Pss_Shmem"):
+                    got[key] = int(rest.split()[0]) * 1024
     except OSError:
-        pass
-    return 0
+        return 0
+    if "Pss_Anon" in got and "Pss_Shmem" in got:
+        return got["Pss_Anon"] + got["Pss_Shmem"]
+    return got.get("Pss", 0)
 
 
 def range_resident_bytes(start: int, end: int) -> tuple[int, int]:

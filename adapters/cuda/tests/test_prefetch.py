@@ -2,17 +2,12 @@
 asks L2 for, that the ask is off where it cannot run, and, compiled for Hopper, that the
 ask comes before the PDL wait (and the early release before the wait where asked for)."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from sm90 import ptx_of
 from xgraph_cuda.kernels import prefetch
 
 
@@ -48,44 +43,51 @@ def test_early_release_is_an_explicit_choice(monkeypatch):
     assert prefetch.early() is True
 
 
-# Compiled for sm_90 in a process of its own: the tests here run Triton's interpreter,
-# whose kernels cannot be compiled.
-_PTX = textwrap.dedent(
-    """
-    import json, sys
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-    from xgraph_cuda.kernels import gemv
-    fn = gemv._gemv_kernel
-    out = {}
-    for name, pre, early in (("ask", True, False), ("early", True, True), ("none", False, False)):
-        const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=2, NORM=True, GATED=False,
-                     RESIDUAL=True, MMA=True, EVEN=True, UPCAST=False, PRECISION="tf32",
-                     PDL=True, PREFETCH=pre, LINE=64, EARLY=early)
-        ptrs = dict(X="*bf16", W="*bf16", Y="*bf16", R="*bf16", G="*bf16", Part="*fp32",
-                    Count="*i32")
-        sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "eps" else "i32")
-               for n in fn.arg_names}
-        consts = {(fn.arg_names.index(k),): v for k, v in const.items()}
-        ptx = compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        def at(s):
-            return ptx.find(s)
-        out[name] = dict(ask=at("prefetch.global.L2"), wait=at("griddepcontrol.wait"),
-                         release=at("griddepcontrol.launch_dependents"))
-    print(json.dumps(out))
-    """
-)
+def _variant(pre: bool, early: bool) -> tuple[dict, dict]:
+    const = dict(
+        BLOCK_M=16,
+        BLOCK_N=64,
+        BLOCK_K=128,
+        SPLIT=2,
+        NORM=True,
+        GATED=False,
+        RESIDUAL=True,
+        MMA=True,
+        EVEN=True,
+        UPCAST=False,
+        PRECISION="tf32",
+        PDL=True,
+        PREFETCH=pre,
+        LINE=64,
+        EARLY=early,
+    )
+    types = dict(
+        X="*bf16",
+        W="*bf16",
+        Y="*bf16",
+        R="*bf16",
+        G="*bf16",
+        Part="*fp32",
+        Count="*i32",
+        eps="fp32",
+    )
+    return const, types
 
 
 @pytest.fixture(scope="module")
 def ptx_order():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(
-        [sys.executable, "-c", _PTX], env=env, capture_output=True, text=True, timeout=240
-    )
-    if r.returncode != 0:
-        pytest.skip(f"Triton cannot compile for sm_90 here: {r.stderr.strip()[-300:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    variants = {
+        "ask": _variant(True, False),
+        "early": _variant(True, True),
+        "none": _variant(False, False),
+    }
+    ptx = ptx_of("xgraph_cuda.kernels.gemv", "_gemv_kernel", variants)
+    marks = {
+        "ask": "prefetch.global.L2",
+        "wait": "griddepcontrol.wait",
+        "release": "griddepcontrol.launch_dependents",
+    }
+    return {name: {k: p.find(m) for k, m in marks.items()} for name, p in ptx.items()}
 
 
 def test_weights_are_asked_for_before_the_wait(ptx_order):

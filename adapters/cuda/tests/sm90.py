@@ -1,0 +1,43 @@
+"""A kernel compiled for sm_90 (Hopper) without a GPU, in a process of its own: the tests run
+Triton's interpreter, whose kernels cannot be compiled. `ptx_of(module, kernel, variants)`
+gives each variant's PTX, or skips the test where Triton cannot compile here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_SCRIPT = textwrap.dedent(
+    """
+    import importlib, json, sys
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+    module, kernel, variants = json.loads(sys.argv[1])
+    fn = getattr(importlib.import_module(module), kernel)
+    out = {}
+    for name, (const, types) in variants.items():
+        sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
+        consts = {(fn.arg_names.index(k),): v for k, v in const.items()}
+        src = ASTSource(fn, sig, consts)
+        out[name] = compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    print(json.dumps(out))
+    """
+)
+
+
+def ptx_of(module: str, kernel: str, variants: dict[str, tuple[dict, dict]]) -> dict[str, str]:
+    """{variant: PTX} of `module.kernel` compiled per variant: (constexpr values, the types
+    of the other arguments that are not i32, such as "*bf16" or "fp32")."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    arg = json.dumps([module, kernel, variants])
+    r = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, arg], env=env, capture_output=True, text=True, timeout=240
+    )
+    if r.returncode != 0:
+        pytest.skip(f"Triton cannot compile for sm_90 here: {r.stderr.strip()[-300:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])

@@ -118,6 +118,51 @@ def _merge_here(Part, Lse, Out, b, heads, hq, qmask, d, gmask, s_ob, s_oh, s_od,
 
 
 @triton.jit
+def _walk(q, k, v, pos, valid, own, k_own, v_own, Kh, Vh, row, table_width, lo, hi, d, dmask,
+          scale_log2, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+          PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax of q over key positions [lo, hi), its first tile (k, v, pos, valid)
+    loaded already: (acc, running max, denominator)."""
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    if lo < hi:
+        acc, m, den = _fold(q, k, v, pos, valid, own, k_own, v_own, acc, m, den, scale_log2,
+                            UPCAST, PRECISION)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
+        k, v, pos, valid = _tile(Kh, Vh, row, table_width, start, hi, own, d, dmask,
+                                 s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE, BLOCK_N)
+        acc, m, den = _fold(q, k, v, pos, valid, own, k_own, v_own, acc, m, den, scale_log2,
+                            UPCAST, PRECISION)
+    return acc, m, den
+
+
+@triton.jit
+def _finish(acc, m, den, Out, Part, Lse, Count, b, h, split, heads, g, d, qmask,
+            GROUP: tl.constexpr, s_ob, s_oh, s_od, SPLITS: tl.constexpr,
+            HEAD_DIM: tl.constexpr, FIXUP: tl.constexpr):
+    """Store the output (one split), or this split's partial and log-sum-exp and, in the
+    last split of its (token, kv head) to finish (`FIXUP`), their merge."""
+    # an empty share (or seq_len 0) has den == 0: it writes zeros and a -inf log-sum-exp
+    safe = tl.where(den > 0, den, 1.0)
+    o = acc / safe[:, None]
+    if SPLITS == 1:
+        o_ptr = Out + b * s_ob + heads[:, None] * s_oh + d[None, :] * s_od
+        tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=qmask)
+    else:
+        hq = tl.num_programs(1) * GROUP
+        row = (b * hq + heads) * SPLITS + split  # Part [b, hq, S, D]
+        tl.store(Part + row[:, None] * HEAD_DIM + d[None, :], o, mask=qmask)
+        lse = tl.where(den > 0, m + tl.log2(safe), float("-inf"))
+        tl.store(Lse + row, lse, mask=g < GROUP)
+        if FIXUP:
+            if arrive(Count, b * tl.num_programs(1) + h, SPLITS):
+                _merge_here(Part, Lse, Out, b, heads, hq, qmask, d, g < GROUP,
+                            s_ob, s_oh, s_od, SPLITS, HEAD_DIM)
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_log2,
                    s_qb, s_qh, s_qd, s_ob, s_oh, s_od,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb,
@@ -167,33 +212,11 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
     q = q.to(K.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if lo < hi:
-        acc, m, den = _fold(q, k, v, pos, valid, own, k_own, v_own, acc, m, den, scale_log2,
-                            UPCAST, PRECISION)
-    for start in range(lo + BLOCK_N, hi, BLOCK_N):
-        k, v, pos, valid = _tile(Kh, Vh, row, table_width, start, hi, own, d, dmask,
-                                 s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE, BLOCK_N)
-        acc, m, den = _fold(q, k, v, pos, valid, own, k_own, v_own, acc, m, den, scale_log2,
-                            UPCAST, PRECISION)
-    # an empty share (or seq_len 0) has den == 0: it writes zeros and a -inf log-sum-exp
-    safe = tl.where(den > 0, den, 1.0)
-    o = acc / safe[:, None]
-    if SPLITS == 1:
-        o_ptr = Out + b * s_ob + heads[:, None] * s_oh + d[None, :] * s_od
-        tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=qmask)
-    else:
-        hq = tl.num_programs(1) * GROUP
-        row = (b * hq + heads) * SPLITS + split  # Part [b, hq, S, D]
-        tl.store(Part + row[:, None] * HEAD_DIM + d[None, :], o, mask=qmask)
-        lse = tl.where(den > 0, m + tl.log2(safe), float("-inf"))
-        tl.store(Lse + row, lse, mask=g < GROUP)
-        if FIXUP:
-            if arrive(Count, b * tl.num_programs(1) + h, SPLITS):
-                _merge_here(Part, Lse, Out, b, heads, hq, qmask, d, g < GROUP,
-                            s_ob, s_oh, s_od, SPLITS, HEAD_DIM)
+    acc, m, den = _walk(q, k, v, pos, valid, own, k_own, v_own, Kh, Vh, row, table_width, lo,
+                        hi, d, dmask, scale_log2, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+                        PAGE, BLOCK_G, BLOCK_N, BLOCK_D, UPCAST, PRECISION)
+    _finish(acc, m, den, Out, Part, Lse, Count, b, h, split, heads, g, d, qmask, GROUP,
+            s_ob, s_oh, s_od, SPLITS, HEAD_DIM, FIXUP)
 
 
 @triton.jit

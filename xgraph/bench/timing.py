@@ -77,6 +77,21 @@ def host_time(
     return statistics.median(ts)
 
 
+def host_times(backend: Backend, fns: dict[str, Callable[[], Any]], iters: int) -> dict[str, float]:
+    """`host_time` of several calls, taken in turn within each iteration (a host whose speed
+    drifts, or compile workers still running from an earlier measurement, then weigh on
+    every call alike): {name: median seconds}."""
+    ts: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            backend.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            ts[name].append(time.perf_counter() - t0)
+    backend.synchronize()
+    return {name: statistics.median(v) for name, v in ts.items()}
+
+
 def wall_time(backend: Backend, fn: Callable[[], Any], iters: int) -> float:
     """Median host wall time from an idle device until `fn`'s work is done: queueing and
     device time together, the end-to-end cost of a step that is not a graph."""

@@ -7,7 +7,8 @@ variant against its baseline.
 
 A variant is a set of switches: `pdl` (the backend's PDL capture option), `prefetch` (the
 projections ask L2 for their weights before they wait: XGRAPH_CUDA_PREFETCH), `early` (they
-release their successor before they wait: XGRAPH_CUDA_PDL_TRIGGER). Each is captured into
+release their successor before they wait: XGRAPH_CUDA_PDL_TRIGGER), `preload` (they load
+their first weight tile before they wait: XGRAPH_CUDA_PRELOAD). Each is captured into
 its own graph (the switches are read at launch); per bucket and variant: device us per
 replay (pdl_race.py's events over 50 replays, median of 5 rounds), kernels of one replay by name
 (torch.profiler) for the first and last variant, and for PDL variants the race check
@@ -42,6 +43,7 @@ import pdl_race
 ENV = {
     "prefetch": ("XGRAPH_CUDA_PREFETCH", "on", "off"),
     "early": ("XGRAPH_CUDA_PDL_TRIGGER", "early", "late"),
+    "preload": ("XGRAPH_CUDA_PRELOAD", "on", "off"),
 }
 
 

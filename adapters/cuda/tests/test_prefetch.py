@@ -43,7 +43,7 @@ def test_early_release_is_an_explicit_choice(monkeypatch):
     assert prefetch.early() is True
 
 
-def _variant(pre: bool, early: bool) -> tuple[dict, dict]:
+def _variant(pre: bool, early: bool, preload: bool = False) -> tuple[dict, dict]:
     const = dict(
         BLOCK_M=16,
         BLOCK_N=64,
@@ -60,6 +60,7 @@ def _variant(pre: bool, early: bool) -> tuple[dict, dict]:
         PREFETCH=pre,
         LINE=64,
         EARLY=early,
+        PRELOAD=preload,
     )
     types = dict(
         X="*bf16",
@@ -80,6 +81,7 @@ def ptx_order():
         "ask": _variant(True, False),
         "early": _variant(True, True),
         "none": _variant(False, False),
+        "preload": _variant(False, False, True),
     }
     ptx = ptx_of("xgraph_cuda.kernels.gemv", "_gemv_kernel", variants)
     marks = {
@@ -87,7 +89,10 @@ def ptx_order():
         "wait": "griddepcontrol.wait",
         "release": "griddepcontrol.launch_dependents",
     }
-    return {name: {k: p.find(m) for k, m in marks.items()} for name, p in ptx.items()}
+    out = {name: {k: p.find(m) for k, m in marks.items()} for name, p in ptx.items()}
+    for name, p in ptx.items():  # global loads before the wait
+        out[name]["loads"] = p[: out[name]["wait"]].count("ld.global")
+    return out
 
 
 def test_weights_are_asked_for_before_the_wait(ptx_order):
@@ -103,3 +108,42 @@ def test_early_release_comes_before_the_wait(ptx_order):
 def test_no_ask_compiled_in_without_prefetch(ptx_order):
     none = ptx_order["none"]
     assert none["ask"] == -1 and 0 <= none["wait"] < none["release"]
+
+
+def test_preload_loads_the_first_weight_tile_before_the_wait(ptx_order):
+    assert ptx_order["none"]["loads"] == 0  # nothing before the wait without it
+    assert ptx_order["preload"]["loads"] > 0 and ptx_order["preload"]["ask"] == -1
+
+
+def _qkv_variant(preload: bool) -> tuple[dict, dict]:
+    const = dict(
+        HQ=16,
+        HKV=8,
+        HALF=64,
+        BLOCK_M=16,
+        BLOCK_K=128,
+        SPLIT=4,
+        NORM=True,
+        MMA=True,
+        EVEN=True,
+        UPCAST=False,
+        PRECISION="tf32",
+        PDL=True,
+        PREFETCH=False,
+        LINE=64,
+        EARLY=False,
+        PRELOAD=preload,
+    )
+    types = {n: "*bf16" for n in ("X", "W", "Y", "G", "QW", "KW")}
+    types.update(CS="*fp32", Part="*fp32", Count="*i32", eps="fp32", head_eps="fp32")
+    return const, types
+
+
+def test_qkv_preload_loads_both_halves_first_tiles_before_the_wait():
+    ptx = ptx_of(
+        "xgraph_cuda.kernels.qkv",
+        "_qkv_kernel",
+        {"off": _qkv_variant(False), "on": _qkv_variant(True)},
+    )
+    before = {k: p[: p.find("griddepcontrol.wait")].count("ld.global") for k, p in ptx.items()}
+    assert before["off"] == 0 and before["on"] > 0

@@ -40,15 +40,21 @@ def _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm,
 
 
 @triton.jit
-def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn,
+def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, GATED: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr):
     """One program's share of the product: acc [BLOCK_N, BLOCK_M] over k_per columns of K
-    from k (weight rows `rows`), and the input rows' sum of squares over them."""
+    from k (weight rows `rows`), and the input rows' sum of squares over them. PRELOAD: the
+    first weight tile is `w_first`, loaded before the program waited."""
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
-    for _ in range(0, k_per, BLOCK_K):
+    if PRELOAD:
+        x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
+        ss += sq
+        acc = accumulate(acc, w_first, x, MMA, UPCAST, PRECISION)
+        k += BLOCK_K
+    for _ in range(BLOCK_K if PRELOAD else 0, k_per, BLOCK_K):
         w = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
         x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
         ss += sq
@@ -63,18 +69,21 @@ def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, 
                  SPLIT: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                  RESIDUAL: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr, LINE: tl.constexpr, EARLY: tl.constexpr):
+                 PREFETCH: tl.constexpr, LINE: tl.constexpr, EARLY: tl.constexpr,
+                 PRELOAD: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
+    k = split * k_per + tl.arange(0, BLOCK_K)
+    w_first = prefetch.first_tile(W, rn.to(tl.int64), k, n_ok, K, s_wn, EVEN, PRELOAD)
     # nothing the previous kernel writes is read, nor anything written, before this
     prefetch.enter(W, rn.to(tl.int64), n_ok, split * k_per, k_pre, K, s_wn, BLOCK_K, LINE,
                    PREFETCH, PDL, EARLY)
-    acc, ss = product(X, W, G, rn.to(tl.int64), rm, n_ok, m_ok,
-                      split * k_per + tl.arange(0, BLOCK_K), K, k_per, s_xm, s_wn,
-                      BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST, PRECISION)
+    acc, ss = product(X, W, G, rn.to(tl.int64), rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn,
+                      w_first, BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST,
+                      PRECISION, PRELOAD)
     if SPLIT == 1:
         _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm, NORM, RESIDUAL)
     else:

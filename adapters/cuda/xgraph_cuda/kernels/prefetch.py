@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
+from .operand import weight_tile
 
 LINE_BYTES = 128  # one L2 request per cache line
 _MODES = ("on", "off")
@@ -50,6 +51,17 @@ def weight_slice(W, rows, n_ok, k0, k_len, K, s_wn, BLOCK_K: tl.constexpr, LINE:
         k = k0 + kk + c
         ok = n_ok[:, None] & (k < K)[None, :]
         _ask(tl.where(ok, W + rows[:, None] * s_wn + k[None, :], W))
+
+
+@triton.jit
+def first_tile(W, rows, k, n_ok, K, s_wn, EVEN: tl.constexpr, PRELOAD: tl.constexpr):
+    """With PRELOAD, the program's first weight tile, loaded into registers before it waits
+    (weights are never written in a step); without, a placeholder (the loop loads it)."""
+    if PRELOAD:
+        w = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
+    else:
+        w = tl.zeros([1], tl.float32)
+    return w
 
 
 @triton.jit
@@ -118,8 +130,14 @@ def early() -> bool:
     return os.environ.get("XGRAPH_CUDA_PDL_TRIGGER", "late").strip().lower() == "early"
 
 
+def preload() -> bool:
+    """XGRAPH_CUDA_PRELOAD=on: a projection loads its first weight tile before it waits."""
+    return os.environ.get("XGRAPH_CUDA_PRELOAD", "off").strip().lower() == "on"
+
+
 def options(w: torch.Tensor, per: int, block_k: int) -> tuple[int, dict]:
-    """(columns each program asks L2 for, the launch's PREFETCH, LINE and EARLY constexprs)."""
+    """(columns each program asks L2 for, the launch's PREFETCH, LINE, EARLY and PRELOAD
+    constexprs)."""
     cols = columns(w, per, block_k)
     line = min(block_k, max(1, LINE_BYTES // w.element_size()))
-    return cols, {"PREFETCH": cols > 0, "LINE": line, "EARLY": early()}
+    return cols, {"PREFETCH": cols > 0, "LINE": line, "EARLY": early(), "PRELOAD": preload()}

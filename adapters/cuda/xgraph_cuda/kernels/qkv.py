@@ -58,17 +58,24 @@ def _head_epilogue(Y, QW, KW, CS, head, rm, m_ok, lo, hi, ss, K, eps, head_eps, 
 
 
 @triton.jit
-def _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn,
+def _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, first_lo, first_hi,
             BLOCK_M: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr):
     """One program's share of a head: the products of its two halves of weight rows (`rows`,
-    `rows + HALF`) over k_per columns of K from k, and the input's sum of squares."""
+    `rows + HALF`) over k_per columns of K from k, and the input's sum of squares (PRELOAD:
+    the halves' first tiles are first_lo, first_hi, loaded before the program waited)."""
     n_ok = tl.full([HALF], True, tl.int1)
     lo = tl.zeros([HALF, BLOCK_M], tl.float32)
     hi = tl.zeros([HALF, BLOCK_M], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
-    for _ in range(0, k_per, BLOCK_K):
+    if PRELOAD:
+        x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, False, EVEN)
+        ss += sq
+        lo = accumulate(lo, first_lo, x, MMA, UPCAST, PRECISION)
+        hi = accumulate(hi, first_hi, x, MMA, UPCAST, PRECISION)
+        k += BLOCK_K
+    for _ in range(BLOCK_K if PRELOAD else 0, k_per, BLOCK_K):
         w_lo = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
         w_hi = weight_tile(W, rows + HALF, k, n_ok, K, s_wn, EVEN)
         x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, False, EVEN)
@@ -86,19 +93,23 @@ def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, k_pre, s_xm, s
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                 NORM: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                PREFETCH: tl.constexpr, LINE: tl.constexpr, EARLY: tl.constexpr):
+                PREFETCH: tl.constexpr, LINE: tl.constexpr, EARLY: tl.constexpr,
+                PRELOAD: tl.constexpr):
     head = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     rows = head.to(tl.int64) * (2 * HALF) + tl.arange(0, HALF)
+    k = split * k_per + tl.arange(0, BLOCK_K)
+    n_ok = tl.full([HALF], True, tl.int1)
+    w_lo = prefetch.first_tile(W, rows, k, n_ok, K, s_wn, EVEN, PRELOAD)
+    w_hi = prefetch.first_tile(W, rows + HALF, k, n_ok, K, s_wn, EVEN, PRELOAD)
     # nothing the previous kernel writes is read, nor anything written, before this
     prefetch.enter(W, head.to(tl.int64) * (2 * HALF) + tl.arange(0, 2 * HALF),
                    tl.full([2 * HALF], True, tl.int1), split * k_per, k_pre, K, s_wn, BLOCK_K,
                    LINE, PREFETCH, PDL, EARLY)
-    lo, hi, ss = _halves(X, W, G, rows, rm, m_ok, split * k_per + tl.arange(0, BLOCK_K), K,
-                         k_per, s_xm, s_wn, BLOCK_M, HALF, BLOCK_K, NORM, MMA, EVEN, UPCAST,
-                         PRECISION)
+    lo, hi, ss = _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, w_lo, w_hi, BLOCK_M,
+                         HALF, BLOCK_K, NORM, MMA, EVEN, UPCAST, PRECISION, PRELOAD)
     if SPLIT == 1:
         _head_epilogue(Y, QW, KW, CS, head, rm, m_ok, lo, hi, ss, K, eps, head_eps, s_ym, s_cs,
                        HQ, HKV, HALF, NORM)

@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import platform
 import random
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +46,7 @@ from ..interfaces import Backend
 from ..models import Step, Workload
 from .anchors import as_step, sender
 from .report import header, table, workload
+from .timing import host_times
 
 PHASES = ("plan", "validate", "classify", "stage", "lookup", "replay", "output")
 
@@ -98,16 +97,7 @@ def _medians(backend: Backend, calls: dict[str, Callable[[], Any]], iters: int) 
     for fn in calls.values():  # warm-up: lazy views, caches, allocator
         for _ in range(5):
             fn()
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    sync, clock = backend.synchronize, time.perf_counter
-    for _ in range(iters):
-        for k, fn in calls.items():
-            sync()
-            t0 = clock()
-            fn()
-            times[k].append(clock() - t0)
-    sync()
-    return {k: statistics.median(v) for k, v in times.items()}
+    return host_times(backend, calls, iters)
 
 
 def _row(backend: Backend, ex: GraphExecutor, step: Step, iters: int) -> dict[str, Any]:

@@ -73,11 +73,16 @@ def _fold(q, k, v, pos, valid, own, k_own, v_own, acc, m, den, scale_log2,
 @triton.jit
 def _own_rows(Knew, Vnew, Slots, b, h, d, dmask, s_nb, s_nh, s_mb, s_mh, Cache,
               STORE: tl.constexpr):
-    """Token b's new k and v of kv head h in the cache's dtype (zeros without a store), and
-    its slot."""
-    slot = tl.load(Slots + b).to(tl.int64)
-    k = tl.load(Knew + b * s_nb + h * s_nh + d, mask=dmask & STORE, other=0.0)
-    v = tl.load(Vnew + b * s_mb + h * s_mh + d, mask=dmask & STORE, other=0.0)
+    """Token b's new k and v of kv head h in the cache's dtype, and its slot (without a
+    store: zeros and -1, nothing read; Slots then holds one entry per sequence, not token)."""
+    if STORE:
+        slot = tl.load(Slots + b).to(tl.int64)
+        k = tl.load(Knew + b * s_nb + h * s_nh + d, mask=dmask, other=0.0)
+        v = tl.load(Vnew + b * s_mb + h * s_mh + d, mask=dmask, other=0.0)
+    else:
+        slot = tl.full([], -1, tl.int64)
+        k = tl.zeros(d.shape, Cache.dtype.element_ty)
+        v = tl.zeros(d.shape, Cache.dtype.element_ty)
     return k.to(Cache.dtype.element_ty), v.to(Cache.dtype.element_ty), slot
 
 

@@ -79,11 +79,10 @@ class VirtualMemory(ABC):
 
     Public methods (implemented by CheckedVirtualMemory): `reserve(size) -> address`,
     `release(address)`, `create(size) -> PhysicalChunk`, `free(chunk)`, `map(address, chunk)`
-    (a whole chunk, read/write), `map_run(address, chunks)`, `unmap(address)`,
-    `physical_bytes()`, `live()`. Sizes and addresses are multiples of `granularity`.
-    Adapters subclass CheckedVirtualMemory, set up their runtime in `__init__(backend)`, call
-    `super().__init__(backend)`, and write the driver calls below; the core has checked
-    every argument before it calls them.
+    (a whole chunk, read/write), `unmap(address)`, `physical_bytes()`, `live()`. Sizes and
+    addresses are multiples of `granularity`. Adapters subclass CheckedVirtualMemory, set up
+    their runtime in `__init__(backend)`, call `super().__init__(backend)`, and write the
+    driver calls below; the core has checked every argument before it calls them.
     """
 
     granularity: int
@@ -112,11 +111,6 @@ class VirtualMemory(ABC):
     @abstractmethod
     def map(self, address: int, chunk: PhysicalChunk) -> None:
         """Map the whole chunk at `address` (inside a reservation) with read/write access."""
-
-    @abstractmethod
-    def map_run(self, address: int, chunks: Sequence[PhysicalChunk]) -> None:
-        """Map `chunks` back to back from `address`, all or nothing (one access grant for the
-        run where the runtime allows it)."""
 
     @abstractmethod
     def unmap(self, address: int) -> None:

@@ -151,18 +151,14 @@ class SharedPhysicalPool:
                     "SharedPhysicalPool(space_bytes=...)."
                 )
             need = end // self.chunk_size
-            if space.mapped < need:
-                while len(self.chunks) < need:  # past the high-water mark: physical grows
-                    chunk = self.vm.create(self.chunk_size)
-                    space.created.append(len(self.chunks))
-                    self.chunks.append(chunk)
-                # every chunk that exists is mapped in one run: a capture (largest first)
-                # then maps its range once, with one access grant, instead of per segment
-                upto = min(len(self.chunks), space.size // self.chunk_size)
-                run = self.chunks[space.mapped : upto]
-                self.vm.map_run(space.base + space.mapped * self.chunk_size, run)
-                self.map_calls += len(run)
-                space.mapped = upto
+            while space.mapped < need:
+                k = space.mapped
+                if k == len(self.chunks):  # past the high-water mark: physical grows
+                    self.chunks.append(self.vm.create(self.chunk_size))
+                    space.created.append(k)
+                self.vm.map(space.base + k * self.chunk_size, self.chunks[k])
+                self.map_calls += 1
+                space.mapped += 1
             space.cursor = end
             self.high_water = max(self.high_water, end)
             return space.base + start

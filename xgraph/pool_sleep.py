@@ -105,10 +105,10 @@ def _map_again(pool: SharedPhysicalPool, extent: _Extent) -> None:
         pool.chunks.append(pool.vm.create(pool.chunk_size))
     for space, mapped in extent.mapped.items():
         _uncover(pool, extent, space)
-        if not space.closed and space.mapped < mapped:
-            run = pool.chunks[space.mapped : mapped]
-            pool.vm.map_run(space.base + space.mapped * pool.chunk_size, run)
-            space.mapped = mapped
+        while not space.closed and space.mapped < mapped:
+            k = space.mapped
+            pool.vm.map(space.base + k * pool.chunk_size, pool.chunks[k])
+            space.mapped += 1
 
 
 def _back_to(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 from .errors import VirtualMemoryError
@@ -161,23 +160,6 @@ class CheckedVirtualMemory(VirtualMemory):
             self._mappings.add(address, chunk.size, chunk)
             mapped_at.add(address)
 
-    def map_run(self, address: int, chunks: Sequence[PhysicalChunk]) -> None:
-        address = int(address)
-        with self._lock:
-            at, pieces = address, []
-            for chunk in chunks:
-                self._live("map", chunk)
-                pieces.append((at, chunk.handle, chunk.size))
-                at += chunk.size
-            if not pieces:
-                return
-            self._check_range("map", address, at)
-            self._refuse_overlap("map", address, at)
-            self._map_pieces(pieces)
-            for (a, _, size), chunk in zip(pieces, chunks):
-                self._mappings.add(a, size, chunk)
-                self._chunks[id(chunk)][1].add(a)
-
     def unmap(self, address: int) -> None:
         address = int(address)
         with self._lock:
@@ -273,20 +255,6 @@ class CheckedVirtualMemory(VirtualMemory):
             if end < address + size:
                 handle = self._scratch.handle if self._scratch is not None else None
                 self._undo(lambda: self._map_scratch(end, address + size - end, handle))
-            raise
-
-    def _map_pieces(self, pieces: list[tuple[int, Any, int]]) -> None:
-        """Driver: map each (address, handle, size), back to back, all or nothing (a failure
-        unmaps what this call mapped, then raises). Default: one `_map_chunk` each; a driver
-        that grants access to a range in one call maps first and grants once."""
-        done: list[tuple[int, int]] = []
-        try:
-            for address, handle, size in pieces:
-                self._map_chunk(address, handle, size)
-                done.append((address, size))
-        except BaseException:
-            for address, size in reversed(done):
-                self._undo(lambda a=address, n=size: self._unmap_chunk(a, n))
             raise
 
     def _zero_scratch(self, address: int, size: int) -> None:

@@ -9,7 +9,6 @@ from xgraph.errors import VirtualMemoryError
 from xgraph.interfaces import Backend
 
 from .base import VirtualMemoryFixture
-from .faults import books, fail_driver_call
 
 
 class VirtualMemoryTests(VirtualMemoryFixture):
@@ -62,33 +61,6 @@ class VirtualMemoryTests(VirtualMemoryFixture):
         vm.unmap(a)
         vm.free(c1)
         vm.free(c2)
-        vm.release(a)
-
-    def test_a_run_maps_back_to_back_all_or_nothing(self, backend: Backend, vm) -> None:
-        if vm is None:
-            return  # the fixture checked the documented absence
-        g = vm.granularity
-        a = vm.reserve(4 * g)
-        chunks = [vm.create(g) for _ in range(3)]
-        before = books(vm)
-        with fail_driver_call(vm, "_map_chunk", nth=3) as fault:
-            with pytest.raises(VirtualMemoryError):
-                vm.map_run(a, chunks)
-        assert fault.fired and books(vm) == before  # the two mapped first were undone
-        vm.map_run(a, chunks)
-        for i in range(3):
-            backend.as_tensor(a + i * g, g).fill_(i + 1)
-        backend.synchronize()
-        vm.unmap(a + g)
-        vm.map(a + g, chunks[0])  # the middle now aliases the first
-        assert int(backend.as_tensor(a + g, g)[:64].cpu().max()) == 1
-        assert int(backend.as_tensor(a + 2 * g, g)[:64].cpu().max()) == 3
-        with pytest.raises(VirtualMemoryError):
-            vm.map_run(a + 2 * g, chunks[:1])  # overlaps the mapping there
-        for i in range(3):
-            vm.unmap(a + i * g)
-        for c in chunks:
-            vm.free(c)
         vm.release(a)
 
     def test_bad_sizes_and_addresses_raise(self, vm) -> None:

@@ -2,8 +2,7 @@
 
 - reserve: cuMemAddressReserve (address space only);
 - create:  cuMemCreate (a pinned physical allocation on the device);
-- map:     cuMemMap of the whole handle + cuMemSetAccess (read/write for the device); a run
-  of chunks back to back (map_run): cuMemMap of each, then one cuMemSetAccess over the run;
+- map:     cuMemMap of the whole handle + cuMemSetAccess (read/write for the device);
 - unmap:   cuMemUnmap (the range goes back to being a plain reservation);
 - free / release: cuMemRelease / cuMemAddressFree;
 - the scratch chunk of a sleeping range (CheckedVirtualMemory.cover): one cuMemMap of the
@@ -96,7 +95,6 @@ class CUDAVirtualMemory(CheckedVirtualMemory):
         access.location.id = self.device_index
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = access
-        self._grant_later = False
         super().__init__(backend)
 
     def _granularity(self) -> int:
@@ -143,29 +141,10 @@ class CUDAVirtualMemory(CheckedVirtualMemory):
     def _map_chunk(self, address: int, handle: int, size: int) -> None:
         self._ensure_context()
         check("cuMemMap", cu.cuMemMap(address, size, 0, handle, 0))
-        if self._grant_later:  # inside _map_pieces: one grant for the whole run
-            return
         try:
             check("cuMemSetAccess", cu.cuMemSetAccess(address, size, [self._access], 1))
         except VirtualMemoryError:
             cu.cuMemUnmap(address, size)  # leave no inaccessible mapping behind
-            raise
-
-    def _map_pieces(self, pieces: list[tuple[int, Any, int]]) -> None:
-        # every piece mapped first (through _map_chunk, all or nothing), then one
-        # cuMemSetAccess over the run: the grant is most of a mapping's host time
-        self._grant_later = True
-        try:
-            super()._map_pieces(pieces)
-        finally:
-            self._grant_later = False
-        start, (last, _, size) = pieces[0][0], pieces[-1]
-        run = last + size - start
-        try:
-            check("cuMemSetAccess", cu.cuMemSetAccess(start, run, [self._access], 1))
-        except VirtualMemoryError:
-            for address, _, n in reversed(pieces):  # leave no inaccessible mapping behind
-                cu.cuMemUnmap(address, n)
             raise
 
     def _unmap_chunk(self, address: int, size: int) -> None:

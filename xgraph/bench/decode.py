@@ -23,9 +23,7 @@ Each step time is also set against the memory roofline (`roofline`): the weight 
 reads over the bandwidth of the device measured in the same run. Per batch, the best
 executor row (eager or compiled forward) is divided by each anchor (reduce-overhead, raw
 graph). Host overhead: host wall time of one executor step minus that of the native
-graph's replay call, each with an idle device (synchronized before the call), the two calls
-taken in turn over 200 iterations (a host's speed drifts, and the reduce-overhead compile
-leaves workers running).
+graph's replay call, each with an idle device (synchronized before the call).
 `--table-check BATCH` adds the context-width check (`table_check`).
 """
 
@@ -55,37 +53,24 @@ from .anchors import (
 from .decode_report import ANCHORS, VARIANTS, XGRAPH, summarize  # noqa: F401 (summarize)
 from .probes import Probes, fidelity_gate
 from .report import attempt, header, note, workload
-from .timing import Timer, host_time, host_times, wall_time
+from .timing import Timer, host_time, wall_time
 
 DEFAULT_COMPILE = [1, 8, 64]  # --compile's default on accelerators
 COMPILE_BUCKETS = ("one", "per-size", "both", "none")  # --compile-buckets
 ANCHOR_KERNELS = ("torch", "xgraph")  # the reduce-overhead anchor's kernels
-HOST_SAMPLES = 200  # host-time calls per measurement: a median of 30 moved by 2x run to run
 
 
-def _raw_graph(
-    backend: Backend,
-    w: Workload,
-    step: Step,
-    timer: Timer,
-    iters: int,
-    xgraph_step: Callable[[], Any] | None,
-) -> dict:
-    """The native graph's times; its host time and the executor step's (`xgraph_step`, None
-    where the executor failed), taken in turn (`host_times`) over HOST_SAMPLES calls."""
+def _raw_graph(backend: Backend, w: Workload, step: Step, timer: Timer, iters: int) -> dict:
     anchor = native_anchor(backend, w, step)
     if anchor is None:  # the runtime has no graph API of its own
         return {}
     replay, send = anchor
     # the anchor's graph and its pool go when `replay` does, before the next batch's
-    out = {
+    return {
         "raw_graph_s": timer(replay, iters),
         "raw_graph_inputs_s": timer(as_step(send, replay), iters),
+        "raw_replay_host_s": host_time(backend, replay, iters),
     }
-    calls = {"raw_replay_host_s": replay}
-    if xgraph_step is not None:
-        calls["xgraph_host_s"] = xgraph_step
-    return out | host_times(backend, calls, max(iters, HOST_SAMPLES))
 
 
 def _measure(
@@ -108,13 +93,17 @@ def _measure(
             "eager_wall_s": wall_time(backend, lambda: eager(**step.kwargs()), iters),
         },
     )
-    attempt(row, "xgraph", lambda: {"xgraph_s": timer(lambda: ex(**step.kwargs()), iters)})
-    xgraph_step = (lambda: ex(**step.kwargs())) if "xgraph_s" in row else None
-    if xgraph_step is not None:
-        probes.observe(row, "xgraph", step, xgraph_step)
-    attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters, xgraph_step))
-    if xgraph_step is not None and "xgraph_host_s" not in row:  # no native graph
-        row["xgraph_host_s"] = host_time(backend, xgraph_step, max(iters, HOST_SAMPLES))
+    attempt(
+        row,
+        "xgraph",
+        lambda: {
+            "xgraph_s": timer(lambda: ex(**step.kwargs()), iters),
+            "xgraph_host_s": host_time(backend, lambda: ex(**step.kwargs()), iters),
+        },
+    )
+    if "xgraph_s" in row:
+        probes.observe(row, "xgraph", step, lambda: ex(**step.kwargs()))
+    attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters))
     if "xgraph_host_s" in row and "raw_replay_host_s" in row:
         row["host_overhead_s"] = row["xgraph_host_s"] - row["raw_replay_host_s"]
 

@@ -147,3 +147,13 @@ def test_qkv_preload_loads_both_halves_first_tiles_before_the_wait():
     )
     before = {k: p[: p.find("griddepcontrol.wait")].count("ld.global") for k, p in ptx.items()}
     assert before["off"] == 0 and before["on"] > 0
+
+
+def test_preload_is_on_unless_switched_off(monkeypatch):
+    monkeypatch.delenv("XGRAPH_CUDA_PRELOAD", raising=False)
+    assert prefetch.preload() is True
+    w = torch.zeros(64, 256, dtype=torch.bfloat16)
+    assert prefetch.options(w, 256, 128)[1]["PRELOAD"] is True
+    monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", "off")
+    assert prefetch.preload() is False
+    assert prefetch.options(w, 256, 128)[1]["PRELOAD"] is False

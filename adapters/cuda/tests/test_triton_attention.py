@@ -13,7 +13,6 @@ import random
 
 import pytest
 import torch
-from sm90 import ptx_of
 from xgraph_cuda import attention as cuda_attention
 
 from xgraph.errors import XGraphError
@@ -425,51 +424,3 @@ def test_verification_steps_run_as_full_graphs_through_the_triton_runner(backend
     assert s["eager"] == {} and all(k[0] == "full" for k in s["keys"])
     assert s["hits"][("full", 8, 2)] == 1 and len(s["keys"]) == 5
     ex.close()
-
-
-def _decode_variant(store: bool) -> tuple[dict, dict]:
-    const = dict(
-        GROUP=2,
-        PAGE=16,
-        SPLITS=4,
-        BLOCK_G=16,
-        BLOCK_N=64,
-        BLOCK_D=128,
-        HEAD_DIM=128,
-        UPCAST=False,
-        PRECISION="tf32",
-        QLEN=1,
-        STORE=store,
-        FIXUP=True,
-        PDL=True,
-    )
-    types = {n: "*bf16" for n in ("Q", "K", "V", "Out", "Knew", "Vnew")}
-    types.update(
-        Part="*fp32",
-        Lse="*fp32",
-        SeqLens="*i32",
-        Tables="*i32",
-        Slots="*i64",
-        Count="*i32",
-        scale_log2="fp32",
-    )
-    return const, types
-
-
-def test_decode_loads_its_first_cached_tile_before_the_wait_only_with_the_store() -> None:
-    """Compiled for Hopper under PDL: with the store fused (the own row taken from the new k
-    and v), the key and value loads of the first tile precede griddepcontrol.wait; without it
-    (the cache holds rows the previous kernel wrote) only the sequence length does."""
-    ptx = ptx_of(
-        "xgraph_cuda.kernels.decode",
-        "_decode_kernel",
-        {"store": _decode_variant(True), "split": _decode_variant(False)},
-    )
-
-    def loads_before_wait(p: str) -> int:
-        wait = p.find("griddepcontrol.wait")
-        assert wait > 0
-        return p[:wait].count("ld.global")
-
-    assert loads_before_wait(ptx["split"]) == 1  # the sequence length
-    assert loads_before_wait(ptx["store"]) > 2  # + the table row, keys and values

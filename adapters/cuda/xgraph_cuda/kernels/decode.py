@@ -11,12 +11,10 @@ the program writes `out`; with several, each writes a normalized partial and its
 log-sum-exp, and a second kernel merges them, or (`counts` given) the last split of each
 (token, kv head) to finish merges them itself (`fixup`: in split order, so replays are
 bitwise repeatable), and one launch does it all. With `store` (decode, one query token per
-sequence), the split that holds the token's own position writes the token's k and v at its
-slot, and every split takes that position's row from the new k and v rather than the cache,
-so the step's store needs no launch of its own either, and no cached row a program reads is
-written in the same step: under PDL its first key tile is loaded before it waits for the
-previous kernel (the qkv projection), overlapping that kernel's tail. The launch shape
-depends only on tensor shapes, so the launches record into a CUDA graph.
+sequence), the split that holds the token's own position first writes the token's k and v
+at its slot, then walks the cache (a barrier between: its own threads read them back), so
+the step's store needs no launch of its own either. The launch shape depends only on tensor
+shapes, so the launches record into a CUDA graph.
 """
 
 from __future__ import annotations
@@ -39,62 +37,48 @@ LOG2E = 1.4426950408889634
 # line would bury each kernel under its signature, so these keep them packed.
 
 @triton.jit
-def _tile(K, V, table_row, table_width, start, hi, own, d, dmask,
-          s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Cached key and value rows of positions [start, +BLOCK_N) below hi (K, V point at one
-    kv head), the token's own position `own` left out (it comes from the new k and v, so
-    these loads never wait for its store): (k, v, positions, valid)."""
-    pos = start + tl.arange(0, BLOCK_N)
-    valid = (pos < hi) & (pos // PAGE < table_width)
-    cached = valid & (pos != own)
-    blk, slot = page_slots(table_row, pos, cached, PAGE, True)
-    lmask = cached[:, None] & dmask[None, :]
-    k = load_rows(K, blk, slot, d, lmask, s_kb, s_ks, s_kd)
-    v = load_rows(V, blk, slot, d, lmask, s_vb, s_vs, s_vd)
-    return k, v, pos, valid
+def _walk(q, K, V, table_row, table_width, lo, hi, scale_log2,
+          s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+          PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+          PRECISION: tl.constexpr):
+    """Online softmax of q [BLOCK_G, BLOCK_D] over key positions [lo, hi) of one kv head
+    (K, V point at it): (acc, running max, denominator)."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = (pos < hi) & (pos // PAGE < table_width)
+        blk, slot = page_slots(table_row, pos, valid, PAGE, True)
+        lmask = valid[:, None] & dmask[None, :]
+        k = load_rows(K, blk, slot, d, lmask, s_kb, s_ks, s_kd)
+        v = load_rows(V, blk, slot, d, lmask, s_vb, s_vs, s_vd)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        acc, m, den = softmax_step(acc, m, den, s, v, PRECISION)
+    return acc, m, den
 
 
 @triton.jit
-def _fold(q, k, v, pos, valid, own, k_own, v_own, acc, m, den, scale_log2,
-          UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """One key tile into the online softmax, the own position's row taken from k_own, v_own
-    (the values its store writes)."""
-    mine = (pos == own)[:, None]
-    k = tl.where(mine, k_own[None, :], k)
-    v = tl.where(mine, v_own[None, :], v)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale_log2
-    s = tl.where(valid[None, :], s, float("-inf"))
-    return softmax_step(acc, m, den, s, v, PRECISION)
-
-
-@triton.jit
-def _own_rows(Knew, Vnew, Slots, b, h, d, dmask, s_nb, s_nh, s_mb, s_mh, Cache,
-              STORE: tl.constexpr):
-    """Token b's new k and v of kv head h in the cache's dtype, and its slot (without a
-    store: zeros and -1, nothing read; Slots then holds one entry per sequence, not token)."""
-    if STORE:
-        slot = tl.load(Slots + b).to(tl.int64)
-        k = tl.load(Knew + b * s_nb + h * s_nh + d, mask=dmask, other=0.0)
-        v = tl.load(Vnew + b * s_mb + h * s_mh + d, mask=dmask, other=0.0)
-    else:
-        slot = tl.full([], -1, tl.int64)
-        k = tl.zeros(d.shape, Cache.dtype.element_ty)
-        v = tl.zeros(d.shape, Cache.dtype.element_ty)
-    return k.to(Cache.dtype.element_ty), v.to(Cache.dtype.element_ty), slot
-
-
-@triton.jit
-def _store_own(k, v, K, V, slot, num_slots, mine, d, dmask,
-               s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE: tl.constexpr):
-    """Write the token's k and v (K, V point at its kv head) at its slot, if `mine`; a slot
+def _store_own(Knew, Vnew, K, V, Slots, b, h, num_slots, mine, d, dmask,
+               s_nb, s_nh, s_mb, s_mh, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+               PAGE: tl.constexpr):
+    """Write token b's k and v of kv head h (K, V point at it) at its slot, if `mine`; a slot
     outside the cache is dropped rather than written past its end."""
+    slot = tl.load(Slots + b).to(tl.int64)
     ok = dmask & mine & (slot >= 0) & (slot < num_slots)
     blk, off = slot // PAGE, slot % PAGE
-    tl.store(K + blk * s_kb + off * s_ks + d * s_kd, k, mask=ok)
-    tl.store(V + blk * s_vb + off * s_vs + d * s_vd, v, mask=ok)
+    k = tl.load(Knew + b * s_nb + h * s_nh + d, mask=ok, other=0.0)
+    v = tl.load(Vnew + b * s_mb + h * s_mh + d, mask=ok, other=0.0)
+    tl.store(K + blk * s_kb + off * s_ks + d * s_kd, k.to(K.dtype.element_ty), mask=ok)
+    tl.store(V + blk * s_vb + off * s_vs + d * s_vd, v.to(V.dtype.element_ty), mask=ok)
+    tl.debug_barrier()  # the walk's loads of this slot come after these stores
 
 
 @triton.jit
@@ -123,32 +107,46 @@ def _merge_here(Part, Lse, Out, b, heads, hq, qmask, d, gmask, s_ob, s_oh, s_od,
 
 
 @triton.jit
-def _walk(q, k, v, pos, valid, own, k_own, v_own, Kh, Vh, row, table_width, lo, hi, d, dmask,
-          scale_log2, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
-          PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax of q over key positions [lo, hi), its first tile (k, v, pos, valid)
-    loaded already: (acc, running max, denominator)."""
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    if lo < hi:
-        acc, m, den = _fold(q, k, v, pos, valid, own, k_own, v_own, acc, m, den, scale_log2,
-                            UPCAST, PRECISION)
-    for start in range(lo + BLOCK_N, hi, BLOCK_N):
-        k, v, pos, valid = _tile(Kh, Vh, row, table_width, start, hi, own, d, dmask,
-                                 s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE, BLOCK_N)
-        acc, m, den = _fold(q, k, v, pos, valid, own, k_own, v_own, acc, m, den, scale_log2,
-                            UPCAST, PRECISION)
-    return acc, m, den
-
-
-@triton.jit
-def _finish(acc, m, den, Out, Part, Lse, Count, b, h, split, heads, g, d, qmask,
-            GROUP: tl.constexpr, s_ob, s_oh, s_od, SPLITS: tl.constexpr,
-            HEAD_DIM: tl.constexpr, FIXUP: tl.constexpr):
-    """Store the output (one split), or this split's partial and log-sum-exp and, in the
-    last split of its (token, kv head) to finish (`FIXUP`), their merge."""
+def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_log2,
+                   s_qb, s_qh, s_qd, s_ob, s_oh, s_od,
+                   s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb,
+                   Knew, Vnew, Slots, num_slots, s_nb, s_nh, s_mb, s_mh, Count,
+                   GROUP: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
+                   PRECISION: tl.constexpr, QLEN: tl.constexpr, STORE: tl.constexpr,
+                   FIXUP: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)  # the query token
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = b // QLEN
+    if PDL:  # nothing the previous kernel writes is read, nor anything written, before this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    # the keys this token sees: its sequence's, up to and including its own position
+    seq_len = tl.load(SeqLens + seq) - (QLEN - 1 - b % QLEN)
+    # whole key tiles per split, so a short context keeps to the first few splits
+    share = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * share
+    hi = tl.minimum(lo + share, seq_len)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = h * GROUP + g
+    qmask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    if STORE:  # the split holding the token's own position (split 0 of an empty context)
+        owner = tl.where(seq_len > 0, (seq_len - 1) // tl.maximum(share, 1), 0)
+        _store_own(Knew, Vnew, K + h * s_kh, V + h * s_vh, Slots, b, h, num_slots,
+                   split == owner, d, d < HEAD_DIM, s_nb, s_nh, s_mb, s_mh,
+                   s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE)
+    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd, mask=qmask, other=0.0)
+    q = q.to(K.dtype.element_ty)
+    if UPCAST:
+        q = q.to(tl.float32)
+    acc, m, den = _walk(
+        q, K + h * s_kh, V + h * s_vh, Tables + seq * s_tb, table_width, lo, hi, scale_log2,
+        s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+        PAGE, BLOCK_G, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST, PRECISION,
+    )
     # an empty share (or seq_len 0) has den == 0: it writes zeros and a -inf log-sum-exp
     safe = tl.where(den > 0, den, 1.0)
     o = acc / safe[:, None]
@@ -165,63 +163,6 @@ def _finish(acc, m, den, Out, Part, Lse, Count, b, h, split, heads, g, d, qmask,
             if arrive(Count, b * tl.num_programs(1) + h, SPLITS):
                 _merge_here(Part, Lse, Out, b, heads, hq, qmask, d, g < GROUP,
                             s_ob, s_oh, s_od, SPLITS, HEAD_DIM)
-
-
-@triton.jit
-def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_log2,
-                   s_qb, s_qh, s_qd, s_ob, s_oh, s_od,
-                   s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb,
-                   Knew, Vnew, Slots, num_slots, s_nb, s_nh, s_mb, s_mh, Count,
-                   GROUP: tl.constexpr, PAGE: tl.constexpr, SPLITS: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr, QLEN: tl.constexpr, STORE: tl.constexpr,
-                   FIXUP: tl.constexpr, PDL: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)  # the query token
-    h = tl.program_id(1)
-    split = tl.program_id(2)
-    seq = b // QLEN
-    # the keys this token sees: its sequence's, up to and including its own position
-    seq_len = tl.load(SeqLens + seq) - (QLEN - 1 - b % QLEN)
-    # whole key tiles per split, so a short context keeps to the first few splits
-    share = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * share
-    hi = tl.minimum(lo + share, seq_len)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    heads = h * GROUP + g
-    qmask = (g < GROUP)[:, None] & dmask[None, :]
-    Kh, Vh, row = K + h * s_kh, V + h * s_vh, Tables + seq * s_tb
-    # with the store fused, the own position comes from the new k and v, so the first tile
-    # of cached rows is loaded before the wait: the lengths and tables were written before
-    # any kernel of the step, the cached rows by earlier steps, and nothing the previous
-    # kernel writes is read (nor anything written) before the wait
-    own = seq_len - 1 if STORE else -1
-    if STORE:
-        k, v, pos, valid = _tile(Kh, Vh, row, table_width, lo, hi, own, d, dmask,
-                                 s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE, BLOCK_N)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    if not STORE:  # the cache holds this step's rows too: written by the previous kernel
-        k, v, pos, valid = _tile(Kh, Vh, row, table_width, lo, hi, own, d, dmask,
-                                 s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE, BLOCK_N)
-    k_own, v_own, slot = _own_rows(Knew, Vnew, Slots, b, h, d, dmask, s_nb, s_nh, s_mb, s_mh,
-                                   K, STORE)
-    if STORE:  # the split holding the token's own position (split 0 of an empty context)
-        owner = tl.where(seq_len > 0, (seq_len - 1) // tl.maximum(share, 1), 0)
-        _store_own(k_own, v_own, Kh, Vh, slot, num_slots, split == owner, d, dmask,
-                   s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE)
-    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd, mask=qmask, other=0.0)
-    q = q.to(K.dtype.element_ty)
-    if UPCAST:
-        q = q.to(tl.float32)
-    acc, m, den = _walk(q, k, v, pos, valid, own, k_own, v_own, Kh, Vh, row, table_width, lo,
-                        hi, d, dmask, scale_log2, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
-                        PAGE, BLOCK_G, BLOCK_N, BLOCK_D, UPCAST, PRECISION)
-    _finish(acc, m, den, Out, Part, Lse, Count, b, h, split, heads, g, d, qmask, GROUP,
-            s_ob, s_oh, s_od, SPLITS, HEAD_DIM, FIXUP)
 
 
 @triton.jit

@@ -43,35 +43,17 @@ def test_early_release_is_an_explicit_choice(monkeypatch):
     assert prefetch.early() is True
 
 
+# what the projection kernels share: 16 padded rows, 128-column K steps, PDL on
+_COMMON = {"BLOCK_M": 16, "BLOCK_K": 128, "NORM": True, "MMA": True, "EVEN": True}
+_COMMON.update(UPCAST=False, PRECISION="tf32", PDL=True, LINE=64)
+_BF16 = "*bf16"
+
+
 def _variant(pre: bool, early: bool, preload: bool = False) -> tuple[dict, dict]:
-    const = dict(
-        BLOCK_M=16,
-        BLOCK_N=64,
-        BLOCK_K=128,
-        SPLIT=2,
-        NORM=True,
-        GATED=False,
-        RESIDUAL=True,
-        MMA=True,
-        EVEN=True,
-        UPCAST=False,
-        PRECISION="tf32",
-        PDL=True,
-        PREFETCH=pre,
-        LINE=64,
-        EARLY=early,
-        PRELOAD=preload,
-    )
-    types = dict(
-        X="*bf16",
-        W="*bf16",
-        Y="*bf16",
-        R="*bf16",
-        G="*bf16",
-        Part="*fp32",
-        Count="*i32",
-        eps="fp32",
-    )
+    const = _COMMON | {"BLOCK_N": 64, "SPLIT": 2, "GATED": False, "RESIDUAL": True}
+    const.update(PREFETCH=pre, EARLY=early, PRELOAD=preload)
+    types = {n: _BF16 for n in ("X", "W", "Y", "R", "G")}
+    types.update(Part="*fp32", Count="*i32", eps="fp32")
     return const, types
 
 
@@ -116,25 +98,9 @@ def test_preload_loads_the_first_weight_tile_before_the_wait(ptx_order):
 
 
 def _qkv_variant(preload: bool) -> tuple[dict, dict]:
-    const = dict(
-        HQ=16,
-        HKV=8,
-        HALF=64,
-        BLOCK_M=16,
-        BLOCK_K=128,
-        SPLIT=4,
-        NORM=True,
-        MMA=True,
-        EVEN=True,
-        UPCAST=False,
-        PRECISION="tf32",
-        PDL=True,
-        PREFETCH=False,
-        LINE=64,
-        EARLY=False,
-        PRELOAD=preload,
-    )
-    types = {n: "*bf16" for n in ("X", "W", "Y", "G", "QW", "KW")}
+    const = _COMMON | {"HQ": 16, "HKV": 8, "HALF": 64, "SPLIT": 4}
+    const.update(PREFETCH=False, EARLY=False, PRELOAD=preload)
+    types = {n: _BF16 for n in ("X", "W", "Y", "G", "QW", "KW")}
     types.update(CS="*fp32", Part="*fp32", Count="*i32", eps="fp32", head_eps="fp32")
     return const, types
 

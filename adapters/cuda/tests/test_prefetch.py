@@ -24,14 +24,14 @@ def test_share_is_the_fitting_fraction_in_whole_tiles():
 
 def test_no_ask_off_the_gpu_or_when_switched_off(monkeypatch):
     w = torch.zeros(64, 256, dtype=torch.bfloat16)
-    cols, opts = prefetch.options(w, 256, 128)
+    cols, opts = prefetch.options(w, 256, 128, waits=False)
     assert cols == 0 and opts["PREFETCH"] is False
     assert opts["LINE"] == 64  # 128-byte lines of bf16
     monkeypatch.delenv("XGRAPH_CUDA_PREFETCH", raising=False)
     assert prefetch.mode() == "off"
     monkeypatch.setenv("XGRAPH_CUDA_PREFETCH", "on")
     assert prefetch.mode() == "on"
-    assert prefetch.options(w, 256, 128)[0] == 0  # on, but not on the GPU
+    assert prefetch.options(w, 256, 128, waits=False)[0] == 0  # on, but not on the GPU
     monkeypatch.setenv("XGRAPH_CUDA_PREFETCH", "bogus")
     assert prefetch.mode() == "off"
 
@@ -119,7 +119,8 @@ def test_preload_is_on_unless_switched_off(monkeypatch):
     monkeypatch.delenv("XGRAPH_CUDA_PRELOAD", raising=False)
     assert prefetch.preload() is True
     w = torch.zeros(64, 256, dtype=torch.bfloat16)
-    assert prefetch.options(w, 256, 128)[1]["PRELOAD"] is True
+    assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] is True
+    assert prefetch.options(w, 256, 128, waits=False)[1]["PRELOAD"] is False  # no wait
     monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", "off")
     assert prefetch.preload() is False
-    assert prefetch.options(w, 256, 128)[1]["PRELOAD"] is False
+    assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] is False

@@ -131,7 +131,8 @@ def launch(
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(n, c.block_n)
     res = residual if residual is not None else y
-    pre, pre_opts = prefetch.options(w, per, c.block_k)
+    pdl = pdl or pdl_options()
+    pre, pre_opts = prefetch.options(w, per, c.block_k, pdl["PDL"])
     _gemv_kernel[(tiles, split)](
         x,
         w,
@@ -164,6 +165,6 @@ def launch(
         num_warps=c.warps,
         num_stages=c.stages,
         **pre_opts,
-        **(pdl or pdl_options()),
+        **pdl,
     )
     return y

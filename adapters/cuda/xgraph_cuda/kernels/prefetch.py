@@ -131,14 +131,17 @@ def early() -> bool:
 
 
 def preload() -> bool:
-    """XGRAPH_CUDA_PRELOAD (on by default; off): a projection loads its first weight tile
-    before it waits (measured 3-7% off a decode step under PDL, docs/kernels.md)."""
+    """XGRAPH_CUDA_PRELOAD (on by default; off): under PDL a projection loads its first
+    weight tile before it waits (measured 3-7% off a decode step, docs/kernels.md)."""
     return os.environ.get("XGRAPH_CUDA_PRELOAD", "on").strip().lower() != "off"
 
 
-def options(w: torch.Tensor, per: int, block_k: int) -> tuple[int, dict]:
+def options(w: torch.Tensor, per: int, block_k: int, waits: bool) -> tuple[int, dict]:
     """(columns each program asks L2 for, the launch's PREFETCH, LINE, EARLY and PRELOAD
-    constexprs)."""
+    constexprs). `waits`: the kernel waits for its predecessor (PDL compiled in); only then
+    is the first tile loaded ahead (without a wait it would only reorder the loop, which
+    was not measured)."""
     cols = columns(w, per, block_k)
     line = min(block_k, max(1, LINE_BYTES // w.element_size()))
-    return cols, {"PREFETCH": cols > 0, "LINE": line, "EARLY": early(), "PRELOAD": preload()}
+    ahead = preload() and waits
+    return cols, {"PREFETCH": cols > 0, "LINE": line, "EARLY": early(), "PRELOAD": ahead}

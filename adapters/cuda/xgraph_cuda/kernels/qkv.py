@@ -148,7 +148,8 @@ def launch(
     per, split = k_share(k, c if counts is not None else c._replace(split=1))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = hq + 2 * hkv
-    pre, pre_opts = prefetch.options(w, per, c.block_k)
+    pdl = pdl or pdl_options()
+    pre, pre_opts = prefetch.options(w, per, c.block_k, pdl["PDL"])
     _qkv_kernel[(tiles, split)](
         x,
         w,
@@ -183,6 +184,6 @@ def launch(
         num_warps=c.warps,
         num_stages=c.stages,
         **pre_opts,
-        **(pdl or pdl_options()),
+        **pdl,
     )
     return y

@@ -65,19 +65,12 @@ def host_time(
     """Median host wall time of issuing `fn` with an idle device (synchronized before each call),
     so the call never waits on earlier work: the host cost alone, not the device's.
     `until_done`: up to the end of `fn`'s device work instead (see `wall_time`)."""
-    ts = []
-    for _ in range(iters):
-        backend.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if until_done:
-            backend.synchronize()
-        ts.append(time.perf_counter() - t0)
-    backend.synchronize()
-    return statistics.median(ts)
+    return host_times(backend, {"fn": fn}, iters, until_done)["fn"]
 
 
-def host_times(backend: Backend, fns: dict[str, Callable[[], Any]], iters: int) -> dict[str, float]:
+def host_times(
+    backend: Backend, fns: dict[str, Callable[[], Any]], iters: int, until_done: bool = False
+) -> dict[str, float]:
     """`host_time` of several calls, taken in turn within each iteration (a host whose speed
     drifts, or compile workers still running from an earlier measurement, then weigh on
     every call alike): {name: median seconds}."""
@@ -87,6 +80,8 @@ def host_times(backend: Backend, fns: dict[str, Callable[[], Any]], iters: int) 
             backend.synchronize()
             t0 = time.perf_counter()
             fn()
+            if until_done:
+                backend.synchronize()
             ts[name].append(time.perf_counter() - t0)
     backend.synchronize()
     return {name: statistics.median(v) for name, v in ts.items()}

@@ -76,14 +76,14 @@ def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, 
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
-    k = split * k_per + tl.arange(0, BLOCK_K)
-    w_first = prefetch.first_tile(W, rn.to(tl.int64), k, n_ok, K, s_wn, EVEN, PRELOAD)
+    rows, k = rn.to(tl.int64), split * k_per + tl.arange(0, BLOCK_K)
+    w_first = prefetch.first_tile(W, rows, k, n_ok, K, s_wn, EVEN, PRELOAD)
     # nothing the previous kernel writes is read, nor anything written, before this
-    prefetch.enter(W, rn.to(tl.int64), n_ok, split * k_per, k_pre, K, s_wn, BLOCK_K, LINE,
-                   PREFETCH, PDL, EARLY)
-    acc, ss = product(X, W, G, rn.to(tl.int64), rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn,
-                      w_first, BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST,
-                      PRECISION, PRELOAD)
+    prefetch.enter(W, rows, n_ok, split * k_per, k_pre, K, s_wn, BLOCK_K, LINE, PREFETCH, PDL,
+                   EARLY)
+    acc, ss = product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
+                      BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST, PRECISION,
+                      PRELOAD)
     if SPLIT == 1:
         _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm, NORM, RESIDUAL)
     else:

@@ -9,6 +9,14 @@ the backend's fused kernel (`Kernels.fused_linear`) and runs `reference` where t
 none or it declines. `reference` is the unfused ops, each exactly as the reference model
 wrote it before fusion (`rms_norm`, `silu_mul`, `apply_rotary`, a plain add), so a model
 written over fusions computes on the CPU backend bit for bit what it computed unfused.
+
+Where a backend has fused kernels, a model keeps its residual stream in float32
+(`xgraph.linear.stream_dtype`): the residual epilogue adds the product to the float32
+stream and stores it unrounded, and the next norm prologue reads it so, rounding only its
+output to the weights' dtype. Rounding the stream to 16 bits after every add is what puts
+an unfused bf16 model furthest from float32; torch.compile avoids much of it by fusing the
+add into the next norm, and the float32 stream avoids all of it (docs/kernels.md,
+"Fidelity").
 """
 
 from __future__ import annotations
@@ -22,17 +30,20 @@ import torch.nn.functional as F
 from .errors import InputError
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight over the last dim, computed in float32, returned in x's dtype.
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim, computed in float32, returned in `dtype`
+    (default x's: a float32 residual stream is normed into the weights' dtype).
 
     A 1-d weight goes into F.rms_norm (one fused kernel on CUDA eager); a per-head weight
     [heads, dim] multiplies its result, the same product in the same order.
     """
-    xf = x.float()
+    xf, out = x.float(), dtype or x.dtype
     if weight is not None and weight.dim() == 1:
-        return F.rms_norm(xf, (x.shape[-1],), weight.float(), eps).to(x.dtype)
+        return F.rms_norm(xf, (x.shape[-1],), weight.float(), eps).to(out)
     y = F.rms_norm(xf, (x.shape[-1],), None, eps)
-    return (y if weight is None else y * weight.float()).to(x.dtype)
+    return (y if weight is None else y * weight.float()).to(out)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -73,9 +84,11 @@ class HeadNorm:
 class Fusion:
     """The ops fused around one projection y = x' @ w.T.
 
-    Prologue (at most one): `norm` [k], x' = rms_norm(x, norm, eps); or `gated`, x' =
-    silu_mul(x) (x is [rows, 2k]). Epilogue (at most one): `residual` [rows, n], y + residual;
-    or `heads`, the per-head norm and rotary of a merged qkv output.
+    Prologue (at most one): `norm` [k], x' = rms_norm(x, norm, eps) in w's dtype (x may be
+    a float32 residual stream over 16-bit weights); or `gated`, x' = silu_mul(x) (x is
+    [rows, 2k]). Epilogue (at most one): `residual` [rows, n], y + residual, in the promoted
+    dtype (a float32 residual keeps the stream in float32); or `heads`, the per-head norm
+    and rotary of a merged qkv output.
     """
 
     norm: torch.Tensor | None = None
@@ -104,10 +117,11 @@ class Fusion:
 Projection = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def prologue(x: torch.Tensor, f: Fusion) -> torch.Tensor:
-    """The projection's input after the fusion's prologue."""
+def prologue(x: torch.Tensor, f: Fusion, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The projection's input after the fusion's prologue; a norm's output in `dtype` (the
+    weights'; default x's)."""
     if f.norm is not None:
-        return rms_norm(x, f.norm, f.eps)
+        return rms_norm(x, f.norm, f.eps, dtype)
     return silu_mul(x) if f.gated else x
 
 
@@ -127,4 +141,10 @@ def epilogue(y: torch.Tensor, f: Fusion) -> torch.Tensor:
 
 def reference(x: torch.Tensor, w: torch.Tensor, f: Fusion, project: Projection) -> torch.Tensor:
     """The fusion computed unfused: prologue, `project` (x @ w.T), epilogue."""
-    return epilogue(project(prologue(x, f), w), f)
+    return epilogue(project(prologue(x, f, w.dtype), w), f)
+
+
+def output_dtype(w: torch.Tensor, f: Fusion) -> torch.dtype:
+    """The dtype of `reference(x, w, f, ...)`: the weights', promoted with a residual's."""
+    r = f.residual
+    return w.dtype if r is None else torch.promote_types(w.dtype, r.dtype)

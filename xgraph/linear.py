@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import IncompleteBackendError
-from .fusion import Fusion, HeadNorm, reference
+from .fusion import Fusion, HeadNorm, output_dtype, reference
 
 LinearKernel = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 FusedLinearKernel = Callable[[torch.Tensor, torch.Tensor, Fusion], "torch.Tensor | None"]
@@ -85,6 +85,16 @@ def kernels_off(device_type: str) -> Iterator[None]:
         for table, k in zip((_kernels, _fused), saved):
             if k is not None:
                 table[device_type] = k  # type: ignore[assignment]
+
+
+def stream_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a model keeps its residual stream in, x being its first value: float32 for
+    a 16-bit x on a device with a fused kernel (its residual epilogue adds in float32 and
+    stores the sum unrounded, its norm prologue reads it so: `xgraph.fusion`), else x's own
+    (the unfused model's rounding, bit for bit)."""
+    if x.dtype in (torch.float16, torch.bfloat16) and x.device.type in _fused:
+        return torch.float32
+    return x.dtype
 
 
 def _answer(kernel: LinearKernel | None, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -160,8 +170,17 @@ def fused_linear_op(
 
 
 @fused_linear_op.register_fake
-def _fused_fake(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
-    return x.new_empty((x.shape[0], weight.shape[0]))
+def _fused_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    norm: torch.Tensor | None,
+    eps: float,
+    gated: bool,
+    residual: torch.Tensor | None,
+    *args: object,
+) -> torch.Tensor:
+    dtype = output_dtype(weight, Fusion(residual=residual))
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=dtype)
 
 
 def _op_args(f: Fusion) -> tuple:

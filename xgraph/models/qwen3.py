@@ -25,6 +25,7 @@ from torch import nn
 from ..buckets import Input
 from ..compiled import TokenCompiled
 from ..errors import InputError
+from ..linear import stream_dtype
 from ..paging import PagedKVCache
 from .qwen3_config import Qwen3Config
 from .qwen3_layers import DecoderLayer, RMSNorm, Rotary
@@ -226,13 +227,14 @@ class Qwen3Model(nn.Module):
         weights = self.model.embed_tokens.weight.dtype
         if weights != self.kv_cache.dtype:  # converted since construction (model.to(...))
             _check_cache(self.config, self.kv_cache, weights)
-        x = self.model.embed_tokens(input_ids)  # the residual stream
+        x = self.model.embed_tokens(input_ids)
+        x = x.to(stream_dtype(x))  # the residual stream: float32 over fused kernels
         cos_sin = self.rotary(positions)  # gathered once for every layer
         plain = _under_dispatch_mode()
         for layer, kv in zip(self.model.layers, self.kv_cache.layers):
             x, _ = (layer.forward if plain else layer)(x, None, cos_sin, kv)
         norm = self.model.norm
-        return (norm.forward if plain else norm)(x)[0]
+        return (norm.forward if plain else norm)(x)[0].to(weights)
 
     def compile_layers(self, **options: object) -> Qwen3Model:
         """torch.compile each decoder layer whole (norms, attention block with the attention

@@ -28,16 +28,17 @@ def _on_device(*ts: torch.Tensor) -> bool:
     return interpreting() or all(t.is_cuda for t in ts)
 
 
-def _pair_fits(x: torch.Tensor, w: torch.Tensor, width: int) -> bool:
-    """x [m, width] and w [n, k] that the kernels take: few rows, one float dtype, unit
-    inner strides, one device."""
+def _pair_fits(x: torch.Tensor, w: torch.Tensor, width: int, stream: bool) -> bool:
+    """x [m, width] and w [n, k] that the kernels take: few rows, one float dtype (or, with
+    `stream`, a float32 x over 16-bit weights: a norm prologue reading the residual stream),
+    unit inner strides, one device."""
     return (
         x.dim() == 2
         and w.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.shape[1] == width
-        and x.dtype == w.dtype
-        and x.dtype in DTYPES
+        and w.dtype in DTYPES
+        and (x.dtype == w.dtype or (stream and x.dtype == torch.float32))
         and x.stride(1) == 1
         and w.stride(1) == 1
         and x.device == w.device
@@ -67,13 +68,15 @@ def serves(x: torch.Tensor, w: torch.Tensor, f: Fusion | None = None) -> bool:
     """Whether the kernels take this call (with its fusion)."""
     f = f or Fusion()
     k = w.shape[-1]
-    if not _pair_fits(x, w, 2 * k if f.gated else k):
+    if not _pair_fits(x, w, 2 * k if f.gated else k, f.norm is not None):
         return False
     m, n = x.shape[0], w.shape[0]
     if f.norm is not None and (f.norm.shape != (k,) or not f.norm.is_contiguous()):
         return False
     r = f.residual
-    if r is not None and (r.shape != (m, n) or r.dtype != x.dtype or r.stride(1) != 1):
+    # the residual is the stream: the weights' dtype, or float32 (the sum is stored in it)
+    stream = (w.dtype, torch.float32)
+    if r is not None and (r.shape != (m, n) or r.dtype not in stream or r.stride(1) != 1):
         return False
     return f.heads is None or _heads_fit(f.heads, m, n)
 

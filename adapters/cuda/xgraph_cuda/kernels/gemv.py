@@ -124,11 +124,14 @@ def launch(
     residual: torch.Tensor | None = None,
     pdl: dict | None = None,
 ) -> torch.Tensor:
-    """y [m, n] = epilogue(prologue(x) @ w.T) in x's dtype, with configuration `c` (its
-    split needs `counts`, the arena; without it the launch is unsplit)."""
+    """y [m, n] = epilogue(prologue(x) @ w.T) in w's dtype (a float32 residual's with one),
+    with configuration `c` (its split needs `counts`, the arena; without it the launch is
+    unsplit)."""
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
     per, split = k_share(k, c if counts is not None else c._replace(split=1))
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    # the weights' dtype, or a float32 residual stream's (the sum is stored unrounded)
+    out = w.dtype if residual is None else torch.promote_types(w.dtype, residual.dtype)
+    y = torch.empty((m, n), dtype=out, device=x.device)
     tiles = triton.cdiv(n, c.block_n)
     res = residual if residual is not None else y
     pdl = pdl or pdl_options()

@@ -146,7 +146,7 @@ def launch(
     d = qw.shape[0]
     c = c._replace(block_n=d)
     per, split = k_share(k, c if counts is not None else c._replace(split=1))
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=w.dtype, device=x.device)  # x may be the float32 stream
     tiles = hq + 2 * hkv
     pdl = pdl or pdl_options()
     pre, pre_opts = prefetch.options(w, per, c.block_k, pdl["PDL"])

@@ -13,10 +13,9 @@ written over fusions computes on the CPU backend bit for bit what it computed un
 Where a backend has fused kernels, a model keeps its residual stream in float32
 (`xgraph.linear.stream_dtype`): the residual epilogue adds the product to the float32
 stream and stores it unrounded, and the next norm prologue reads it so, rounding only its
-output to the weights' dtype. Rounding the stream to 16 bits after every add is what puts
-an unfused bf16 model furthest from float32; torch.compile avoids much of it by fusing the
-add into the next norm, and the float32 stream avoids all of it (docs/kernels.md,
-"Fidelity").
+output to the weights' dtype. Every 16-bit rounding of the stream moves a bf16 model away
+from float32; torch.compile drops many such casts inside its fused regions, and the float32
+stream drops all of the stream's (docs/kernels.md, "The residual stream in float32").
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ XGRAPH_CUDA_LINEAR (the plain projection, `Kernels.linear`):
 - `auto` (default): the skinny kernel (kernels/skinny.py: one row, or up to four into
   narrow outputs) when triton imports, else cuBLAS;
 - `triton`: the decode projection kernel (`projection.plain`, 1 to 64 rows; Triton
-  kernels/gemv.py), failing loudly where Triton is missing. Not the default: on an H200 its
-  logits were 1.15x further from float32 than reduce-overhead's at some buckets, past the
-  fidelity gate's 1.1 (docs/kernels.md);
+  kernels/gemv.py), failing loudly where Triton is missing. Not the default: with the
+  float32 residual stream it passes the fidelity gate, but at Qwen3-0.6B batch 64 its
+  step is slower than reduce-overhead's (docs/kernels.md);
 - `skinny`: the skinny kernel, as `auto` picks it;
 - `torch`: F.linear (cuBLAS) for every call.
 

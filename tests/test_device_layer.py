@@ -195,12 +195,14 @@ def test_a_pool_closed_before_its_graph_is_parked_until_the_reset(backend) -> No
 
 def _capture_in_thread(backend, started, release, go=None):  # type: ignore[no-untyped-def]
     """A second thread that begins a capture (`started`) and holds it until `release` is
-    set; returned once it began, or at once with `go` (the thread begins once `go` is set)."""
-    out = {}
+    set; returned once it began, or with `go`, once it is ready to begin (its pool made: a
+    new pool's keeper graph is a capture of its own) and waits for `go` to be set."""
+    out, ready = {}, threading.Event()
 
     def run() -> None:
         x, pool = torch.randn(16), backend.new_pool()
         graph = backend.new_graph()
+        ready.set()
         if go is not None:
             go.wait(10)
         graph.capture_begin(pool)
@@ -212,8 +214,7 @@ def _capture_in_thread(backend, started, release, go=None):  # type: ignore[no-u
 
     th = threading.Thread(target=run)
     th.start()
-    if go is None:
-        assert started.wait(10)
+    assert (started if go is None else ready).wait(10)
     return th, out
 
 

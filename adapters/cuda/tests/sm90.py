@@ -20,11 +20,12 @@ _SCRIPT = textwrap.dedent(
     module, kernel, variants = json.loads(sys.argv[1])
     fn = getattr(importlib.import_module(module), kernel)
     out = {}
-    for name, (const, types) in variants.items():
+    for name, (const, types, *options) in variants.items():
         sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
         consts = {(fn.arg_names.index(k),): v for k, v in const.items()}
         src = ASTSource(fn, sig, consts)
-        out[name] = compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        opts = options[0] if options else None
+        out[name] = compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
     print(json.dumps(out))
     """
 )
@@ -32,7 +33,8 @@ _SCRIPT = textwrap.dedent(
 
 def ptx_of(module: str, kernel: str, variants: dict[str, tuple[dict, dict]]) -> dict[str, str]:
     """{variant: PTX} of `module.kernel` compiled per variant: (constexpr values, the types
-    of the other arguments that are not i32, such as "*bf16" or "fp32")."""
+    of the other arguments that are not i32, such as "*bf16" or "fp32"[, compile options
+    such as {"num_stages": 1}])."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     arg = json.dumps([module, kernel, variants])
     r = subprocess.run(

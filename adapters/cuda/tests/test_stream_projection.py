@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from sm90 import ptx_of
 from xgraph_cuda import projection
 from xgraph_cuda.kernels import arena, gemv, qkv
-from xgraph_cuda.kernels.tuning import Config
+from xgraph_cuda.kernels.tuning import Config, stages_for
 
 from xgraph.fusion import Fusion, HeadNorm, reference
 
@@ -83,3 +84,33 @@ def test_other_pairings_of_dtypes_are_declined() -> None:
     assert not projection.serves(x.to(BF), w, Fusion(residual=res16))  # fp16 over bf16
     assert projection.serves(x, w, Fusion(torch.ones(64, device=DEVICE).to(BF)))
     assert projection.serves(x.to(BF), w, Fusion(residual=_t(g, 2, 16)))
+
+
+def _gemv(x: str, stages: int) -> tuple[dict, dict, dict]:
+    const = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 1, "NORM": True}
+    const.update(GATED=False, RESIDUAL=False, MMA=True, EVEN=True, UPCAST=False)
+    const.update(PRECISION="tf32", PDL=True, PREFETCH=False, LINE=64, EARLY=False, PRELOAD=True)
+    types = {n: "*bf16" for n in ("W", "Y", "R", "G")}
+    types.update(X=x, Part="*fp32", Count="*i32", eps="fp32")
+    return const, types, {"num_stages": stages, "num_warps": 4}
+
+
+def test_a_float32_input_compiles_to_the_16_bit_kernels_structure() -> None:
+    """Triton pipelines a float32 input's loop (cp.async; 3x the shared memory at 64 rows)
+    but not a 16-bit one's, which the launch configurations were measured as; the stream's
+    launches ask one stage, and their loop is then the 16-bit kernel's."""
+    one = stages_for(MMA, torch.float32, BF)
+    assert one == 1 and stages_for(MMA, BF, BF) == MMA.stages
+    ptx = ptx_of(
+        "xgraph_cuda.kernels.gemv",
+        "_gemv_kernel",
+        {
+            "bf16": _gemv("*bf16", MMA.stages),
+            "stream": _gemv("*fp32", one),
+            "stream-3": _gemv("*fp32", 3),
+        },
+    )
+    assert "cp.async" not in ptx["bf16"] and "cp.async" not in ptx["stream"]
+    assert "cp.async" in ptx["stream-3"]  # why: three stages would pipeline it
+    loads = {k: p.count("ld.global") for k, p in ptx.items()}
+    assert loads["stream"] == loads["bf16"]

@@ -1,12 +1,12 @@
 """Decode projections: y = x @ w.T for 1 to 64 rows, with the ops around them fused.
 
 Program (column tile, split) streams BLOCK_N weight rows over its share of K once for all
-rows of x (`operand`: the weight tile is the tensor cores' left operand, pipelined through
-shared memory). The prologue is applied to the input tile as it is loaded: RMSNorm (x * g,
-the row's sum of squares accumulated on the way; 1 / rms scales the product at the end, so
-no pass over the row comes first) or SiLU(gate) * up. With a split, each program stores its
-partial and the tile's last program sums them in split order (`fixup`); then the epilogue:
-the norm's scale, the residual add, one rounding to the output dtype.
+rows of x (`operand`: the weight tile is the tensor cores' left operand; the loop is not
+software-pipelined, `tuning`). The prologue is applied to the input tile as it is loaded:
+RMSNorm (x * g, the row's sum of squares accumulated on the way; 1 / rms scales the product
+at the end, so no pass over the row comes first) or SiLU(gate) * up. With a split, each
+program stores its partial and the tile's last program sums them in split order (`fixup`);
+then the epilogue: the norm's scale, the residual add, one rounding to the output dtype.
 
 The qkv projection with its per-head norm and rotary is `qkv.py`, over the same pieces.
 """
@@ -20,7 +20,7 @@ import triton.language as tl
 from . import dot_precision, dot_upcast, pdl_options, prefetch
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
 from .operand import accumulate, input_tile, weight_tile
-from .tuning import Config
+from .tuning import Config, stages_for
 
 # fmt: off
 # Triton kernels take every pointer, stride and tile size as its own argument; one per line
@@ -166,7 +166,7 @@ def launch(
         UPCAST=dot_upcast(),
         PRECISION=dot_precision(w.dtype),
         num_warps=c.warps,
-        num_stages=c.stages,
+        num_stages=stages_for(c, x.dtype, w.dtype),
         **pre_opts,
         **pdl,
     )

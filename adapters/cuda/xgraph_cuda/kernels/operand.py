@@ -5,7 +5,8 @@ The weight tile is the left operand ([columns, k]) and the input rows the right 
 tile of 16 to 128 output columns fills the matrix units' M dimension however few rows there
 are ("swap AB"): with one row, 15 of the 16 columns of the instruction are padding, which
 costs nothing in a product bound by the weight stream, and the weight loads feed the dot
-directly, so Triton pipelines them `num_stages` deep through shared memory.
+directly. Triton 3.6 does not software-pipeline the loop around it for 16-bit inputs
+(`tuning`: the sm_90 PTX is the same at any stage count).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from . import dot_precision, dot_upcast, pdl_options, prefetch
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
 from .gemv import k_share, workspace
 from .operand import accumulate, input_tile, weight_tile
-from .tuning import Config
+from .tuning import Config, stages_for
 
 # fmt: off
 # Triton kernels take every pointer, stride and tile size as its own argument; one per line
@@ -182,7 +182,7 @@ def launch(
         UPCAST=dot_upcast(),
         PRECISION=dot_precision(w.dtype),
         num_warps=c.warps,
-        num_stages=c.stages,
+        num_stages=stages_for(c, x.dtype, w.dtype),
         **pre_opts,
         **pdl,
     )

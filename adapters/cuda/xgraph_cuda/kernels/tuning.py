@@ -6,8 +6,13 @@ sets its time is how many weight bytes are in flight across the GPU. The rules, 
 of `sms` multiprocessors:
 
 - tensor-core form (`mma`) by default: 64 weight rows per program against the input rows
-  padded to 16 / 32 / 64, BLOCK_K = 128, three pipeline stages: 16 KiB of weights per stage,
-  48 KiB in flight per program, up to four programs per multiprocessor;
+  padded to 16 / 32 / 64, BLOCK_K = 128: 16 KiB of weights per K step. Three stages are
+  asked, but Triton 3.6 pipelines neither kernel's loop for 16-bit inputs: their sm_90 PTX
+  is the same at one, two or three stages (plain global loads, 20 KiB of shared memory for
+  `gemv` at 16 rows). A float32 input (the residual stream) is pipelined (`cp.async`, 36 KiB
+  at 16 rows and 96 KiB at 64), which changes the kernel the configurations were measured
+  as, so such a launch asks one stage (`stages_for`) and compiles to the 16-bit kernel's
+  structure;
 - split K across `split` programs (a power of two, at most 16, each walking at least two
   K tiles) until the grid holds about two programs per multiprocessor: a 1024-column output
   has 16 column tiles, far too few alone; the split's partials are summed by the tile's
@@ -21,6 +26,8 @@ of `sms` multiprocessors:
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import torch
 
 MAX_ROWS = 64  # decode buckets up to here; prefill-sized calls go to cuBLAS
 MAX_SPLIT = 16
@@ -62,6 +69,12 @@ def pick(m: int, n: int, k: int, sms: int, head_dim: int | None = None) -> Confi
     block_k = 128 if head_dim is None or head_dim <= 128 else 64
     split = split_for(tiles, k, block_k, sms)
     return Config(True, block_m_for(m, True), block_n, block_k, split, 4, 3)
+
+
+def stages_for(c: Config, x: torch.dtype, w: torch.dtype) -> int:
+    """The launch's num_stages: the configuration's, but one for an input wider than the
+    weights (see the module doc: it keeps the measured kernel's structure)."""
+    return 1 if x != w else c.stages
 
 
 def candidates(m: int, n: int, k: int, sms: int, head_dim: int | None = None) -> list[Config]:

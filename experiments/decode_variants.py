@@ -8,7 +8,8 @@ variant against its baseline.
 A variant is a set of switches: `pdl` (the backend's PDL capture option), `prefetch` (the
 projections ask L2 for their weights before they wait: XGRAPH_CUDA_PREFETCH), `early` (they
 release their successor before they wait: XGRAPH_CUDA_PDL_TRIGGER), `preload` (they load
-their first weight tile before they wait: XGRAPH_CUDA_PRELOAD). Each is captured into
+their first weight tile before they wait: XGRAPH_CUDA_PRELOAD), `ahead` (each weight tile
+loaded one K step before it is used: XGRAPH_CUDA_AHEAD). Each is captured into
 its own graph (the switches are read at launch); per bucket and variant: device us per
 replay (pdl_race.py's events over 50 replays, median of 5 rounds), kernels of one replay by name
 (torch.profiler) for the first and last variant, and for PDL variants the race check
@@ -44,6 +45,7 @@ ENV = {
     "prefetch": ("XGRAPH_CUDA_PREFETCH", "on", "off"),
     "early": ("XGRAPH_CUDA_PDL_TRIGGER", "early", "late"),
     "preload": ("XGRAPH_CUDA_PRELOAD", "on", "off"),
+    "ahead": ("XGRAPH_CUDA_AHEAD", "on", "off"),
 }
 
 

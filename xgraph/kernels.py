@@ -61,6 +61,9 @@ class Kernels:
     projection with the ops around it (`xgraph.fusion.Fusion`: RMSNorm or SiLU-mul before,
     residual add or per-head QK-norm + rotary after) in one kernel, answering None for
     calls it does not serve (`fusion.reference` runs those: the unfused ops around `linear`).
+    Having one puts a 16-bit model's residual stream in float32 (`linear.stream_dtype`): it
+    is then asked for a float32 input under a norm prologue and a float32 residual, whose
+    sum it returns in float32 (`fusion.output_dtype`), and serves or declines those too.
     `pdl`: programmatic dependent launch in captured graphs, where the device has it.
     """
 

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -357,3 +358,24 @@ def test_python_beside_an_editable_clone_imports_the_package(tmp_path):
     run(python, "-m", "pip", "install", *offline, "-e", str(clone))
     r = run(python, "-c", "import xgraph; xgraph.get_backend('cpu'); print(xgraph.__file__)")
     assert r.stdout.strip() == str(clone / "xgraph" / "__init__.py"), r.stdout
+
+
+def test_a_ctrl_c_that_pytest_turns_into_an_error_is_still_an_interrupt(monkeypatch, capsys):
+    """A Ctrl-C landing in pytest's own start-up can come out of pytest.main as another
+    error (seen once in CI: a TypeError of its session timing); it is still the user's
+    interrupt: one line and 130."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("a signal handler is only set on the main thread")
+
+    def interrupted_main(argv: list[str]) -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises KeyboardInterrupt here
+        except KeyboardInterrupt:
+            pass
+        raise TypeError("unsupported operand type(s) for -: 'NoneType' and 'int'")
+
+    monkeypatch.setattr(pytest, "main", interrupted_main)
+    assert main(["conformance", "--backend", "cpu"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["xgraph: interrupted"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back

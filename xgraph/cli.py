@@ -97,10 +97,37 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     if not _pytest_plugin_autoloaded():
         argv = ["-p", PYTEST_PLUGIN, *argv]
     print(f"xgraph conformance: backend {backend.name!r} ({backend.device})", flush=True)
-    code = pytest.main(argv)
-    if code == pytest.ExitCode.INTERRUPTED:  # pytest caught the Ctrl-C itself
+    with _noting_interrupts() as interrupted:
+        try:
+            code = pytest.main(argv)
+        except Exception:
+            if interrupted:  # a Ctrl-C in pytest's start-up can surface as its own error
+                raise KeyboardInterrupt from None
+            raise
+    if code == pytest.ExitCode.INTERRUPTED or interrupted:  # pytest caught the Ctrl-C
         raise KeyboardInterrupt
     return int(code)
+
+
+@contextlib.contextmanager
+def _noting_interrupts() -> Iterator[list[bool]]:
+    """A list that holds True once a Ctrl-C arrived in the block (which still raises
+    KeyboardInterrupt as before); off the main thread, where no handler can be set, empty."""
+    seen: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        seen.append(True)
+        signal.default_int_handler(signum, frame)
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield seen
+    finally:
+        if signal.getsignal(signal.SIGINT) is note:
+            signal.signal(signal.SIGINT, previous)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -124,8 +124,13 @@ def _reference_first_step(model: Any, pw: Any, top: int) -> list[list[int]]:
 
 
 def _capture_all(full: Any, pw: Any) -> None:
-    full.capture(progress=False)
-    pw.capture(kind="piecewise", progress=False)
+    """Both executors' captures in one capture session, as an engine would open it around
+    its start-up's captures: one collection before them, not one per executor."""
+    from ..capture_session import capture_session
+
+    with capture_session():
+        full.capture(progress=False)
+        pw.capture(kind="piecewise", progress=False)
 
 
 def reference(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> dict:

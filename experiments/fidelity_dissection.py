@@ -143,7 +143,10 @@ def _kernels(name: str, flags: list[str], model: Any, stack: ExitStack, device: 
         only = [f[5:].split("+") for f in flags if f.startswith("only=")]
         if only:
             keep = set(only[0])
-            pick = lambda x, w, f: fused(x, w, f) if _kind(f) in keep else None  # noqa: E731
+
+            def pick(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> torch.Tensor | None:
+                return fused(x, w, f) if _kind(f) in keep else None
+
             core_linear.install(device, plain, "experiment", pick)
         if "bf16" in flags:
             stack.enter_context(_bf16_stream(model, None))

@@ -171,8 +171,7 @@ def fused_linear_op(
 
 @fused_linear_op.register_fake
 def _fused_fake(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
-    residual = args[3]  # after norm, eps, gated: a float32 stream makes the output float32
-    dtype = output_dtype(weight, Fusion(residual=residual))  # type: ignore[arg-type]
+    dtype = output_dtype(weight, _fusion(*args))  # type: ignore[arg-type]
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=dtype)
 
 

@@ -152,5 +152,10 @@ def options(w: torch.Tensor, per: int, block_k: int, waits: bool) -> tuple[int, 
     cols = columns(w, per, block_k)
     line = min(block_k, max(1, LINE_BYTES // w.element_size()))
     first = preload() and waits
-    opts = {"PREFETCH": cols > 0, "LINE": line, "EARLY": early(), "PRELOAD": first}
-    return cols, opts | {"AHEAD": ahead()}
+    return cols, {
+        "PREFETCH": cols > 0,
+        "LINE": line,
+        "EARLY": early(),
+        "PRELOAD": first,
+        "AHEAD": ahead(),
+    }

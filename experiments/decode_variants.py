@@ -8,13 +8,13 @@ variant against its baseline.
 A variant is a set of switches: `pdl` (the backend's PDL capture option), `prefetch` (the
 projections ask L2 for their weights before they wait: XGRAPH_CUDA_PREFETCH), `early` (they
 release their successor before they wait: XGRAPH_CUDA_PDL_TRIGGER), `preload` (they load
-their first weight tile before they wait: XGRAPH_CUDA_PRELOAD), `ahead` (each weight tile
-loaded one K step before it is used: XGRAPH_CUDA_AHEAD). Each is captured into
-its own graph (the switches are read at launch); per bucket and variant: device us per
-replay (pdl_race.py's events over 50 replays, median of 5 rounds), kernels of one replay by name
-(torch.profiler) for the first and last variant, and for PDL variants the race check
-(`--replays` pairs against the same binaries launched without the attribute).
-Writes `$OUT/decode-variants-<model>.json`.
+their first weight tile before they wait: XGRAPH_CUDA_PRELOAD), `pipelined` (the float32
+stream's launches at their configuration's stage count instead of `stages_for`'s one).
+Each is captured into its own graph (the switches are read at launch); per bucket and
+variant: device us per replay (pdl_race.py's events over 50 replays, median of 5 rounds),
+kernels of one replay by name (torch.profiler) for the first and last variant, and for PDL
+variants the race check (`--replays` pairs against the same binaries launched without the
+attribute). Writes `$OUT/decode-variants-<model>.json`.
 """
 
 from __future__ import annotations
@@ -45,8 +45,23 @@ ENV = {
     "prefetch": ("XGRAPH_CUDA_PREFETCH", "on", "off"),
     "early": ("XGRAPH_CUDA_PDL_TRIGGER", "early", "late"),
     "preload": ("XGRAPH_CUDA_PRELOAD", "on", "off"),
-    "ahead": ("XGRAPH_CUDA_AHEAD", "on", "off"),
 }
+
+
+@contextmanager
+def pipelined(on: bool):
+    """`pipelined`: the float32 stream's launches at their configuration's stage count, as
+    before `stages_for` asked one stage for them (Triton then pipelines their loops)."""
+    from xgraph_cuda.kernels import gemv, qkv, tuning
+
+    kept = gemv.stages_for, qkv.stages_for
+    if on:
+        gemv.stages_for = qkv.stages_for = lambda c, x, w: c.stages
+    try:
+        yield
+    finally:
+        gemv.stages_for, qkv.stages_for = kept
+        assert tuning.stages_for is kept[0]
 
 
 @contextmanager
@@ -56,7 +71,8 @@ def switches(variant: str):
     for name, (var, on, off) in ENV.items():
         os.environ[var] = on if name in parts else off
     try:
-        yield "pdl" in parts
+        with pipelined("pipelined" in parts):
+            yield "pdl" in parts
     finally:
         for var, val in old.items():
             if val is None:

@@ -40,50 +40,26 @@ def _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm,
 
 
 @triton.jit
-def _step(acc, ss, w, X, G, rm, k, m_ok, K, s_xm, BLOCK_M: tl.constexpr, NORM: tl.constexpr,
-          GATED: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr,
-          PRECISION: tl.constexpr):
-    """One K tile: the input tile after its prologue, times the weight tile w."""
-    x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
-    return accumulate(acc, w, x, MMA, UPCAST, PRECISION), ss + sq
-
-
-@triton.jit
 def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, GATED: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr,
-            AHEAD: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr):
     """One program's share of the product: acc [BLOCK_N, BLOCK_M] over k_per columns of K
     from k (weight rows `rows`), and the input rows' sum of squares over them. PRELOAD: the
-    first weight tile is `w_first`, loaded before the program waited. AHEAD: each tile's
-    weights are loaded one K step before they are used (`prefetch.ahead`); the tiles are
-    summed in the same order either way."""
+    first weight tile is `w_first`, loaded before the program waited."""
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
-    if AHEAD:
-        if PRELOAD:
-            w = w_first
-        else:
-            w = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
-        for _ in range(BLOCK_K, k_per, BLOCK_K):  # every tile but the last
-            w_next = weight_tile(W, rows, k + BLOCK_K, n_ok, K, s_wn, EVEN)
-            acc, ss = _step(acc, ss, w, X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, MMA,
-                            EVEN, UPCAST, PRECISION)
-            w = w_next
-            k += BLOCK_K
-        acc, ss = _step(acc, ss, w, X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, MMA,
-                        EVEN, UPCAST, PRECISION)
-    else:
-        if PRELOAD:
-            acc, ss = _step(acc, ss, w_first, X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED,
-                            MMA, EVEN, UPCAST, PRECISION)
-            k += BLOCK_K
-        for _ in range(BLOCK_K if PRELOAD else 0, k_per, BLOCK_K):
-            w = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
-            acc, ss = _step(acc, ss, w, X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, MMA,
-                            EVEN, UPCAST, PRECISION)
-            k += BLOCK_K
+    if PRELOAD:
+        x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
+        ss += sq
+        acc = accumulate(acc, w_first, x, MMA, UPCAST, PRECISION)
+        k += BLOCK_K
+    for _ in range(BLOCK_K if PRELOAD else 0, k_per, BLOCK_K):
+        w = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
+        x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
+        ss += sq
+        acc = accumulate(acc, w, x, MMA, UPCAST, PRECISION)
+        k += BLOCK_K
     return acc, ss
 
 
@@ -94,7 +70,7 @@ def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, 
                  RESIDUAL: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
                  PREFETCH: tl.constexpr, LINE: tl.constexpr, EARLY: tl.constexpr,
-                 PRELOAD: tl.constexpr, AHEAD: tl.constexpr):
+                 PRELOAD: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,7 +83,7 @@ def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, 
                    EARLY)
     acc, ss = product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
                       BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST, PRECISION,
-                      PRELOAD, AHEAD)
+                      PRELOAD)
     if SPLIT == 1:
         _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm, NORM, RESIDUAL)
     else:

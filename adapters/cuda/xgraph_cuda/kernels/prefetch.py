@@ -1,5 +1,4 @@
-"""A projection's entry: its weights asked of L2, then the wait for its predecessor; and
-the switches that load weight tiles into registers early (`preload`, `ahead`).
+"""A projection's entry: its weights asked of L2, then the wait for its predecessor.
 
 A decode projection's weights never depend on the kernel before it, only its input rows do.
 So each program first asks L2 for (a prefix of) its own weight slice, one `prefetch.global.L2`
@@ -137,25 +136,12 @@ def preload() -> bool:
     return os.environ.get("XGRAPH_CUDA_PRELOAD", "on").strip().lower() != "off"
 
 
-def ahead() -> bool:
-    """XGRAPH_CUDA_AHEAD (off by default; on): each projection program loads its next weight
-    tile into registers before it multiplies the current one. Triton does not pipeline
-    these loops itself (`tuning`); the step's time with it is not measured yet."""
-    return os.environ.get("XGRAPH_CUDA_AHEAD", "off").strip().lower() == "on"
-
-
 def options(w: torch.Tensor, per: int, block_k: int, waits: bool) -> tuple[int, dict]:
-    """(columns each program asks L2 for, the launch's PREFETCH, LINE, EARLY, PRELOAD and
-    AHEAD constexprs). `waits`: the kernel waits for its predecessor (PDL compiled in); only
-    then is the first tile loaded ahead (without a wait it would only reorder the loop,
-    which was not measured)."""
+    """(columns each program asks L2 for, the launch's PREFETCH, LINE, EARLY and PRELOAD
+    constexprs). `waits`: the kernel waits for its predecessor (PDL compiled in); only then
+    is the first tile loaded ahead (without a wait it would only reorder the loop, which
+    was not measured)."""
     cols = columns(w, per, block_k)
     line = min(block_k, max(1, LINE_BYTES // w.element_size()))
     first = preload() and waits
-    return cols, {
-        "PREFETCH": cols > 0,
-        "LINE": line,
-        "EARLY": early(),
-        "PRELOAD": first,
-        "AHEAD": ahead(),
-    }
+    return cols, {"PREFETCH": cols > 0, "LINE": line, "EARLY": early(), "PRELOAD": first}

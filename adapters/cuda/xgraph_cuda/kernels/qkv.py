@@ -58,55 +58,31 @@ def _head_epilogue(Y, QW, KW, CS, head, rm, m_ok, lo, hi, ss, K, eps, head_eps, 
 
 
 @triton.jit
-def _step(lo, hi, ss, w_lo, w_hi, X, G, rm, k, m_ok, K, s_xm, BLOCK_M: tl.constexpr,
-          NORM: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr,
-          PRECISION: tl.constexpr):
-    """One K tile of both halves: the input tile after its norm prologue, times each half."""
-    x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, False, EVEN)
-    lo = accumulate(lo, w_lo, x, MMA, UPCAST, PRECISION)
-    return lo, accumulate(hi, w_hi, x, MMA, UPCAST, PRECISION), ss + sq
-
-
-@triton.jit
 def _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, first_lo, first_hi,
             BLOCK_M: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr,
-            AHEAD: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr):
     """One program's share of a head: the products of its two halves of weight rows (`rows`,
     `rows + HALF`) over k_per columns of K from k, and the input's sum of squares (PRELOAD:
-    the halves' first tiles are first_lo, first_hi, loaded before the program waited;
-    AHEAD: each tile's weights loaded one K step before they are used, as in gemv)."""
+    the halves' first tiles are first_lo, first_hi, loaded before the program waited)."""
     n_ok = tl.full([HALF], True, tl.int1)
     lo = tl.zeros([HALF, BLOCK_M], tl.float32)
     hi = tl.zeros([HALF, BLOCK_M], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
-    if AHEAD:
-        if PRELOAD:
-            w_lo, w_hi = first_lo, first_hi
-        else:
-            w_lo = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
-            w_hi = weight_tile(W, rows + HALF, k, n_ok, K, s_wn, EVEN)
-        for _ in range(BLOCK_K, k_per, BLOCK_K):  # every tile but the last
-            next_lo = weight_tile(W, rows, k + BLOCK_K, n_ok, K, s_wn, EVEN)
-            next_hi = weight_tile(W, rows + HALF, k + BLOCK_K, n_ok, K, s_wn, EVEN)
-            lo, hi, ss = _step(lo, hi, ss, w_lo, w_hi, X, G, rm, k, m_ok, K, s_xm, BLOCK_M,
-                               NORM, MMA, EVEN, UPCAST, PRECISION)
-            w_lo, w_hi = next_lo, next_hi
-            k += BLOCK_K
-        lo, hi, ss = _step(lo, hi, ss, w_lo, w_hi, X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM,
-                           MMA, EVEN, UPCAST, PRECISION)
-    else:
-        if PRELOAD:
-            lo, hi, ss = _step(lo, hi, ss, first_lo, first_hi, X, G, rm, k, m_ok, K, s_xm,
-                               BLOCK_M, NORM, MMA, EVEN, UPCAST, PRECISION)
-            k += BLOCK_K
-        for _ in range(BLOCK_K if PRELOAD else 0, k_per, BLOCK_K):
-            w_lo = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
-            w_hi = weight_tile(W, rows + HALF, k, n_ok, K, s_wn, EVEN)
-            lo, hi, ss = _step(lo, hi, ss, w_lo, w_hi, X, G, rm, k, m_ok, K, s_xm, BLOCK_M,
-                               NORM, MMA, EVEN, UPCAST, PRECISION)
-            k += BLOCK_K
+    if PRELOAD:
+        x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, False, EVEN)
+        ss += sq
+        lo = accumulate(lo, first_lo, x, MMA, UPCAST, PRECISION)
+        hi = accumulate(hi, first_hi, x, MMA, UPCAST, PRECISION)
+        k += BLOCK_K
+    for _ in range(BLOCK_K if PRELOAD else 0, k_per, BLOCK_K):
+        w_lo = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
+        w_hi = weight_tile(W, rows + HALF, k, n_ok, K, s_wn, EVEN)
+        x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, False, EVEN)
+        ss += sq
+        lo = accumulate(lo, w_lo, x, MMA, UPCAST, PRECISION)
+        hi = accumulate(hi, w_hi, x, MMA, UPCAST, PRECISION)
+        k += BLOCK_K
     return lo, hi, ss
 
 
@@ -118,7 +94,7 @@ def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, k_pre, s_xm, s
                 NORM: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
                 PREFETCH: tl.constexpr, LINE: tl.constexpr, EARLY: tl.constexpr,
-                PRELOAD: tl.constexpr, AHEAD: tl.constexpr):
+                PRELOAD: tl.constexpr):
     head = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -133,7 +109,7 @@ def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, k_pre, s_xm, s
                    tl.full([2 * HALF], True, tl.int1), split * k_per, k_pre, K, s_wn, BLOCK_K,
                    LINE, PREFETCH, PDL, EARLY)
     lo, hi, ss = _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, w_lo, w_hi, BLOCK_M,
-                         HALF, BLOCK_K, NORM, MMA, EVEN, UPCAST, PRECISION, PRELOAD, AHEAD)
+                         HALF, BLOCK_K, NORM, MMA, EVEN, UPCAST, PRECISION, PRELOAD)
     if SPLIT == 1:
         _head_epilogue(Y, QW, KW, CS, head, rm, m_ok, lo, hi, ss, K, eps, head_eps, s_ym, s_cs,
                        HQ, HKV, HALF, NORM)

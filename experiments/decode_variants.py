@@ -8,7 +8,8 @@ variant against its baseline.
 A variant is a set of switches: `pdl` (the backend's PDL capture option), `prefetch` (the
 projections ask L2 for their weights before they wait: XGRAPH_CUDA_PREFETCH), `early` (they
 release their successor before they wait: XGRAPH_CUDA_PDL_TRIGGER), `preload` (they load
-their first weight tile before they wait: XGRAPH_CUDA_PRELOAD), `pipelined` (the float32
+their first weight tile before they wait: XGRAPH_CUDA_PRELOAD), `keys` (the decode attention
+loads its first key tile before it waits: XGRAPH_CUDA_DECODE_PRELOAD), `pipelined` (the float32
 stream's launches at their configuration's stage count instead of `stages_for`'s one).
 Each is captured into its own graph (the switches are read at launch); per bucket and
 variant: device us per replay (pdl_race.py's events over 50 replays, median of 5 rounds),
@@ -45,6 +46,7 @@ ENV = {
     "prefetch": ("XGRAPH_CUDA_PREFETCH", "on", "off"),
     "early": ("XGRAPH_CUDA_PDL_TRIGGER", "early", "late"),
     "preload": ("XGRAPH_CUDA_PRELOAD", "on", "off"),
+    "keys": ("XGRAPH_CUDA_DECODE_PRELOAD", "on", "off"),
 }
 
 

@@ -124,3 +124,26 @@ def test_preload_is_on_unless_switched_off(monkeypatch):
     monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", "off")
     assert prefetch.preload() is False
     assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] is False
+
+
+def _decode_variant(preload: bool) -> tuple[dict, dict]:
+    const = {"GROUP": 2, "PAGE": 16, "SPLITS": 4, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128}
+    const.update(HEAD_DIM=128, UPCAST=False, PRECISION="tf32", QLEN=1, STORE=True, FIXUP=True)
+    const.update(PDL=True, PRELOAD=preload)
+    types = {n: _BF16 for n in ("Q", "K", "V", "Out", "Knew", "Vnew")}
+    types.update(Part="*fp32", Lse="*fp32", SeqLens="*i32", Tables="*i32", Slots="*i64")
+    types.update(Count="*i32", scale_log2="fp32")
+    return const, types
+
+
+def test_decode_preload_reads_the_first_key_tile_before_the_wait():
+    """Compiled for sm_90: without the preload nothing is loaded before the PDL wait; with
+    it the length, the table entries and the first keys and values are."""
+    ptx = ptx_of(
+        "xgraph_cuda.kernels.decode",
+        "_decode_kernel",
+        {"off": _decode_variant(False), "on": _decode_variant(True)},
+    )
+    before = {k: p[: p.find("griddepcontrol.wait")].count("ld.global") for k, p in ptx.items()}
+    assert all(p.find("griddepcontrol.wait") > 0 for p in ptx.values())
+    assert before["off"] == 0 and before["on"] > 0

@@ -166,6 +166,42 @@ def test_fused_decode_is_one_launch_and_bitwise_repeatable(monkeypatch) -> None:
     torch.testing.assert_close(a, _run(PagedDecodeRunner(), case)[0], **F32_TOL)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_first_key_tile_before_the_wait_changes_no_bit(monkeypatch, splits, dtype) -> None:  # type: ignore[no-untyped-def]
+    """XGRAPH_CUDA_DECODE_PRELOAD moves where each program loads its first key tile (before
+    its PDL wait, so before the step's own k and v are stored), not what it reads: the
+    tile is patched with the stored row where its slot is the store's. The own slots start
+    as NaN, so a stale tile would show. Contexts put the own position in the first tile and
+    past it, and leave splits with empty shares. The interpreter has no wait, so the test
+    asks for the preload without it: the same kernel body, less the wait."""
+    import functools
+
+    from xgraph_cuda.kernels import decode as decode_kernels
+
+    lens = [7, 1, 70, 33, 21]
+    case = Case([1] * 5, lens, pad_seqs=1, pad_tokens=0, num_blocks=64, dtype=dtype)
+    outs = {}
+    for preload in (True, False):
+        launch = functools.partial(decode_kernels.paged_decode, preload=preload)
+        monkeypatch.setattr(triton_runners, "paged_decode", launch)
+        outs[preload] = _run(TritonPagedDecodeRunner(splits, fused=True), case)
+    (a, cache_a), (b, cache_b) = outs[True], outs[False]
+    assert torch.isfinite(a[: case.num_tokens]).all()
+    assert torch.equal(a, b)
+    _same_cache(cache_a, cache_b)
+
+
+def test_the_decode_preload_needs_the_wait_and_a_store(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Off by the switch; by default only where the PDL wait is compiled in."""
+    from xgraph_cuda.kernels import decode as decode_kernels
+
+    monkeypatch.delenv("XGRAPH_CUDA_DECODE_PRELOAD", raising=False)
+    assert decode_kernels.decode_preload() is True
+    monkeypatch.setenv("XGRAPH_CUDA_DECODE_PRELOAD", "off")
+    assert decode_kernels.decode_preload() is False
+
+
 def test_the_decode_launches_follow_the_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv(triton_runners.DECODE_ENV, "split")
     assert not TritonPagedDecodeRunner().fused

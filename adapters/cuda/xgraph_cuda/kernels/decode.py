@@ -13,11 +13,16 @@ log-sum-exp, and a second kernel merges them, or (`counts` given) the last split
 bitwise repeatable), and one launch does it all. With `store` (decode, one query token per
 sequence), the split that holds the token's own position first writes the token's k and v
 at its slot, then walks the cache (a barrier between: its own threads read them back), so
-the step's store needs no launch of its own either. The launch shape depends only on tensor
-shapes, so the launches record into a CUDA graph.
+the step's store needs no launch of its own either; under PDL such a launch may read its
+sequence's length, table entries and first key tile before it waits for its predecessor
+(`preload`: nothing the kernel before it writes is among them), the tile then patched with
+the row it stores. The launch shape depends only on tensor shapes, so the launches record
+into a CUDA graph.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -32,36 +37,67 @@ from .online import load_rows, page_slots, softmax_step
 LOG2E = 1.4426950408889634
 
 
+def decode_preload() -> bool:
+    """XGRAPH_CUDA_DECODE_PRELOAD (on by default; off): under PDL the one-launch decode
+    attention reads its sequence's length, block-table entries and first key/value tile
+    before it waits for the kernel before it (docs/kernels.md)."""
+    return os.environ.get("XGRAPH_CUDA_DECODE_PRELOAD", "on").strip().lower() != "off"
+
+
 # fmt: off
 # Triton kernels take every pointer, stride and tile size as its own argument; one per
 # line would bury each kernel under its signature, so these keep them packed.
 
 @triton.jit
-def _walk(q, K, V, table_row, table_width, lo, hi, scale_log2,
+def _tile(K, V, table_row, table_width, start, hi, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+          HEAD_DIM: tl.constexpr):
+    """Key positions [start, start + BLOCK_N) below hi of one kv head: (k, v rows as the
+    cache holds them, which positions are valid, each row's slot in the cache)."""
+    d = tl.arange(0, BLOCK_D)
+    pos = start + tl.arange(0, BLOCK_N)
+    valid = (pos < hi) & (pos // PAGE < table_width)
+    blk, slot = page_slots(table_row, pos, valid, PAGE, True)
+    lmask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    k = load_rows(K, blk, slot, d, lmask, s_kb, s_ks, s_kd)
+    v = load_rows(V, blk, slot, d, lmask, s_vb, s_vs, s_vd)
+    return k, v, valid, blk * PAGE + slot
+
+
+@triton.jit
+def _fold(acc, m, den, q, k, v, valid, scale_log2, UPCAST: tl.constexpr,
+          PRECISION: tl.constexpr):
+    """One key tile into the online softmax of q."""
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale_log2
+    s = tl.where(valid[None, :], s, float("-inf"))
+    return softmax_step(acc, m, den, s, v, PRECISION)
+
+
+@triton.jit
+def _walk(q, K, V, table_row, table_width, lo, hi, scale_log2, k0, v0, valid0,
           s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
           PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
-          PRECISION: tl.constexpr):
+          PRECISION: tl.constexpr, PRELOAD: tl.constexpr):
     """Online softmax of q [BLOCK_G, BLOCK_D] over key positions [lo, hi) of one kv head
-    (K, V point at it): (acc, running max, denominator)."""
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
+    (K, V point at it): (acc, running max, denominator). PRELOAD: the first tile is (k0, v0,
+    valid0), loaded before the program waited."""
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = (pos < hi) & (pos // PAGE < table_width)
-        blk, slot = page_slots(table_row, pos, valid, PAGE, True)
-        lmask = valid[:, None] & dmask[None, :]
-        k = load_rows(K, blk, slot, d, lmask, s_kb, s_ks, s_kd)
-        v = load_rows(V, blk, slot, d, lmask, s_vb, s_vs, s_vd)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        acc, m, den = softmax_step(acc, m, den, s, v, PRECISION)
+    first = lo
+    if PRELOAD:
+        if lo < hi:  # an empty share folds nothing (a tile of no valid key would give NaN)
+            acc, m, den = _fold(acc, m, den, q, k0, v0, valid0, scale_log2, UPCAST, PRECISION)
+        first = lo + BLOCK_N
+    for start in range(first, hi, BLOCK_N):
+        k, v, valid, _ = _tile(K, V, table_row, table_width, start, hi,
+                               s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE, BLOCK_N, BLOCK_D,
+                               HEAD_DIM)
+        acc, m, den = _fold(acc, m, den, q, k, v, valid, scale_log2, UPCAST, PRECISION)
     return acc, m, den
 
 
@@ -70,15 +106,25 @@ def _store_own(Knew, Vnew, K, V, Slots, b, h, num_slots, mine, d, dmask,
                s_nb, s_nh, s_mb, s_mh, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
                PAGE: tl.constexpr):
     """Write token b's k and v of kv head h (K, V point at it) at its slot, if `mine`; a slot
-    outside the cache is dropped rather than written past its end."""
+    outside the cache is dropped rather than written past its end. Returns (k, v as stored,
+    the slot, whether they were stored)."""
     slot = tl.load(Slots + b).to(tl.int64)
     ok = dmask & mine & (slot >= 0) & (slot < num_slots)
     blk, off = slot // PAGE, slot % PAGE
-    k = tl.load(Knew + b * s_nb + h * s_nh + d, mask=ok, other=0.0)
-    v = tl.load(Vnew + b * s_mb + h * s_mh + d, mask=ok, other=0.0)
-    tl.store(K + blk * s_kb + off * s_ks + d * s_kd, k.to(K.dtype.element_ty), mask=ok)
-    tl.store(V + blk * s_vb + off * s_vs + d * s_vd, v.to(V.dtype.element_ty), mask=ok)
+    k = tl.load(Knew + b * s_nb + h * s_nh + d, mask=ok, other=0.0).to(K.dtype.element_ty)
+    v = tl.load(Vnew + b * s_mb + h * s_mh + d, mask=ok, other=0.0).to(V.dtype.element_ty)
+    tl.store(K + blk * s_kb + off * s_ks + d * s_kd, k, mask=ok)
+    tl.store(V + blk * s_vb + off * s_vs + d * s_vd, v, mask=ok)
     tl.debug_barrier()  # the walk's loads of this slot come after these stores
+    return k, v, slot, ok
+
+
+@triton.jit
+def _patched(tile, row, tile_slots, slot, stored):
+    """A tile loaded before the store with the stored row put where its slot was: what a
+    load after the store would have read."""
+    own = (tile_slots == slot)[:, None] & stored[None, :]
+    return tl.where(own, row[None, :], tile)
 
 
 @triton.jit
@@ -115,12 +161,12 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr,
                    PRECISION: tl.constexpr, QLEN: tl.constexpr, STORE: tl.constexpr,
-                   FIXUP: tl.constexpr, PDL: tl.constexpr):
+                   FIXUP: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)  # the query token
     h = tl.program_id(1)
     split = tl.program_id(2)
     seq = b // QLEN
-    if PDL:  # nothing the previous kernel writes is read, nor anything written, before this
+    if PDL and not PRELOAD:  # nothing the previous kernel writes is read or written before
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     # the keys this token sees: its sequence's, up to and including its own position
@@ -133,19 +179,32 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
     d = tl.arange(0, BLOCK_D)
     heads = h * GROUP + g
     qmask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    table_row = Tables + seq * s_tb
+    # PRELOAD (with STORE only: this kernel writes the step's keys, so the cache and the
+    # metadata it reads first were written before its predecessor ran): the first key tile
+    # is in flight while the previous kernel finishes
+    k0, v0, valid0, slots0 = _tile(K + h * s_kh, V + h * s_vh, table_row, table_width, lo, hi,
+                                   s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE, BLOCK_N, BLOCK_D,
+                                   HEAD_DIM)
+    if PDL and PRELOAD:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if STORE:  # the split holding the token's own position (split 0 of an empty context)
         owner = tl.where(seq_len > 0, (seq_len - 1) // tl.maximum(share, 1), 0)
-        _store_own(Knew, Vnew, K + h * s_kh, V + h * s_vh, Slots, b, h, num_slots,
-                   split == owner, d, d < HEAD_DIM, s_nb, s_nh, s_mb, s_mh,
-                   s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE)
+        k_own, v_own, slot, stored = _store_own(
+            Knew, Vnew, K + h * s_kh, V + h * s_vh, Slots, b, h, num_slots, split == owner, d,
+            d < HEAD_DIM, s_nb, s_nh, s_mb, s_mh, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE)
+        if PRELOAD:
+            k0 = _patched(k0, k_own, tl.where(valid0, slots0, -1), slot, stored)
+            v0 = _patched(v0, v_own, tl.where(valid0, slots0, -1), slot, stored)
     q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd, mask=qmask, other=0.0)
     q = q.to(K.dtype.element_ty)
     if UPCAST:
         q = q.to(tl.float32)
     acc, m, den = _walk(
-        q, K + h * s_kh, V + h * s_vh, Tables + seq * s_tb, table_width, lo, hi, scale_log2,
-        s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
-        PAGE, BLOCK_G, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST, PRECISION,
+        q, K + h * s_kh, V + h * s_vh, table_row, table_width, lo, hi, scale_log2,
+        k0, v0, valid0, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
+        PAGE, BLOCK_G, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST, PRECISION, PRELOAD,
     )
     # an empty share (or seq_len 0) has den == 0: it writes zeros and a -inf log-sum-exp
     safe = tl.where(den > 0, den, 1.0)
@@ -226,12 +285,19 @@ def paged_decode(
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     counts: torch.Tensor | None = None,
     pdl: dict | None = None,
+    preload: bool | None = None,
 ) -> None:
     """out[t] = attention of q[t] [hq, dim] (token t = s * query_len + j) over the first
     seq_lens[s] - query_len + 1 + j positions of sequence s, `splits` programs per (token, kv
     head); `store` = (k, v, slots): k[t], v[t] written at slots[t] first (query_len 1);
-    `counts` (the arena): the splits merge themselves, no second kernel."""
+    `counts` (the arena): the splits merge themselves, no second kernel. `preload`: each
+    program reads its first key tile before its PDL wait (None: with a store, where the
+    wait is compiled in and XGRAPH_CUDA_DECODE_PRELOAD is not off)."""
     k_cache, v_cache = kv_cache
+    pdl = pdl or pdl_options()
+    if preload is None:
+        preload = bool(pdl["PDL"]) and decode_preload()
+    preload = preload and store is not None
     (b, hq, dim), hkv = q.shape, k_cache.shape[2]
     group, block_d = hq // hkv, triton.next_power_of_2(dim)
     part, lse = _partials(out, splits)
@@ -267,7 +333,8 @@ def paged_decode(
         QLEN=query_len,
         STORE=store is not None,
         FIXUP=counts is not None,
-        **(pdl or pdl_options()),
+        PRELOAD=preload,
+        **pdl,
     )
     if splits > 1 and counts is None:
         _merge(part, lse, out, splits, block_d, dim)

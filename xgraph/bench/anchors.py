@@ -95,7 +95,8 @@ def native_anchor(
     backend: Backend, w: Workload, step: Step
 ) -> tuple[Callable[[], None], Callable[[], None]] | None:
     """The forward captured with the runtime's own graph API (a replay callable, and the
-    sending of the step into its static buffers), or None."""
+    sending of the step into its static buffers), or None. The sending callable holds the
+    static buffers the graph reads: keep it as long as the replay is used."""
     ids, pos, ctx, send = static_inputs(backend, w, step)
 
     def forward() -> None:

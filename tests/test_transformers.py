@@ -368,6 +368,7 @@ def test_bench_runs_on_cpu_with_a_tiny_config(tmp_path):
     gen, comp, merged = tmp_path / "gen.json", tmp_path / "comp.json", tmp_path / "all.json"
     generate = ["--parts", "check,decode,ttft", "--batches", "1,2", "--prompt-len", "8"]
     generate += ["--new-tokens", "4", "--ttft", "1x24,3x8", "--json", str(gen)]
+    generate += ["--steps-per-launch", "2"]
     assert bench.main([*common, *generate]) == 0
     compile_ = ["--parts", "compile", "--compiler", "aot_eager", "--capture-sizes", "1,2,4"]
     compile_ += ["--compare", "1,2", "--step-iters", "2", "--json", str(comp)]
@@ -380,6 +381,12 @@ def test_bench_runs_on_cpu_with_a_tiny_config(tmp_path):
         assert row["xgraph"]["decode_tokens_per_second"] > 0
         assert row["transformers"]["decode_tokens_per_second"] > 0
         assert row["xgraph"]["graph_steps"]["eager"] == 0
+        k = row["xgraph_k"]  # two steps a launch: the single steps' tokens
+        assert k["steps_per_launch"] == 2 and k["tokens_equal"] is True
+        assert row["speedup_k"] == pytest.approx(
+            k["decode_tokens_per_second"] / row["transformers"]["decode_tokens_per_second"]
+        )
+        assert "tokens" not in row["xgraph"] and "tokens" not in k
     assert [r["case"] for r in data["ttft"]] == ["1x24", "3x8"]
     assert all(r["xgraph"]["ttft_s"] > 0 and r["transformers"]["ttft_s"] > 0 for r in data["ttft"])
     c = data["compile"]

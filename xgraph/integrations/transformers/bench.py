@@ -79,6 +79,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=128, help="decode: tokens generated")
     p.add_argument("--iters", type=int, default=3, help="timed runs per measurement (best kept)")
+    p.add_argument(
+        "--steps-per-launch",
+        type=int,
+        default=1,
+        help="decode: also K steps per launch (GraphModel.generate(steps_per_launch=K))",
+    )
     p.add_argument("--ttft", default="1x2048,16x128", help="ttft: cases, N x L each")
     p.add_argument(
         "--capture-sizes",
@@ -177,6 +183,20 @@ def _serving_model(
     )
 
 
+def _xgraph_decode(gm: GraphModel, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One step a launch, and with --steps-per-launch K > 1 also K a launch (`xgraph_k`,
+    its tokens compared with the single steps')."""
+    x = xgraph_decode(gm, batch, args.prompt_len, args.new_tokens, args.iters)
+    one = x.pop("tokens")
+    row: dict[str, Any] = {"xgraph": x}
+    k = args.steps_per_launch
+    if k > 1:
+        xk = xgraph_decode(gm, batch, args.prompt_len, args.new_tokens, args.iters, k)
+        xk.update(steps_per_launch=k, tokens_equal=xk.pop("tokens") == one)
+        row["xgraph_k"] = xk
+    return row
+
+
 def _generate_parts(
     data: dict[str, Any], parts: list[str], gm: GraphModel, reference: Any, args: Any, save: Any
 ) -> None:
@@ -192,17 +212,19 @@ def _generate_parts(
     # 2.11; docs/transformers.md, limits), not yet explained
     batches = sizes(args.batches, "--batches") if "decode" in parts else []
     cases = parse_cases(args.ttft) if "ttft" in parts else []
-    decode = [xgraph_decode(gm, b, args.prompt_len, args.new_tokens, args.iters) for b in batches]
+    decode = [_xgraph_decode(gm, b, args) for b in batches]
     ttft = [xgraph_ttft(gm, n, length, args.iters) for n, length in cases]
     if "decode" in parts:
         data["decode"] = []
-        for b, x in zip(batches, decode):
+        for b, row in zip(batches, decode):
             t = transformers_decode(
                 reference, b, args.prompt_len, args.new_tokens, args.iters, compile_hf
             )
             rate = t["decode_tokens_per_second"]
-            ratio = x["decode_tokens_per_second"] / rate if rate else None
-            data["decode"].append({"batch": b, "xgraph": x, "transformers": t, "speedup": ratio})
+            for name in [n for n in row if n.startswith("xgraph")]:
+                x = row[name]["decode_tokens_per_second"]
+                row["speedup" + name[len("xgraph") :]] = x / rate if rate else None
+            data["decode"].append({"batch": b, **row, "transformers": t})
             save()
     if "ttft" in parts:
         data["ttft"] = ttft_rows(reference, cases, ttft, args.iters, compile_hf)

@@ -35,7 +35,18 @@ def _decode(rows: list[dict[str, Any]]) -> str:
                 "p99 ms": x.get("per_token_p99_s", 0) * 1e3,
             }
         )
-    return "decode (same weights, same run):\n" + table(out, list(out[0]) if out else [])
+        k = r.get("xgraph_k")
+        if k:  # the same batch with K steps a launch
+            out[-1].update(
+                {
+                    "K a launch tok/s": k["decode_tokens_per_second"],
+                    "K a launch / transformers": r.get("speedup_k") or "",
+                    "K": k["steps_per_launch"],
+                    "tokens equal": k["tokens_equal"],
+                }
+            )
+    cols = list(dict.fromkeys(c for row in out for c in row))
+    return "decode (same weights, same run):\n" + table(out, cols)
 
 
 def _ttft(rows: list[dict[str, Any]]) -> str:

@@ -193,13 +193,19 @@ def test_the_first_key_tile_before_the_wait_changes_no_bit(monkeypatch, splits, 
 
 
 def test_the_decode_preload_needs_the_wait_and_a_store(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Off by the switch; by default only where the PDL wait is compiled in."""
+    """Off by the switch; by default where the PDL wait is compiled in, the launch stores the
+    step's keys and its programs are fewer than the SMs."""
     from xgraph_cuda.kernels import decode as decode_kernels
 
     monkeypatch.delenv("XGRAPH_CUDA_DECODE_PRELOAD", raising=False)
     assert decode_kernels.decode_preload() is True
+    preloads = decode_kernels.preloads
+    assert preloads(True, True, 64, 132)  # batch 8 of 8 kv heads on an H100
+    assert not preloads(True, True, 512, 132)  # batch 64: the launch fills the SMs alone
+    assert not preloads(False, True, 8, 132) and not preloads(True, False, 8, 132)
     monkeypatch.setenv("XGRAPH_CUDA_DECODE_PRELOAD", "off")
     assert decode_kernels.decode_preload() is False
+    assert not preloads(True, True, 8, 132)
 
 
 def test_the_decode_launches_follow_the_environment(monkeypatch) -> None:  # type: ignore[no-untyped-def]

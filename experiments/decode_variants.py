@@ -10,7 +10,8 @@ projections ask L2 for their weights before they wait: XGRAPH_CUDA_PREFETCH), `e
 release their successor before they wait: XGRAPH_CUDA_PDL_TRIGGER), `preload` (they load
 their first weight tile before they wait: XGRAPH_CUDA_PRELOAD), `keys` (the decode attention
 loads its first key tile before it waits: XGRAPH_CUDA_DECODE_PRELOAD), `pipelined` (the float32
-stream's launches at their configuration's stage count instead of `stages_for`'s one).
+stream's launches at their configuration's stage count instead of `stages_for`'s one),
+`qkvsplitN` (the qkv projection split N ways along K).
 Each is captured into its own graph (the switches are read at launch); per bucket and
 variant: device us per replay (pdl_race.py's events over 50 replays, median of 5 rounds),
 kernels of one replay by name (torch.profiler) for the first and last variant, and for PDL
@@ -67,13 +68,34 @@ def pipelined(on: bool):
 
 
 @contextmanager
+def qkv_split(parts: set[str]):
+    """`qkvsplitN`: the qkv projection's K split set to N programs per head tile instead of
+    `tuning.pick`'s (a split need not be a power of two: the kernel masks an uneven K)."""
+    from xgraph_cuda import projection
+
+    asked = [int(p[len("qkvsplit") :]) for p in parts if p.startswith("qkvsplit")]
+    kept = projection.pick
+
+    def pick(m, n, k, sms, head_dim=None):
+        c = kept(m, n, k, sms, head_dim)
+        return c._replace(split=asked[0]) if head_dim is not None else c
+
+    if asked:
+        projection.pick = pick
+    try:
+        yield
+    finally:
+        projection.pick = kept
+
+
+@contextmanager
 def switches(variant: str):
     parts = set(variant.split("+"))
     old = {v[0]: os.environ.get(v[0]) for v in ENV.values()}
     for name, (var, on, off) in ENV.items():
         os.environ[var] = on if name in parts else off
     try:
-        with pipelined("pipelined" in parts):
+        with pipelined("pipelined" in parts), qkv_split(parts):
             yield "pdl" in parts
     finally:
         for var, val in old.items():

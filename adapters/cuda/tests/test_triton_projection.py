@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from xgraph_cuda import linear as cuda_linear
 from xgraph_cuda import projection
-from xgraph_cuda.kernels import arena, gemv, prefetch, qkv
+from xgraph_cuda.kernels import arena, gemv, prefetch, qkv, tuning
 from xgraph_cuda.kernels.tuning import Config, candidates, pick
 
 from xgraph.errors import XGraphError
@@ -88,10 +88,11 @@ def _heads(g: torch.Generator, t: int, hq: int, hkv: int, d: int) -> HeadNorm:
     return HeadNorm(qw, kw, 1e-6, cs, hq, hkv)
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_qkv_with_its_norms_and_rotary(split: int) -> None:
+@pytest.mark.parametrize("split,k", [(1, 64), (2, 64), (3, 320)])
+def test_qkv_with_its_norms_and_rotary(split: int, k: int) -> None:
+    """Splits 1 and 2, and 3 over a K no split of whole tiles shares evenly."""
     g = _gen(20 + split)
-    t, hq, hkv, d, k = 3, 4, 2, 32, 64
+    t, hq, hkv, d = 3, 4, 2, 32
     x, w = _t(g, t, k), _t(g, (hq + 2 * hkv) * d, k, scale=0.1)
     norm = 1 + _t(g, k, scale=0.1)
     h = _heads(g, t, hq, hkv, d)
@@ -143,6 +144,13 @@ def test_default_configurations_cover_the_grid() -> None:
     assert c.mma and c.block_m == 16 and c.split == 8  # 16 column tiles x 8 splits
     assert pick(1, 24576, 4096, 132).split == 1  # 384 tiles fill the GPU alone
     assert pick(1, 6144, 4096, 132, head_dim=128).block_n == 128
+    # the qkv kernel's split fills whole waves: 48 head tiles x 11 = 4 x 132 at Qwen3-8B's
+    # shape; Qwen3-0.6B's 32 tiles x 4 = 128 of 132 (two K tiles a program at most 4)
+    assert pick(1, 6144, 4096, 132, head_dim=128).split == 11
+    assert pick(8, 4096, 1024, 132, head_dim=128).split == 4
+    for k, split in [(4096, 11), (1000, 3), (256, 2), (200, 5)]:
+        c = MMA._replace(split=split)
+        assert gemv.k_share(k, c)[1] == tuning.splits_needed(k, split, c.block_k)
     assert pick(64, 1024, 1024, 132).block_m == 64
     for c in candidates(1, 1024, 2048, 132):
         assert c.split * c.block_k <= 2048

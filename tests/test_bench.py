@@ -360,21 +360,3 @@ def test_sleep_wakes_every_graph_and_matches_close_and_recapture(tmp_path):
     held = data["graph_bytes"] + data["kv_cache_bytes"]
     assert x["given_back_bytes"] >= 0.5 * held and x["offloaded_bytes"] > 0
     assert "close + recapture" in r.stdout
-
-
-def test_decode_host_overhead_interleaved(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the backend has a native graph, the executor step's host time and the raw
-    replay's are taken in turn within each iteration (a drifting host weighs on both), over
-    at least HOST_ITERS iterations, and the overhead is their difference."""
-    seen: list[tuple[list[str], int]] = []
-    real = decode.host_times
-
-    def spy(backend: Any, fns: dict, iters: int, until_done: bool = False) -> dict:
-        seen.append((list(fns), iters))
-        return real(backend, fns, 2, until_done)
-
-    monkeypatch.setattr(decode, "host_times", spy)
-    data = decode.run(TimedCPU(), "tiny", [1, 2], iters=2, compile_batches=[], probe=False)
-    assert seen == [(["xgraph", "raw"], decode.HOST_ITERS)] * 2
-    for r in data["rows"]:
-        assert r["host_overhead_s"] == r["xgraph_host_s"] - r["raw_replay_host_s"]

@@ -23,9 +23,7 @@ Each step time is also set against the memory roofline (`roofline`): the weight 
 reads over the bandwidth of the device measured in the same run. Per batch, the best
 executor row (eager or compiled forward) is divided by each anchor (reduce-overhead, raw
 graph). Host overhead: host wall time of one executor step minus that of the native
-graph's replay call, each with an idle device (synchronized before the call), the two taken
-in turn within each of at least 100 iterations (where the backend has a native graph; the
-step's own host time, taken alone first, is then replaced by the interleaved one).
+graph's replay call, each with an idle device (synchronized before the call).
 `--table-check BATCH` adds the context-width check (`table_check`).
 """
 
@@ -55,33 +53,23 @@ from .anchors import (
 from .decode_report import ANCHORS, VARIANTS, XGRAPH, summarize  # noqa: F401 (summarize)
 from .probes import Probes, fidelity_gate
 from .report import attempt, header, note, workload
-from .timing import Timer, host_time, host_times, wall_time
+from .timing import Timer, host_time, wall_time
 
 DEFAULT_COMPILE = [1, 8, 64]  # --compile's default on accelerators
 COMPILE_BUCKETS = ("one", "per-size", "both", "none")  # --compile-buckets
 ANCHOR_KERNELS = ("torch", "xgraph")  # the reduce-overhead anchor's kernels
 
 
-HOST_ITERS = 100  # at least: a median of host times needs more calls than one of device times
-
-
-def _raw_graph(
-    backend: Backend, w: Workload, step: Step, timer: Timer, iters: int, xgraph_step: Callable
-) -> dict:
+def _raw_graph(backend: Backend, w: Workload, step: Step, timer: Timer, iters: int) -> dict:
     anchor = native_anchor(backend, w, step)
     if anchor is None:  # the runtime has no graph API of its own
         return {}
     replay, send = anchor
-    # the executor's step and the raw replay in turn within each iteration: a host whose
-    # speed drifts (the lent machines' does, 2-4x between runs) weighs on both alike, so
-    # their difference is the executor's own host cost
-    host = host_times(backend, {"xgraph": xgraph_step, "raw": replay}, max(iters, HOST_ITERS))
     # the anchor's graph and its pool go when `replay` does, before the next batch's
     return {
         "raw_graph_s": timer(replay, iters),
         "raw_graph_inputs_s": timer(as_step(send, replay), iters),
-        "raw_replay_host_s": host["raw"],
-        "xgraph_host_s": host["xgraph"],
+        "raw_replay_host_s": host_time(backend, replay, iters),
     }
 
 
@@ -115,8 +103,7 @@ def _measure(
     )
     if "xgraph_s" in row:
         probes.observe(row, "xgraph", step, lambda: ex(**step.kwargs()))
-    call = lambda: ex(**step.kwargs())  # noqa: E731
-    attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters, call))
+    attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters))
     if "xgraph_host_s" in row and "raw_replay_host_s" in row:
         row["host_overhead_s"] = row["xgraph_host_s"] - row["raw_replay_host_s"]
 

@@ -13,30 +13,17 @@ calls with an idle device. Writes `$OUT/graph-launch-cost.json`.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import random
-import statistics
-import time
 from contextlib import contextmanager
 
 import torch
+from probe_common import buckets_of, decode_workload, parser, write
 
-import xgraph
 from xgraph.bench.anchors import native_anchor
-from xgraph.bench.report import workload
+from xgraph.bench.timing import host_time
 
 
 def host_us(backend, fn, iters: int) -> float:
-    ts = []
-    for _ in range(iters):
-        backend.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    backend.synchronize()
-    return statistics.median(ts) * 1e6
+    return host_time(backend, fn, iters) * 1e6
 
 
 @contextmanager
@@ -84,22 +71,11 @@ def case(backend, w, steps, mode: str, order: list[int], iters: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="qwen3-0.6b")
-    p.add_argument("--buckets", default="1,8,64")
+    p = parser()
     p.add_argument("--modes", default="shared-physical,shared-pool")
-    p.add_argument("--iters", type=int, default=200)
     a = p.parse_args()
-    backend = xgraph.get_backend(os.environ.get("XGRAPH_BACKEND", "cuda"))
-    buckets = [int(b) for b in a.buckets.split(",")]
-    w = workload(backend, a.model, max_seqs=max(buckets), context=512)
-    rng = random.Random(0)
-    steps = {
-        b: w.decode_step(rng, b, max_context=256).with_tensor_tables(
-            w.max_blocks, w.cache.dummy_block
-        )
-        for b in buckets
-    }
+    buckets = buckets_of(a)
+    backend, w, steps = decode_workload(a.model, buckets)
     out: dict = {"model": a.model, "device": str(backend.device), "cases": {}, "anchor": {}}
     with torch.no_grad():
         for b in buckets:
@@ -112,10 +88,7 @@ def main() -> None:
         for mode in a.modes.split(","):
             for name, order in (("ascending", buckets), ("descending", buckets[::-1])):
                 out["cases"][f"{mode}/{name}"] = case(backend, w, steps, mode, order, a.iters)
-    path = os.path.join(os.environ.get("OUT", "out"), "graph-launch-cost.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    write("graph-launch-cost.json", out)
 
 
 if __name__ == "__main__":

@@ -12,17 +12,13 @@ Writes `$OUT/host-state.json`: per model, batch and case the median host us of e
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import random
 import statistics
 import time
 
 import torch
+from probe_common import decode_workload, write
 
-import xgraph
 from xgraph.bench.anchors import native_anchor
-from xgraph.bench.report import workload
 
 
 def spin(us: float) -> None:
@@ -51,15 +47,12 @@ def timed(backend, fns: dict, before, iters: int) -> dict:
     return {n: round(statistics.median(v) * 1e6, 2) for n, v in ts.items()}
 
 
-def model_rows(backend, model: str, batches: list[int], a) -> dict:
-    w = workload(backend, model, max_seqs=max(batches), context=512)
-    rng = random.Random(0)
+def model_rows(model: str, batches: list[int], a) -> dict:
+    backend, w, steps = decode_workload(model, batches)
     out = {}
     ex = w.executor(w.model.forward, backend=backend, buckets=batches, on_capture_error="raise")
     for b in batches:
-        step = w.decode_step(rng, b, max_context=256).with_tensor_tables(
-            w.max_blocks, w.cache.dummy_block
-        )
+        step = steps[b]
         replay, send = native_anchor(backend, w, step)  # send holds the graph's inputs
         call = lambda s=step: ex(**s.kwargs())  # noqa: E731
         for _ in range(5):
@@ -81,17 +74,13 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--spin-us", type=float, default=500.0)
     a = p.parse_args()
-    backend = xgraph.get_backend(os.environ.get("XGRAPH_BACKEND", "cuda"))
     out: dict = {"spin_us": a.spin_us, "iters": a.iters, "models": {}}
     with torch.no_grad():
         for spec in a.models:
             model, sizes = spec.split(":")
             batches = [int(x) for x in sizes.split(",")]
-            out["models"][model] = model_rows(backend, model, batches, a)
-    path = os.path.join(os.environ.get("OUT", "out"), "host-state.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+            out["models"][model] = model_rows(model, batches, a)
+    write("host-state.json", out)
 
 
 if __name__ == "__main__":

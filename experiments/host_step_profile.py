@@ -12,31 +12,18 @@ replay of the same graph, the top functions by own time and the top runtime call
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
-import json
-import os
 import pstats
-import random
-import statistics
-import time
 
 import torch
+from probe_common import buckets_of, decode_workload, parser, write
 
-import xgraph
-from xgraph.bench.report import workload
+from xgraph.bench.timing import host_time
 
 
 def _host_us(backend, fn, iters: int) -> float:
-    ts = []
-    for _ in range(iters):
-        backend.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    backend.synchronize()
-    return statistics.median(ts) * 1e6
+    return host_time(backend, fn, iters) * 1e6
 
 
 def _cprofile(backend, fn, iters: int, top: int) -> str:
@@ -66,21 +53,10 @@ def _runtime_calls(backend, fn, iters: int, top: int) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="qwen3-0.6b")
-    p.add_argument("--buckets", default="1,8,64")
-    p.add_argument("--iters", type=int, default=200)
+    p = parser()
     a = p.parse_args()
-    backend = xgraph.get_backend(os.environ.get("XGRAPH_BACKEND", "cuda"))
-    buckets = [int(b) for b in a.buckets.split(",")]
-    w = workload(backend, a.model, max_seqs=max(buckets), context=512)
-    rng = random.Random(0)
-    steps = {
-        b: w.decode_step(rng, b, max_context=256).with_tensor_tables(
-            w.max_blocks, w.cache.dummy_block
-        )
-        for b in buckets
-    }
+    buckets = buckets_of(a)
+    backend, w, steps = decode_workload(a.model, buckets)
     ex = w.executor(w.model.forward, backend=backend, buckets=buckets, on_capture_error="raise")
     out: dict = {"model": a.model, "device": str(backend.device), "buckets": {}}
     if backend.device.type == "cuda":
@@ -101,9 +77,7 @@ def main() -> None:
             for r in rec["runtime_calls"]:
                 print(f"  {r['self_us']:8.1f} us  x{r['count'] / 50:.0f}  {r['name'][:90]}")
     ex.close()
-    os.makedirs(os.environ.get("OUT", "out"), exist_ok=True)
-    with open(os.path.join(os.environ.get("OUT", "out"), "host-step-profile.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    write("host-step-profile.json", out)
 
 
 if __name__ == "__main__":

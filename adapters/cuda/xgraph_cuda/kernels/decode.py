@@ -162,6 +162,30 @@ def _merge_here(Part, Lse, Out, b, heads, hq, qmask, d, gmask, s_ob, s_oh, s_od,
 
 
 @triton.jit
+def _finish(acc, m, den, Out, Part, Lse, Count, b, h, split, heads, qmask, d, gmask,
+            s_ob, s_oh, s_od, GROUP: tl.constexpr, SPLITS: tl.constexpr,
+            HEAD_DIM: tl.constexpr, FIXUP: tl.constexpr):
+    """The program's result: `out` with one split; else its normalized partial and
+    log-sum-exp, and with FIXUP the merge by the last split to finish."""
+    # an empty share (or seq_len 0) has den == 0: it writes zeros and a -inf log-sum-exp
+    safe = tl.where(den > 0, den, 1.0)
+    o = acc / safe[:, None]
+    if SPLITS == 1:
+        o_ptr = Out + b * s_ob + heads[:, None] * s_oh + d[None, :] * s_od
+        tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=qmask)
+    else:
+        hq = tl.num_programs(1) * GROUP
+        row = (b * hq + heads) * SPLITS + split  # Part [b, hq, S, D]
+        tl.store(Part + row[:, None] * HEAD_DIM + d[None, :], o, mask=qmask)
+        lse = tl.where(den > 0, m + tl.log2(safe), float("-inf"))
+        tl.store(Lse + row, lse, mask=gmask)
+        if FIXUP:
+            if arrive(Count, b * tl.num_programs(1) + h, SPLITS):
+                _merge_here(Part, Lse, Out, b, heads, hq, qmask, d, gmask,
+                            s_ob, s_oh, s_od, SPLITS, HEAD_DIM)
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_log2,
                    s_qb, s_qh, s_qd, s_ob, s_oh, s_od,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb,
@@ -215,22 +239,8 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
         k0, v0, valid0, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd,
         PAGE, BLOCK_G, BLOCK_N, BLOCK_D, HEAD_DIM, UPCAST, PRECISION, PRELOAD,
     )
-    # an empty share (or seq_len 0) has den == 0: it writes zeros and a -inf log-sum-exp
-    safe = tl.where(den > 0, den, 1.0)
-    o = acc / safe[:, None]
-    if SPLITS == 1:
-        o_ptr = Out + b * s_ob + heads[:, None] * s_oh + d[None, :] * s_od
-        tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=qmask)
-    else:
-        hq = tl.num_programs(1) * GROUP
-        row = (b * hq + heads) * SPLITS + split  # Part [b, hq, S, D]
-        tl.store(Part + row[:, None] * HEAD_DIM + d[None, :], o, mask=qmask)
-        lse = tl.where(den > 0, m + tl.log2(safe), float("-inf"))
-        tl.store(Lse + row, lse, mask=g < GROUP)
-        if FIXUP:
-            if arrive(Count, b * tl.num_programs(1) + h, SPLITS):
-                _merge_here(Part, Lse, Out, b, heads, hq, qmask, d, g < GROUP,
-                            s_ob, s_oh, s_od, SPLITS, HEAD_DIM)
+    _finish(acc, m, den, Out, Part, Lse, Count, b, h, split, heads, qmask, d, g < GROUP,
+            s_ob, s_oh, s_od, GROUP, SPLITS, HEAD_DIM, FIXUP)
 
 
 @triton.jit
@@ -264,6 +274,36 @@ def _partials(out: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tenso
     b, hq, dim = out.shape
     part = torch.empty((b, hq, splits, dim), dtype=torch.float32, device=out.device)
     return part, torch.empty((b, hq, splits), dtype=torch.float32, device=out.device)
+
+
+def _leading_args(
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    out: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor],
+    seq_lens: torch.Tensor,
+    tables: torch.Tensor,
+    scale: float,
+) -> tuple:
+    """The kernel's arguments up to its store's: the tensors, the table width, the scale in
+    base 2, then q's, out's, the caches' and the table's strides."""
+    k_cache, v_cache = kv_cache
+    return (
+        q,
+        k_cache,
+        v_cache,
+        out,
+        *partials,
+        seq_lens,
+        tables,
+        tables.shape[1],
+        scale * LOG2E,
+        *q.stride(),
+        *out.stride(),
+        *k_cache.stride()[:4],
+        *v_cache.stride()[:4],
+        tables.stride(0),
+    )
 
 
 def _store_args(
@@ -301,30 +341,15 @@ def paged_decode(
     head); `store` = (k, v, slots): k[t], v[t] written at slots[t] first (query_len 1);
     `counts` (the arena): the splits merge themselves, no second kernel. `preload`: each
     program reads its first key tile before its PDL wait (None: as `preloads` decides)."""
-    k_cache, v_cache = kv_cache
+    k_cache = kv_cache[0]
     (b, hq, dim), hkv = q.shape, k_cache.shape[2]
     pdl = pdl or pdl_options()
     if preload is None:
         preload = preloads(bool(pdl["PDL"]), store is not None, b * hkv, sm_count(q.device))
-    preload = preload and store is not None
     group, block_d = hq // hkv, triton.next_power_of_2(dim)
     part, lse = _partials(out, splits)
     _decode_kernel[(b, hkv, splits)](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        part,
-        lse,
-        seq_lens,
-        block_tables,
-        block_tables.shape[1],
-        scale * LOG2E,
-        *q.stride(),
-        *out.stride(),
-        *k_cache.stride()[:4],
-        *v_cache.stride()[:4],
-        block_tables.stride(0),
+        *_leading_args(q, kv_cache, out, (part, lse), seq_lens, block_tables, scale),
         *_store_args(store, k_cache, q, seq_lens),
         counts if counts is not None else seq_lens,
         GROUP=group,
@@ -341,7 +366,7 @@ def paged_decode(
         QLEN=query_len,
         STORE=store is not None,
         FIXUP=counts is not None,
-        PRELOAD=preload,
+        PRELOAD=preload and store is not None,
         **pdl,
     )
     if splits > 1 and counts is None:

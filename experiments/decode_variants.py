@@ -7,7 +7,8 @@ variant against its baseline.
 
 A variant is a set of switches: `pdl` (the backend's PDL capture option), `prefetch` (the
 projections ask L2 for their weights before they wait: XGRAPH_CUDA_PREFETCH), `early` (they
-release their successor before they wait: XGRAPH_CUDA_PDL_TRIGGER), `preload` (they load
+release their successor before they wait: XGRAPH_CUDA_PDL_TRIGGER; `end`: after their
+product), `preload` (they load
 their first weight tile before they wait: XGRAPH_CUDA_PRELOAD), `keys` (the decode attention
 loads its first key tile before it waits: XGRAPH_CUDA_DECODE_PRELOAD), `pipelined` (the float32
 stream's launches at their configuration's stage count instead of `stages_for`'s one),
@@ -46,6 +47,7 @@ import pdl_race
 ENV = {
     "prefetch": ("XGRAPH_CUDA_PREFETCH", "on", "off"),
     "early": ("XGRAPH_CUDA_PDL_TRIGGER", "early", "late"),
+    "end": ("XGRAPH_CUDA_PDL_TRIGGER", "end", "late"),
     "preload": ("XGRAPH_CUDA_PRELOAD", "on", "off"),
     "keys": ("XGRAPH_CUDA_DECODE_PRELOAD", "on", "off"),
 }
@@ -92,8 +94,11 @@ def qkv_split(parts: set[str]):
 def switches(variant: str):
     parts = set(variant.split("+"))
     old = {v[0]: os.environ.get(v[0]) for v in ENV.values()}
-    for name, (var, on, off) in ENV.items():
-        os.environ[var] = on if name in parts else off
+    for var, _, off in ENV.values():  # a variable two switches share: off unless one is on
+        os.environ[var] = off
+    for name, (var, on, _) in ENV.items():
+        if name in parts:
+            os.environ[var] = on
     try:
         with pipelined("pipelined" in parts), qkv_split(parts):
             yield "pdl" in parts

@@ -36,11 +36,15 @@ def test_no_ask_off_the_gpu_or_when_switched_off(monkeypatch):
     assert prefetch.mode() == "off"
 
 
-def test_early_release_is_an_explicit_choice(monkeypatch):
+def test_early_or_end_release_is_an_explicit_choice(monkeypatch):
     monkeypatch.delenv("XGRAPH_CUDA_PDL_TRIGGER", raising=False)
-    assert prefetch.early() is False
+    assert prefetch.trigger() == 0
     monkeypatch.setenv("XGRAPH_CUDA_PDL_TRIGGER", "early")
-    assert prefetch.early() is True
+    assert prefetch.trigger() == 1
+    monkeypatch.setenv("XGRAPH_CUDA_PDL_TRIGGER", "end")
+    assert prefetch.trigger() == 2
+    monkeypatch.setenv("XGRAPH_CUDA_PDL_TRIGGER", "bogus")
+    assert prefetch.trigger() == 0
 
 
 # what the projection kernels share: 16 padded rows, 128-column K steps, PDL on
@@ -51,7 +55,7 @@ _BF16 = "*bf16"
 
 def _variant(pre: bool, early: bool, preload: bool = False) -> tuple[dict, dict]:
     const = _COMMON | {"BLOCK_N": 64, "SPLIT": 2, "GATED": False, "RESIDUAL": True}
-    const.update(PREFETCH=pre, EARLY=early, PRELOAD=preload)
+    const.update(PREFETCH=pre, TRIGGER=int(early), PRELOAD=preload)
     types = {n: _BF16 for n in ("X", "W", "Y", "R", "G")}
     types.update(Part="*fp32", Count="*i32", eps="fp32")
     return const, types
@@ -82,6 +86,17 @@ def test_weights_are_asked_for_before_the_wait(ptx_order):
     assert 0 <= ask["ask"] < ask["wait"] < ask["release"]
 
 
+def test_end_release_comes_after_the_product():
+    """TRIGGER 2: the release after the wait and after the K loop's last multiply."""
+    const, types = _variant(False, False)
+    end = {"end": (const | {"TRIGGER": 2}, types)}
+    p = ptx_of("xgraph_cuda.kernels.gemv", "_gemv_kernel", end)["end"]
+    wait, release = p.find("griddepcontrol.wait"), p.find("griddepcontrol.launch_dependents")
+    assert 0 <= wait < release and p.count("griddepcontrol.launch_dependents") == 1
+    last_multiply = max(p.rfind("mma.sync"), p.rfind("wgmma.mma_async"))
+    assert 0 <= last_multiply < release
+
+
 def test_early_release_comes_before_the_wait(ptx_order):
     early = ptx_order["early"]
     assert 0 <= early["ask"] < early["release"] < early["wait"]
@@ -99,7 +114,7 @@ def test_preload_loads_the_first_weight_tile_before_the_wait(ptx_order):
 
 def _qkv_variant(preload: bool) -> tuple[dict, dict]:
     const = _COMMON | {"HQ": 16, "HKV": 8, "HALF": 64, "SPLIT": 4}
-    const.update(PREFETCH=False, EARLY=False, PRELOAD=preload)
+    const.update(PREFETCH=False, TRIGGER=0, PRELOAD=preload)
     types = {n: _BF16 for n in ("X", "W", "Y", "G", "QW", "KW")}
     types.update(CS="*fp32", Part="*fp32", Count="*i32", eps="fp32", head_eps="fp32")
     return const, types

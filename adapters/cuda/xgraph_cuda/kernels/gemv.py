@@ -69,7 +69,7 @@ def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, 
                  SPLIT: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                  RESIDUAL: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr, LINE: tl.constexpr, EARLY: tl.constexpr,
+                 PREFETCH: tl.constexpr, LINE: tl.constexpr, TRIGGER: tl.constexpr,
                  PRELOAD: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -80,10 +80,11 @@ def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, 
     w_first = prefetch.first_tile(W, rows, k, n_ok, K, s_wn, EVEN, PRELOAD)
     # nothing the previous kernel writes is read, nor anything written, before this
     prefetch.enter(W, rows, n_ok, split * k_per, k_pre, K, s_wn, BLOCK_K, LINE, PREFETCH, PDL,
-                   EARLY)
+                   TRIGGER)
     acc, ss = product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
                       BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST, PRECISION,
                       PRELOAD)
+    prefetch.leave(PDL, TRIGGER)
     if SPLIT == 1:
         _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm, NORM, RESIDUAL)
     else:

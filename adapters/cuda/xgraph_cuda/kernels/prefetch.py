@@ -77,21 +77,30 @@ def enter(
     LINE: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
-    EARLY: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
     """A projection program's first instructions: its weight prefix asked of L2 (nothing the
     previous kernel writes), then, under PDL, the wait for the previous kernel and the
-    release of the next one (before the wait with EARLY: the next kernel's programs may
-    then start their own prefetch while this one waits)."""
+    release of the next one: after the wait (TRIGGER 0), before it (1: the next kernel's
+    programs may then start their own prefetch while this one waits), or not here (2: at
+    the end of the program's product, `leave`)."""
     if PREFETCH:
         weight_slice(W, rows, n_ok, k0, k_pre, K, s_wn, BLOCK_K, LINE)
     if PDL:
-        if EARLY:
+        if TRIGGER == 1:
             tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        else:
-            tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_wait()
+        if TRIGGER == 0:
             tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def leave(PDL: tl.constexpr, TRIGGER: tl.constexpr):
+    """With TRIGGER 2, the release of the next kernel once this program's weights are read:
+    its programs then take the SMs as this kernel's last ones drain, not while its middle
+    waves still need them."""
+    if PDL and TRIGGER == 2:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def mode() -> str:
@@ -125,9 +134,13 @@ def columns(w: torch.Tensor, per: int, block_k: int) -> int:
     return share(w.numel() * w.element_size(), per, block_k, l2_bytes(w.device) // 3)
 
 
-def early() -> bool:
-    """XGRAPH_CUDA_PDL_TRIGGER=early: a projection releases its successor before it waits."""
-    return os.environ.get("XGRAPH_CUDA_PDL_TRIGGER", "late").strip().lower() == "early"
+TRIGGERS = {"late": 0, "early": 1, "end": 2}
+
+
+def trigger() -> int:
+    """XGRAPH_CUDA_PDL_TRIGGER: where a projection releases its successor under PDL, `late`
+    (the default: after its wait), `early` (before it) or `end` (after its product)."""
+    return TRIGGERS.get(os.environ.get("XGRAPH_CUDA_PDL_TRIGGER", "late").strip().lower(), 0)
 
 
 def preload() -> bool:
@@ -137,11 +150,11 @@ def preload() -> bool:
 
 
 def options(w: torch.Tensor, per: int, block_k: int, waits: bool) -> tuple[int, dict]:
-    """(columns each program asks L2 for, the launch's PREFETCH, LINE, EARLY and PRELOAD
+    """(columns each program asks L2 for, the launch's PREFETCH, LINE, TRIGGER and PRELOAD
     constexprs). `waits`: the kernel waits for its predecessor (PDL compiled in); only then
     is the first tile loaded ahead (without a wait it would only reorder the loop, which
     was not measured)."""
     cols = columns(w, per, block_k)
     line = min(block_k, max(1, LINE_BYTES // w.element_size()))
     first = preload() and waits
-    return cols, {"PREFETCH": cols > 0, "LINE": line, "EARLY": early(), "PRELOAD": first}
+    return cols, {"PREFETCH": cols > 0, "LINE": line, "TRIGGER": trigger(), "PRELOAD": first}

@@ -93,7 +93,7 @@ def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, k_pre, s_xm, s
                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                 NORM: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                PREFETCH: tl.constexpr, LINE: tl.constexpr, EARLY: tl.constexpr,
+                PREFETCH: tl.constexpr, LINE: tl.constexpr, TRIGGER: tl.constexpr,
                 PRELOAD: tl.constexpr):
     head = tl.program_id(0)
     split = tl.program_id(1)
@@ -107,9 +107,10 @@ def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, k_pre, s_xm, s
     # nothing the previous kernel writes is read, nor anything written, before this
     prefetch.enter(W, head.to(tl.int64) * (2 * HALF) + tl.arange(0, 2 * HALF),
                    tl.full([2 * HALF], True, tl.int1), split * k_per, k_pre, K, s_wn, BLOCK_K,
-                   LINE, PREFETCH, PDL, EARLY)
+                   LINE, PREFETCH, PDL, TRIGGER)
     lo, hi, ss = _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, w_lo, w_hi, BLOCK_M,
                          HALF, BLOCK_K, NORM, MMA, EVEN, UPCAST, PRECISION, PRELOAD)
+    prefetch.leave(PDL, TRIGGER)
     if SPLIT == 1:
         _head_epilogue(Y, QW, KW, CS, head, rm, m_ok, lo, hi, ss, K, eps, head_eps, s_ym, s_cs,
                        HQ, HKV, HALF, NORM)

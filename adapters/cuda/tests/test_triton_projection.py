@@ -148,6 +148,7 @@ def test_default_configurations_cover_the_grid() -> None:
     # shape; Qwen3-0.6B's 32 tiles x 4 = 128 of 132 (two K tiles a program at most 4)
     assert pick(1, 6144, 4096, 132, head_dim=128).split == 11
     assert pick(8, 4096, 1024, 132, head_dim=128).split == 4
+    assert pick(64, 6144, 4096, 132, head_dim=128).split == 4  # past 16 rows: a power of two
     for k, split in [(4096, 11), (1000, 3), (256, 2), (200, 5)]:
         c = MMA._replace(split=split)
         assert gemv.k_share(k, c)[1] == tuning.splits_needed(k, split, c.block_k)

@@ -90,12 +90,15 @@ def wave_split(tiles: int, k: int, block_k: int, sms: int) -> int:
 
 def pick(m: int, n: int, k: int, sms: int, head_dim: int | None = None) -> Config:
     """The default configuration of an [m, k] x [n, k]^T product (`head_dim`: the qkv
-    kernel, whose programs own whole heads, split to fill whole waves: `wave_split`)."""
+    kernel, whose programs own whole heads, split to fill whole waves up to 16 rows:
+    `wave_split`)."""
     block_n = head_dim or 64
     tiles = -(-n // block_n)
     block_k = 128 if head_dim is None or head_dim <= 128 else 64
-    chooser = split_for if head_dim is None else wave_split
-    split = chooser(tiles, k, block_k, sms)
+    # whole waves where measured (up to 16 rows); wider qkv tiles keep the power of two,
+    # their partials (the split's count of [head_dim + 1, rows] each) not measured
+    waves = head_dim is not None and m <= 16
+    split = (wave_split if waves else split_for)(tiles, k, block_k, sms)
     return Config(True, block_m_for(m, True), block_n, block_k, split, 4, 3)
 
 

@@ -220,10 +220,10 @@ def _generate_parts(
             t = transformers_decode(
                 reference, b, args.prompt_len, args.new_tokens, args.iters, compile_hf
             )
-            rate = t["decode_tokens_per_second"]
-            for name in [n for n in row if n.startswith("xgraph")]:
-                x = row[name]["decode_tokens_per_second"]
-                row["speedup" + name[len("xgraph") :]] = x / rate if rate else None
+            rate = t["decode_tokens_per_second"] or None
+            row["speedup"] = rate and row["xgraph"]["decode_tokens_per_second"] / rate
+            if "xgraph_k" in row:
+                row["speedup_k"] = rate and row["xgraph_k"]["decode_tokens_per_second"] / rate
             data["decode"].append({"batch": b, **row, "transformers": t})
             save()
     if "ttft" in parts:

@@ -215,7 +215,8 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
     table_row = Tables + seq * s_tb
     # PRELOAD (with STORE only: this kernel writes the step's keys, so the cache and the
     # metadata it reads first were written before its predecessor ran): the first key tile
-    # is in flight while the previous kernel finishes
+    # is in flight while the previous kernel finishes (without it nothing reads the tile
+    # and the compiler drops its loads)
     k0, v0, valid0, slots0 = _tile(K + h * s_kh, V + h * s_vh, table_row, table_width, lo, hi,
                                    s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE, BLOCK_N, BLOCK_D,
                                    HEAD_DIM)
@@ -228,8 +229,9 @@ def _decode_kernel(Q, K, V, Out, Part, Lse, SeqLens, Tables, table_width, scale_
             Knew, Vnew, K + h * s_kh, V + h * s_vh, Slots, b, h, num_slots, split == owner, d,
             d < HEAD_DIM, s_nb, s_nh, s_mb, s_mh, s_kb, s_ks, s_kd, s_vb, s_vs, s_vd, PAGE)
         if PRELOAD:
-            k0 = _patched(k0, k_own, tl.where(valid0, slots0, -1), slot, stored)
-            v0 = _patched(v0, v_own, tl.where(valid0, slots0, -1), slot, stored)
+            tile_slots = tl.where(valid0, slots0, -1)
+            k0 = _patched(k0, k_own, tile_slots, slot, stored)
+            v0 = _patched(v0, v_own, tile_slots, slot, stored)
     q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + d[None, :] * s_qd, mask=qmask, other=0.0)
     q = q.to(K.dtype.element_ty)
     if UPCAST:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dot_precision, dot_upcast, pdl_options, prefetch
+from . import dot_precision, dot_upcast, pdl_options, prefetch, tuning
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
 from .operand import accumulate, input_tile, weight_tile
 from .tuning import Config, stages_for
@@ -101,8 +101,7 @@ def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, 
 
 def k_share(k: int, c: Config) -> tuple[int, int]:
     """(K per split, a multiple of BLOCK_K; the number of splits that K needs)."""
-    per = triton.cdiv(triton.cdiv(k, c.split), c.block_k) * c.block_k
-    return per, triton.cdiv(k, per)
+    return tuning.k_share(k, c.split, c.block_k)
 
 
 def workspace(tiles: int, split: int, rows: int, c: Config, like: torch.Tensor) -> torch.Tensor:

@@ -62,12 +62,17 @@ def split_for(tiles: int, k: int, block_k: int, sms: int) -> int:
     return split
 
 
-def splits_needed(k: int, split: int, block_k: int) -> int:
-    """The programs a split of `split` asks for really launches: K is shared in whole
-    BLOCK_K tiles, so some splits need fewer (`gemv.k_share`)."""
+def k_share(k: int, split: int, block_k: int) -> tuple[int, int]:
+    """(K per program, a multiple of block_k; the programs K then needs along it: some
+    splits need fewer, K being shared in whole tiles)."""
     share = -(-k // split)
     per = -(-share // block_k) * block_k
-    return -(-k // per)
+    return per, -(-k // per)
+
+
+def splits_needed(k: int, split: int, block_k: int) -> int:
+    """The programs a split of `split` really launches along K (`k_share`)."""
+    return k_share(k, split, block_k)[1]
 
 
 def wave_split(tiles: int, k: int, block_k: int, sms: int) -> int:

@@ -12,7 +12,9 @@ product), `preload` (they load
 their first weight tile before they wait: XGRAPH_CUDA_PRELOAD), `keys` (the decode attention
 loads its first key tile before it waits: XGRAPH_CUDA_DECODE_PRELOAD), `pipelined` (the float32
 stream's launches at their configuration's stage count instead of `stages_for`'s one),
-`qkvsplitN` (the qkv projection split N ways along K).
+`qkvsplitN` (the qkv projection split N ways along K), `gemvsplitxN` (the other projections'
+split N times the default), `pdlmaxN` (projections past N MiB of weights launch without PDL:
+XGRAPH_CUDA_PDL_MAX_MIB).
 Each is captured into its own graph (the switches are read at launch); per bucket and
 variant: device us per replay (pdl_race.py's events over 50 replays, median of 5 rounds),
 kernels of one replay by name (torch.profiler) for the first and last variant, and for PDL
@@ -90,6 +92,47 @@ def qkv_split(parts: set[str]):
 
 
 @contextmanager
+def gemv_split(parts: set[str]):
+    """`gemvsplitxN`: the gemv kernel's K split N times `tuning.pick`'s (up to 16, each
+    program keeping two K tiles): more programs, so more weight bytes in flight per SM."""
+    from xgraph_cuda import projection
+    from xgraph_cuda.kernels.tuning import MAX_SPLIT
+
+    asked = [int(p[len("gemvsplitx") :]) for p in parts if p.startswith("gemvsplitx")]
+    kept = projection.pick
+
+    def pick(m, n, k, sms, head_dim=None):
+        c = kept(m, n, k, sms, head_dim)
+        split = c.split
+        while split < c.split * asked[0] and split < MAX_SPLIT and k >= 4 * c.block_k * split:
+            split *= 2
+        return c._replace(split=split) if head_dim is None else c
+
+    if asked:
+        projection.pick = pick
+    try:
+        yield
+    finally:
+        projection.pick = kept
+
+
+@contextmanager
+def pdl_max(parts: set[str]):
+    """`pdlmaxN`: XGRAPH_CUDA_PDL_MAX_MIB=N (projections past N MiB of weights launch without
+    the PDL attribute)."""
+    asked = [p[len("pdlmax") :] for p in parts if p.startswith("pdlmax")]
+    old = os.environ.get("XGRAPH_CUDA_PDL_MAX_MIB")
+    os.environ["XGRAPH_CUDA_PDL_MAX_MIB"] = asked[0] if asked else "none"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("XGRAPH_CUDA_PDL_MAX_MIB", None)
+        else:
+            os.environ["XGRAPH_CUDA_PDL_MAX_MIB"] = old
+
+
+@contextmanager
 def switches(variant: str):
     parts = set(variant.split("+"))
     old = {v[0]: os.environ.get(v[0]) for v in ENV.values()}
@@ -99,7 +142,7 @@ def switches(variant: str):
         if name in parts:
             os.environ[var] = on
     try:
-        with pipelined("pipelined" in parts), qkv_split(parts):
+        with pipelined("pipelined" in parts), qkv_split(parts), gemv_split(parts), pdl_max(parts):
             yield "pdl" in parts
     finally:
         for var, val in old.items():

@@ -27,6 +27,23 @@ def test_launch_options_follow_the_mode_and_stay_off_the_interpreter() -> None:
         assert pdl.launch_options(True) == {"PDL": True}  # the wait compiled in, no attribute
 
 
+def test_a_projection_past_the_size_limit_keeps_the_binary_but_not_the_attribute(
+    monkeypatch,
+) -> None:  # type: ignore[no-untyped-def]
+    mib = 1 << 20
+    monkeypatch.setenv("XGRAPH_CUDA_PDL_MAX_MIB", "16")
+    with pdl.enabled_for(True):
+        assert pdl.launch_options(True, 16 * mib) == {"PDL": True, "launch_pdl": True}
+        assert pdl.launch_options(True, 16 * mib + 1) == {"PDL": True}  # a full edge in
+    assert pdl.launch_options(True, 64 * mib) == {"PDL": False}  # outside PDL: unchanged
+    monkeypatch.setenv("XGRAPH_CUDA_PDL_MAX_MIB", "none")
+    with pdl.enabled_for(True):
+        assert pdl.launch_options(True, 1 << 40) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("XGRAPH_CUDA_PDL_MAX_MIB", "lots")
+    with pdl.enabled_for(True), pytest.raises(pdl.XGraphError, match="number of MiB"):
+        pdl.launch_options(True, mib)
+
+
 def test_pdl_is_on_only_in_a_full_graph_capture_where_the_gpu_has_it() -> None:
     on = pdl.CUDAProgrammaticLaunch(torch.device("cpu"), available=True)
     off = pdl.CUDAProgrammaticLaunch(torch.device("cpu"), available=False)

@@ -17,6 +17,7 @@ edges (`edges`), which `GraphExecutor(pdl=True)` asks of each full graph it capt
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -55,10 +56,30 @@ def enabled_for(on: bool, waits_only: bool = False) -> Iterator[None]:
         _local.on, _local.waits = before
 
 
-def launch_options(is_cuda: bool) -> dict:
+def max_bytes() -> int | None:
+    """XGRAPH_CUDA_PDL_MAX_MIB: under PDL, a projection whose weights exceed this many MiB
+    launches without the attribute (a full edge from its predecessor, the same binary); unset
+    or `none`: every launch takes it."""
+    raw = os.environ.get("XGRAPH_CUDA_PDL_MAX_MIB", "none").strip().lower()
+    if raw in ("", "none"):
+        return None
+    try:
+        return int(float(raw) * (1 << 20))
+    except ValueError as exc:
+        raise XGraphError(
+            f"XGRAPH_CUDA_PDL_MAX_MIB={raw!r} is not a number of MiB; give one (16) or none."
+        ) from exc
+
+
+def launch_options(is_cuda: bool, weight_bytes: int = 0) -> dict:
     """The PDL constexpr and launch option of a kernel launched now (none off the GPU: the
-    interpreter has no grid dependency control)."""
-    return pdl_options(enabled() and is_cuda, waits() and is_cuda)
+    interpreter has no grid dependency control). `weight_bytes`: what the kernel streams;
+    past `max_bytes` it keeps PDL's binary but not the attribute."""
+    on = enabled() and is_cuda
+    limit = max_bytes() if on else None
+    if limit is not None and weight_bytes > limit:
+        return pdl_options(False, True)
+    return pdl_options(on, waits() and is_cuda)
 
 
 def supported(device: torch.device) -> bool:

@@ -92,7 +92,7 @@ def run(x: torch.Tensor, w: torch.Tensor, f: Fusion, c: Config) -> torch.Tensor:
     from .kernels import gemv, qkv  # Triton: imported where it is known to be there
 
     counts = arena.counts(x.device)
-    on = pdl.launch_options(x.is_cuda)
+    on = pdl.launch_options(x.is_cuda, w.numel() * w.element_size())
     h = f.heads
     if h is not None:
         spec = (h.q_weight, h.k_weight, h.eps, h.cos_sin, h.heads, h.kv_heads)

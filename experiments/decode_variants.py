@@ -13,8 +13,8 @@ their first weight tile before they wait: XGRAPH_CUDA_PRELOAD), `keys` (the deco
 loads its first key tile before it waits: XGRAPH_CUDA_DECODE_PRELOAD), `pipelined` (the float32
 stream's launches at their configuration's stage count instead of `stages_for`'s one),
 `qkvsplitN` (the qkv projection split N ways along K), `gemvsplitxN` (the other projections'
-split N times the default), `pdlmaxN` (projections past N MiB of weights launch without PDL:
-XGRAPH_CUDA_PDL_MAX_MIB).
+split N times the default), `warpsN` / `qkvwarpsN` (the projections' warps), `pdlmaxN`
+(projections past N MiB of weights launch without PDL: XGRAPH_CUDA_PDL_MAX_MIB).
 Each is captured into its own graph (the switches are read at launch); per bucket and
 variant: device us per replay (pdl_race.py's events over 50 replays, median of 5 rounds),
 kernels of one replay by name (torch.profiler) for the first and last variant, and for PDL
@@ -70,46 +70,41 @@ def pipelined(on: bool):
         gemv.stages_for, qkv.stages_for = kept
 
 
-@contextmanager
-def qkv_split(parts: set[str]):
-    """`qkvsplitN`: the qkv projection's K split set to N programs per head tile instead of
-    `tuning.pick`'s (a split need not be a power of two: the kernel masks an uneven K)."""
-    from xgraph_cuda import projection
-
-    asked = [int(p[len("qkvsplit") :]) for p in parts if p.startswith("qkvsplit")]
-    kept = projection.pick
-
-    def pick(m, n, k, sms, head_dim=None):
-        c = kept(m, n, k, sms, head_dim)
-        return c._replace(split=asked[0]) if head_dim is not None else c
-
-    if asked:
-        projection.pick = pick
-    try:
-        yield
-    finally:
-        projection.pick = kept
+def _asked(parts: set[str], prefix: str) -> int | None:
+    """N of the switch `prefixN` among the variant's parts, or None."""
+    got = [
+        int(p[len(prefix) :]) for p in parts if p.startswith(prefix) and p[len(prefix) :].isdigit()
+    ]
+    return got[0] if got else None
 
 
 @contextmanager
-def gemv_split(parts: set[str]):
-    """`gemvsplitxN`: the gemv kernel's K split N times `tuning.pick`'s (up to 16, each
-    program keeping two K tiles): more programs, so more weight bytes in flight per SM."""
+def configs(parts: set[str]):
+    """The projections' launch configurations changed by hand (`tuning.pick`'s otherwise):
+    `qkvsplitN`, the qkv projection's K split set to N (a split need not be a power of two:
+    the kernel masks an uneven K); `gemvsplitxN`, the other projections' split N times the
+    default (up to 16, each program keeping two K tiles): more programs, more weight bytes in
+    flight per SM; `warpsN` / `qkvwarpsN`, every projection's (the qkv kernel's) warps."""
     from xgraph_cuda import projection
     from xgraph_cuda.kernels.tuning import MAX_SPLIT
 
-    asked = [int(p[len("gemvsplitx") :]) for p in parts if p.startswith("gemvsplitx")]
+    qkv, times = _asked(parts, "qkvsplit"), _asked(parts, "gemvsplitx")
+    warps, qkv_warps = _asked(parts, "warps"), _asked(parts, "qkvwarps")
     kept = projection.pick
 
     def pick(m, n, k, sms, head_dim=None):
         c = kept(m, n, k, sms, head_dim)
+        c = c._replace(warps=warps or c.warps)
+        if head_dim is not None:
+            return c._replace(split=qkv or c.split, warps=qkv_warps or c.warps)
         split = c.split
-        while split < c.split * asked[0] and split < MAX_SPLIT and k >= 4 * c.block_k * split:
+        while (
+            times and split < c.split * times and split < MAX_SPLIT and k >= 4 * c.block_k * split
+        ):
             split *= 2
-        return c._replace(split=split) if head_dim is None else c
+        return c._replace(split=split)
 
-    if asked:
-        projection.pick = pick
+    projection.pick = pick
     try:
         yield
     finally:
@@ -142,7 +137,7 @@ def switches(variant: str):
         if name in parts:
             os.environ[var] = on
     try:
-        with pipelined("pipelined" in parts), qkv_split(parts), gemv_split(parts), pdl_max(parts):
+        with pipelined("pipelined" in parts), configs(parts), pdl_max(parts):
             yield "pdl" in parts
     finally:
         for var, val in old.items():

@@ -31,6 +31,8 @@ def test_a_projection_past_the_size_limit_keeps_the_binary_but_not_the_attribute
     monkeypatch,
 ) -> None:  # type: ignore[no-untyped-def]
     mib = 1 << 20
+    monkeypatch.delenv("XGRAPH_CUDA_PDL_MAX_MIB", raising=False)
+    assert pdl.max_bytes() == 64 * mib  # measured: see docs/kernels.md
     monkeypatch.setenv("XGRAPH_CUDA_PDL_MAX_MIB", "16")
     with pdl.enabled_for(True):
         assert pdl.launch_options(True, 16 * mib) == {"PDL": True, "launch_pdl": True}

@@ -143,6 +143,8 @@ def test_default_configurations_cover_the_grid() -> None:
     c = pick(1, 1024, 2048, 132)
     assert c.mma and c.block_m == 16 and c.split == 8  # 16 column tiles x 8 splits
     assert pick(1, 24576, 4096, 132).split == 1  # 384 tiles fill the GPU alone
+    assert pick(1, 6144, 1024, 132).split == 4  # 96 tiles x 4: under three a multiprocessor
+    assert pick(1, 4096, 4096, 132).split == 4  # 64 tiles x 8 would be nearly four
     assert pick(1, 6144, 4096, 132, head_dim=128).block_n == 128
     # the qkv kernel's split fills whole waves: 48 head tiles x 11 = 4 x 132 at Qwen3-8B's
     # shape; Qwen3-0.6B's 32 tiles x 4 = 128 of 132 (two K tiles a program at most 4)

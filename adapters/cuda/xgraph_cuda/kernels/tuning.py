@@ -14,7 +14,7 @@ of `sms` multiprocessors:
   as, so such a launch asks one stage (`stages_for`) and compiles to the 16-bit kernel's
   structure;
 - split K across `split` programs (a power of two, at most 16, each walking at least two
-  K tiles) until the grid holds about two programs per multiprocessor: a 1024-column output
+  K tiles) while the grid holds at most three programs per multiprocessor: a 1024-column output
   has 16 column tiles, far too few alone; the split's partials are summed by the tile's
   last program (`fixup`), in a fixed order. The qkv kernel's split instead fills whole
   waves of programs (`wave_split`), any count up to 16;
@@ -53,11 +53,17 @@ def block_m_for(m: int, mma: bool) -> int:
     return max(16, _pow2(m)) if mma else _pow2(m)
 
 
-def split_for(tiles: int, k: int, block_k: int, sms: int) -> int:
-    """The power-of-two K split that brings the grid to about two programs per
-    multiprocessor, keeping at least two K tiles per program."""
+PER_SM = 3  # programs per multiprocessor the split aims at
+
+
+def split_for(tiles: int, k: int, block_k: int, sms: int, per_sm: int = PER_SM) -> int:
+    """The largest power-of-two K split whose grid holds at most `per_sm` programs per
+    multiprocessor, keeping at least two K tiles per program. Three rather than two was
+    measured in whole decode steps on an H100 (docs/kernels.md): Qwen3-0.6B's gate/up
+    projection goes from 192 to 384 programs, 1.8 / 3.8 / 1.3% off the step at batch 1 / 8 /
+    64, while doubling Qwen3-8B's splits too (past three a multiprocessor) cost 15%."""
     split = 1
-    while split < MAX_SPLIT and tiles * split * 2 <= 2 * sms and k >= 2 * block_k * split * 2:
+    while split < MAX_SPLIT and tiles * split * 2 <= per_sm * sms and k >= 2 * block_k * split * 2:
         split *= 2
     return split
 
@@ -102,8 +108,10 @@ def pick(m: int, n: int, k: int, sms: int, head_dim: int | None = None) -> Confi
     block_k = 128 if head_dim is None or head_dim <= 128 else 64
     # whole waves where measured (up to 16 rows); wider qkv tiles keep the power of two,
     # their partials (the split's count of [head_dim + 1, rows] each) not measured
-    waves = head_dim is not None and m <= 16
-    split = (wave_split if waves else split_for)(tiles, k, block_k, sms)
+    if head_dim is not None and m <= 16:
+        split = wave_split(tiles, k, block_k, sms)
+    else:  # the qkv kernel's wider tiles keep two a multiprocessor, as measured before
+        split = split_for(tiles, k, block_k, sms, PER_SM if head_dim is None else 2)
     return Config(True, block_m_for(m, True), block_n, block_k, split, 4, 3)
 
 

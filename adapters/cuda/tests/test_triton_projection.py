@@ -155,7 +155,6 @@ def test_default_configurations_cover_the_grid() -> None:
         c = MMA._replace(split=split)
         assert gemv.k_share(k, c)[1] == tuning.splits_needed(k, split, c.block_k)
     assert pick(64, 1024, 1024, 132).block_m == 64
-    assert pick(64, 1024, 1024, 132).warps == 8 and pick(32, 1024, 1024, 132).warps == 4
     for c in candidates(1, 1024, 2048, 132):
         assert c.split * c.block_k <= 2048
     assert any(not c.mma for c in candidates(1, 1024, 2048, 132))

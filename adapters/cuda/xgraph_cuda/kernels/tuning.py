@@ -112,15 +112,7 @@ def pick(m: int, n: int, k: int, sms: int, head_dim: int | None = None) -> Confi
         split = wave_split(tiles, k, block_k, sms)
     else:  # the qkv kernel's wider tiles keep two a multiprocessor, as measured before
         split = split_for(tiles, k, block_k, sms, PER_SM if head_dim is None else 2)
-    block_m = block_m_for(m, True)
-    return Config(True, block_m, block_n, block_k, split, warps_for(block_m), 3)
-
-
-def warps_for(block_m: int) -> int:
-    """Warps a program runs: eight for 64 input rows, four below. Measured in whole decode
-    steps on an H100 (docs/kernels.md): eight take 4.6% off Qwen3-0.6B's batch 64 and add
-    3-4% at batches 1 and 8 (and at Qwen3-8B's)."""
-    return 8 if block_m >= 64 else 4
+    return Config(True, block_m_for(m, True), block_n, block_k, split, 4, 3)
 
 
 def stages_for(c: Config, x: torch.dtype, w: torch.dtype) -> int:

@@ -38,6 +38,10 @@ def test_a_projection_past_the_size_limit_keeps_the_binary_but_not_the_attribute
         assert pdl.launch_options(True, 16 * mib) == {"PDL": True, "launch_pdl": True}
         assert pdl.launch_options(True, 16 * mib + 1) == {"PDL": True}  # a full edge in
     assert pdl.launch_options(True, 64 * mib) == {"PDL": False}  # outside PDL: unchanged
+    assert pdl.launch_options(True, attribute=False) == {"PDL": False}
+    with pdl.enabled_for(True):
+        assert pdl.launch_options(True, attribute=False) == {"PDL": True}
+        assert pdl.launch_options(False, attribute=False) == {"PDL": False}
     monkeypatch.setenv("XGRAPH_CUDA_PDL_MAX_MIB", "none")
     with pdl.enabled_for(True):
         assert pdl.launch_options(True, 1 << 40) == {"PDL": True, "launch_pdl": True}

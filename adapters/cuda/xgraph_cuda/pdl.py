@@ -77,13 +77,14 @@ def max_bytes() -> int | None:
         ) from exc
 
 
-def launch_options(is_cuda: bool, weight_bytes: int = 0) -> dict:
+def launch_options(is_cuda: bool, weight_bytes: int = 0, attribute: bool = True) -> dict:
     """The PDL constexpr and launch option of a kernel launched now (none off the GPU: the
     interpreter has no grid dependency control). `weight_bytes`: what the kernel streams;
-    past `max_bytes` it keeps PDL's binary but not the attribute."""
+    past `max_bytes`, or with `attribute` False, it keeps PDL's binary but not the
+    attribute."""
     on = enabled() and is_cuda
     limit = max_bytes() if on else None
-    if limit is not None and weight_bytes > limit:
+    if on and (not attribute or (limit is not None and weight_bytes > limit)):
         return pdl_options(False, True)
     return pdl_options(on, waits() and is_cuda)
 

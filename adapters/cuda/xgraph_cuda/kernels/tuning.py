@@ -60,8 +60,9 @@ def split_for(tiles: int, k: int, block_k: int, sms: int, per_sm: int = PER_SM) 
     """The largest power-of-two K split whose grid holds at most `per_sm` programs per
     multiprocessor, keeping at least two K tiles per program. Three rather than two was
     measured in whole decode steps on an H100 (docs/kernels.md): Qwen3-0.6B's gate/up
-    projection goes from 192 to 384 programs, 1.8 / 3.8 / 1.3% off the step at batch 1 / 8 /
-    64, while doubling Qwen3-8B's splits too (past three a multiprocessor) cost 15%."""
+    projection goes from 192 to 384 programs, 1.1-1.8 / 3.6-3.8 / 0.7-1.3% off the step at
+    batch 1 / 8 / 64 in two calls, while doubling Qwen3-8B's splits too (past three a
+    multiprocessor) cost 15%."""
     split = 1
     while split < MAX_SPLIT and tiles * split * 2 <= per_sm * sms and k >= 2 * block_k * split * 2:
         split *= 2

@@ -128,3 +128,24 @@ def test_every_vllm_decode_size_captures_over_two_compiles(backend):
         stats = gm.stats()
     assert stats["captures"] == len(sizes)
     assert stats["compile"]["compiles"] == 2 and stats["compile"]["sizes"] == sorted(sizes)
+
+
+def test_the_decode_kernels_fuse_the_layers_and_stay_close_to_float32(backend, monkeypatch):
+    monkeypatch.setenv("XGRAPH_CUDA_LINEAR", "triton")  # the fused kernels (docs/kernels.md)
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny(torch.bfloat16)
+    exact = copy.deepcopy(model).float()
+    ps = prompts()
+    with GraphModel(model, backend=backend, compile=True, on_capture_error="raise", **LIMITS) as gm:
+        assert gm.fused  # every layer over the fused projections (fusions.py)
+        result = gm.generate(ps, 8, record_logits=True, max_num_tokens=32)
+    assert dict(counters["graph_break"]) == {}
+    assert result.logits is not None and result.graph_steps["eager"] == 0
+    for p, tokens, got in zip(ps, result.tokens, result.logits):
+        ids = torch.tensor([p + tokens[:-1]], device="cuda")
+        with torch.no_grad():
+            truth = exact(input_ids=ids).logits[0].float().cpu()
+            theirs = model(input_ids=ids).logits[0].float().cpu()  # given back: its own
+        ours = (got - truth).abs().max().item()
+        assert ours <= 2 * (theirs - truth).abs().max().item() + 1e-3

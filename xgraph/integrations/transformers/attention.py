@@ -122,13 +122,17 @@ class Binding:
                 "metadata defines causal attention within each sequence",
                 self.spec.name,
             )
-        # [1, heads, tokens, dim] -> [tokens, heads, dim]; contiguous, since device runners
-        # of other backends may take raw pointers
-        q = q[0].transpose(0, 1).contiguous()
-        k = k[0].transpose(0, 1).contiguous()
-        v = v[0].transpose(0, 1).contiguous()
+        # [1, heads, tokens, dim] -> [tokens, heads, dim], rows of any stride (slices of a
+        # merged qkv, as the reference model hands xgraph.attention), dims contiguous
+        q, k, v = _rows(q), _rows(k), _rows(v)
         out = xgraph_attention(q, k, v, self.cache.layers[layer], scale=scaling)
         return out.unsqueeze(0)  # [1, tokens, heads, dim], as transformers' own functions
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[1, heads, tokens, dim] as [tokens, heads, dim] with a unit-stride last dim."""
+    x = x[0].transpose(0, 1)
+    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
 
 
 _local = threading.local()

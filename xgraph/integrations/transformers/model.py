@@ -48,6 +48,7 @@ from .attention import Binding, bound
 from .cache import PagedCache
 from .engine import LOOP_STOP_IDS, Engine, TokenEvent
 from .forward import ModelForward
+from .fusions import fuse_layers, unfuse_layers
 from .generate import GenerationResult, generate, stream
 from .head import Head, split_head
 from .limits import Limits
@@ -135,6 +136,7 @@ def _release_model(model: Any) -> None:
     """A refused model gets back its attention and its nn.Linear modules."""
     registration.release(model)
     if registration.holders(model) == 0:
+        unfuse_layers(model)
         restore_linears([m for m in model.modules() if type(m) is XLinear])
 
 
@@ -170,7 +172,9 @@ class GraphModel:
             loaded.
         linear: the projections through xgraph.linear (the backend's kernel where it
             serves; linears.py): None (default) where the backend has a kernel, True, False.
-            Where there is a kernel, q/k/v and gate/up projections share one merged call.
+            Where there is a kernel, q/k/v and gate/up projections share one merged call;
+            where there is a fused one, a Qwen3 model's layers run over the fused
+            projections (fusions.py; `fused` says whether they do).
         limits / block_size, max_model_len, max_seqs, num_blocks, max_num_tokens: see Limits.
     """
 
@@ -198,14 +202,18 @@ class GraphModel:
         self.device = self.backend.device
         self.model = model.to(self.device).eval()
         self.tokenizer: Any = None  # set by from_pretrained when the folder has one
+        self.fused = False  # whether its layers run over fused projections (fusions.py)
         lim = self.limits
         assert lim.num_blocks is not None and lim.max_model_len is not None
         registration.acquire(model)
         try:
             # the backend's kernels serve the core's ops from now on (the probe runs them)
-            kernel = self.backend.activate().linear is not None
+            kernels = self.backend.activate()
+            kernel = kernels.linear is not None
             if linear or (linear is None and kernel):
                 swap_linears(self.model, merge=kernel)
+                # a Qwen3 model's layers over the fused projections (fusions.py)
+                self.fused = kernels.fused_linear is not None and fuse_layers(self.model)
             self._forward = ModelForward(self.model, self.spec)
             self.calls = probe(self._forward.run, self.spec, model, lim.max_model_len, self.device)
             self._forward.head = _split_head(

@@ -1,0 +1,140 @@
+"""A transformers Qwen3 model's layers over xgraph's fused projections (fusions.py).
+
+The CPU backend has no fused kernel, so these tests give it one that computes each fusion's
+reference ops (`xgraph.fusion.reference`): the layers then take the fused form, and what is
+checked is that form's plumbing (merged weights, the rotary table, the attention call, the
+float32 stream, giving the model back), against transformers' own forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+
+from hf_tiny import LIMITS, tiny  # noqa: E402
+
+import xgraph  # noqa: E402
+from xgraph.fusion import reference  # noqa: E402
+from xgraph.integrations.transformers import GraphModel  # noqa: E402
+from xgraph.integrations.transformers.fusions import fuse_layers, table  # noqa: E402
+from xgraph.kernels import Kernels  # noqa: E402
+
+NEW = [4, 3]
+
+
+@pytest.fixture
+def fused_cpu(monkeypatch):  # type: ignore[no-untyped-def]
+    """The CPU backend with a linear kernel and a fused one (the fusions' reference ops)."""
+    backend = xgraph.get_backend("cpu")
+    kernels = Kernels(
+        linear=lambda x, w: F.linear(x, w),
+        fused_linear=lambda x, w, f: reference(x, w, f, F.linear),
+    )
+    monkeypatch.setattr(backend, "kernels", lambda: kernels)
+    yield backend
+    xgraph.linear.install("cpu", None, "cpu")  # what the CPU backend installs: nothing
+
+
+def _sdpa(model: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("sdpa")
+    return ref
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in (9, 5)]
+
+
+@pytest.mark.parametrize("compile", [False, "aot_eager"])
+def test_qwen3_layers_fuse_and_give_transformers_logits(fused_cpu, compile):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny("qwen3")
+    ref = _sdpa(model)
+    ps = _prompts()
+    kw = dict(on_capture_error="raise", compile=compile, compile_cache=False)
+    with GraphModel(model, backend=fused_cpu, **kw, **LIMITS) as gm:
+        assert gm.fused
+        layers = model.model.layers
+        assert all("forward" in layer.__dict__ for layer in layers)
+        result = gm.generate(ps, max_new_tokens=NEW, record_logits=True)
+        stats = gm.stats()
+    if compile:  # the fused layers trace whole: no graph break, no eager fallback
+        assert dict(counters["graph_break"]) == {} and stats["compile"]["fallback"] is None
+    assert result.logits is not None
+    for p, tokens, got in zip(ps, result.tokens, result.logits):
+        with torch.no_grad():
+            want = ref(input_ids=torch.tensor([p + tokens[:-1]])).logits[0]
+        # the fusions' norms (F.rms_norm, weight applied in float32) differ from
+        # transformers' in the last bits only
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert result.graph_steps["eager"] == 0
+    # closed: the model's own forwards again, and it computes what it did
+    assert not any("forward" in m.__dict__ for m in [*layers, model.model.rotary_emb])
+    ids = torch.tensor([ps[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_the_stream_between_layers_is_float32_and_the_last_layer_gives_bf16(fused_cpu):
+    model = tiny("qwen3").to(torch.bfloat16)
+    seen: list[torch.dtype] = []
+    hooks = [
+        layer.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+        for layer in model.model.layers
+    ]
+    with GraphModel(model, backend=fused_cpu, on_capture_error="raise", **LIMITS) as gm:
+        assert gm.fused
+        gm.generate(_prompts(), max_new_tokens=[2, 2])
+    for h in hooks:
+        h.remove()
+    assert seen and set(seen[0::2]) == {torch.float32} and set(seen[1::2]) == {torch.bfloat16}
+
+
+def test_other_families_keep_their_layers(fused_cpu):
+    llama = tiny("llama")
+    with GraphModel(llama, backend=fused_cpu, **LIMITS) as gm:
+        assert not gm.fused
+        assert not any("forward" in layer.__dict__ for layer in llama.model.layers)
+
+
+def test_a_backend_without_a_fused_kernel_keeps_the_layers():
+    qwen = tiny("qwen3")
+    with GraphModel(qwen, backend="cpu", **LIMITS) as gm:  # the CPU backend as it is
+        assert not gm.fused
+        assert not any("forward" in layer.__dict__ for layer in qwen.model.layers)
+
+
+def test_a_fused_layer_outside_its_forward_says_what_to_do(fused_cpu):
+    model = tiny("qwen3")
+    from xgraph.integrations.transformers.linears import swap_linears
+
+    swap_linears(model, merge=True)
+    assert fuse_layers(model)
+    layer = model.model.layers[0]
+    h = torch.zeros(1, 3, 64)
+    cos = sin = torch.zeros(1, 3, 16)
+    with pytest.raises(xgraph.XGraphError, match="unfuse_layers"):
+        layer(h, position_embeddings=(cos, sin))
+
+
+def test_the_rotary_table_rotates_as_transformers_does():
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    from xgraph.fusion import apply_rotary
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 5, 16, generator=g)  # [1, heads, tokens, dim]
+    ang = torch.randn(1, 5, 8, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    want, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    got = apply_rotary(q[0].transpose(0, 1), table(cos, sin))  # [tokens, heads, dim]
+    torch.testing.assert_close(got, want[0].transpose(0, 1), rtol=0, atol=1e-6)

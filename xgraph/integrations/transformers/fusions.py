@@ -1,0 +1,168 @@
+"""transformers' Qwen3 decoder layers over xgraph's fused projections, where a backend has
+a fused kernel.
+
+The linear swap (linears.py) gives a transformers model the backend's projection kernel, but
+a layer's norms, QK-norm, rotary and residual adds stay its own code: under torch.compile,
+Inductor's kernels between the projections (a Qwen3-0.6B decode step of 284 kernels on an
+H100, against the reference model's 147). `fuse_layers` gives each Qwen3 decoder layer the
+reference model's form instead: four `xgraph.linear` calls with their fusions
+(xgraph.fusion) around the attention call, the residual stream in float32 between layers
+(`xgraph.linear.stream_dtype`), the last layer handing back the model's dtype. The rotary
+module answers, once per forward, a float32 table of [cos, cos] and [-sin, sin] rows
+(`xgraph.fusion.apply_rotary`'s) that every layer's qkv epilogue reads.
+
+Only where every decoder layer is transformers' Qwen3 layer (`Qwen3DecoderLayer` over
+merged q/k/v and gate/up projections without biases, a SiLU MLP, `Qwen3RMSNorm`s) and the
+backend has a fused kernel; anywhere else nothing changes. The math is the fusions'
+(docs/kernels.md): norms and rotary in float32, each rounded once, and the stream unrounded,
+so the logits move from transformers' own by less than its bf16 rounding and toward float32
+(the transformers bench's check measures both). `unfuse_layers` undoes it.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import XGraphError
+from ...fusion import Fusion, HeadNorm
+from ...linear import linear, stream_dtype
+from .attention import attention_forward
+
+TABLE = "xgraph-rotary-table"  # position_embeddings[1] when [0] is the fused layers' table
+_HF_CACHE = ("cache", "past_key_values")  # transformers' cache keyword, by version
+
+
+def _merged(first: Any, size: int) -> torch.Tensor | None:
+    """The merged weight a projection heads (linears.py's group of `size`), or None."""
+    part = getattr(first, "_xgraph_part", None)
+    if part is None or part[1] != 0 or part[0].size != size or part[0].bias is not None:
+        return None
+    return part[0].weight
+
+
+def _norm(m: Any, width: int) -> bool:
+    w = getattr(m, "weight", None)
+    return (
+        type(m).__name__ == "Qwen3RMSNorm"
+        and hasattr(m, "variance_epsilon")
+        and isinstance(w, torch.Tensor)
+        and tuple(w.shape) == (width,)
+    )
+
+
+def _silu(act: Any) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _fits(layer: Any) -> bool:
+    """Whether `layer` is transformers' Qwen3 decoder layer over merged projections."""
+    a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(layer).__name__ != "Qwen3DecoderLayer" or a is None or mlp is None:
+        return False
+    hidden, d = a.o_proj.out_features, a.head_dim
+    return all(
+        (
+            _merged(a.q_proj, 3) is not None,
+            _merged(mlp.gate_proj, 2) is not None,
+            a.o_proj.bias is None and mlp.down_proj.bias is None,
+            _silu(getattr(mlp, "act_fn", None)),
+            _norm(a.q_norm, d) and _norm(a.k_norm, d),
+            _norm(layer.input_layernorm, hidden) and _norm(layer.post_attention_layernorm, hidden),
+            getattr(a, "sliding_window", None) is None,
+        )
+    )
+
+
+def table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[tokens, 2, dim] float32 rows [cos, cos] and [-sin, sin] from transformers' cos and
+    sin [1, tokens, dim] (each [c, c] / [s, s] over the halves of dim)."""
+    half = cos.shape[-1] // 2
+    s = sin[0].float()
+    return torch.stack([cos[0].float(), torch.cat([-s[:, :half], s[:, half:]], -1)], 1)
+
+
+def _rotary(module: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, str]:
+    cos, sin = module._xgraph_unfused(*args, **kwargs)
+    return table(cos, sin), TABLE
+
+
+def _refuse(what: str) -> XGraphError:
+    return XGraphError(
+        f"a fused Qwen3 layer (xgraph.integrations.transformers.fusions) was called {what}; "
+        "it runs inside a GraphModel's forward only. Call unfuse_layers(model) to use the "
+        "model outside it."
+    )
+
+
+def _attend(layer: Any, qkv: torch.Tensor, mask: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    """The layer's attention call (xgraph's attention function) on the fused qkv rows."""
+    a = layer.self_attn
+    t, d = qkv.shape[0], a.head_dim
+    hq, hkv = a.config.num_attention_heads, a.config.num_key_value_heads
+    heads = qkv.view(1, t, hq + 2 * hkv, d).transpose(1, 2)  # transformers' [1, h, t, d]
+    q, k, v = heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]
+    rest = {n: x for n, x in kwargs.items() if n not in ("position_embeddings", "use_cache")}
+    out, _ = attention_forward(a, q, k, v, mask, scaling=a.scaling, **rest)
+    return out.reshape(t, hq * d)
+
+
+def _forward(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Qwen3DecoderLayer.forward over fused projections (see the module doc)."""
+    pe = kwargs.get("position_embeddings")
+    if args or not (isinstance(pe, tuple) and len(pe) == 2 and pe[1] == TABLE):
+        raise _refuse("without the fused rotary table or with positional arguments")
+    if any(kwargs.get(n) is not None for n in _HF_CACHE):
+        raise _refuse("with a transformers cache")
+    a, mlp = layer.self_attn, layer.mlp
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    hq, hkv = a.config.num_attention_heads, a.config.num_key_value_heads
+    shape = hidden_states.shape
+    h = hidden_states.reshape(-1, shape[-1])
+    h = h.to(stream_dtype(h))
+    heads = HeadNorm(a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon, pe[0], hq, hkv)
+    qkv = linear(h, _merged(a.q_proj, 3), Fusion(n1.weight, n1.variance_epsilon, heads=heads))
+    o = _attend(layer, qkv, kwargs.pop("attention_mask", None), kwargs)
+    h = linear(o, a.o_proj.weight, Fusion(residual=h))
+    gate_up = linear(h, _merged(mlp.gate_proj, 2), Fusion(n2.weight, n2.variance_epsilon))
+    h = linear(gate_up, mlp.down_proj.weight, Fusion(gated=True, residual=h))
+    if layer._xgraph_last:
+        h = h.to(a.o_proj.weight.dtype)  # the model's final norm and head read its dtype
+    return h.view(*shape[:-1], h.shape[-1])
+
+
+def _decoder(model: Any) -> Any:
+    try:
+        return model.get_decoder()
+    except Exception:
+        return getattr(model, "model", None)
+
+
+def fuse_layers(model: Any) -> bool:
+    """Give every decoder layer of a Qwen3 model the fused form (module doc), in place;
+    False (nothing changed) where the model is not one, or its projections are not merged
+    (GraphModel merges them where the backend has a kernel)."""
+    dec = _decoder(model)
+    layers = list(getattr(dec, "layers", None) or [])
+    rotary = getattr(dec, "rotary_emb", None)
+    if not layers or rotary is None or not all(_fits(layer) for layer in layers):
+        return False
+    for i, layer in enumerate(layers):
+        layer._xgraph_last = i == len(layers) - 1
+        layer._xgraph_unfused = layer.forward
+        layer.forward = types.MethodType(_forward, layer)
+    rotary._xgraph_unfused = rotary.forward
+    rotary.forward = types.MethodType(_rotary, rotary)
+    return True
+
+
+def unfuse_layers(model: Any) -> None:
+    """Undo fuse_layers (the modules' own forwards again)."""
+    dec = _decoder(model)
+    for m in [*(getattr(dec, "layers", None) or []), getattr(dec, "rotary_emb", None)]:
+        if m is not None and "_xgraph_unfused" in m.__dict__:
+            for name in ("forward", "_xgraph_unfused", "_xgraph_last"):
+                m.__dict__.pop(name, None)

@@ -132,6 +132,7 @@ def test_every_vllm_decode_size_captures_over_two_compiles(backend):
 
 def test_the_decode_kernels_fuse_the_layers_and_stay_close_to_float32(backend, monkeypatch):
     monkeypatch.setenv("XGRAPH_CUDA_LINEAR", "triton")  # the fused kernels (docs/kernels.md)
+    monkeypatch.setenv("XGRAPH_FUSE_LAYERS", "1")
     torch._dynamo.reset()
     counters.clear()
     model = tiny(torch.bfloat16)

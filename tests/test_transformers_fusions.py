@@ -34,6 +34,7 @@ def fused_cpu(monkeypatch):  # type: ignore[no-untyped-def]
         fused_linear=lambda x, w, f: reference(x, w, f, F.linear),
     )
     monkeypatch.setattr(backend, "kernels", lambda: kernels)
+    monkeypatch.setenv("XGRAPH_FUSE_LAYERS", "1")
     yield backend
     xgraph.linear.install("cpu", None, "cpu")  # what the CPU backend installs: nothing
 
@@ -104,6 +105,20 @@ def test_other_families_keep_their_layers(fused_cpu):
     with GraphModel(llama, backend=fused_cpu, **LIMITS) as gm:
         assert not gm.fused
         assert not any("forward" in layer.__dict__ for layer in llama.model.layers)
+
+
+def test_the_fused_form_is_asked_for(fused_cpu, monkeypatch):
+    qwen = tiny("qwen3")
+    with GraphModel(qwen, backend=fused_cpu, fuse_layers=False, **LIMITS) as gm:
+        assert not gm.fused
+    monkeypatch.delenv("XGRAPH_FUSE_LAYERS")  # off by default
+    with GraphModel(qwen, backend=fused_cpu, **LIMITS) as gm:
+        assert not gm.fused
+    with GraphModel(qwen, backend=fused_cpu, fuse_layers=True, **LIMITS) as gm:
+        assert gm.fused
+    monkeypatch.setenv("XGRAPH_FUSE_LAYERS", "maybe")
+    with pytest.raises(xgraph.XGraphError, match="XGRAPH_FUSE_LAYERS"):
+        GraphModel(qwen, backend=fused_cpu, **LIMITS)
 
 
 def test_a_backend_without_a_fused_kernel_keeps_the_layers():

@@ -11,16 +11,18 @@ reference model's form instead: four `xgraph.linear` calls with their fusions
 module answers, once per forward, a float32 table of [cos, cos] and [-sin, sin] rows
 (`xgraph.fusion.apply_rotary`'s) that every layer's qkv epilogue reads.
 
-Only where every decoder layer is transformers' Qwen3 layer (`Qwen3DecoderLayer` over
-merged q/k/v and gate/up projections without biases, a SiLU MLP, `Qwen3RMSNorm`s) and the
-backend has a fused kernel; anywhere else nothing changes. The math is the fusions'
-(docs/kernels.md): norms and rotary in float32, each rounded once, and the stream unrounded,
-so the logits move from transformers' own by less than its bf16 rounding and toward float32
-(the transformers bench's check measures both). `unfuse_layers` undoes it.
+Asked for by `GraphModel(fuse_layers=True)` or XGRAPH_FUSE_LAYERS=1 (off by default until
+measured on a GPU), and only where every decoder layer is transformers' Qwen3 layer
+(`Qwen3DecoderLayer` over merged q/k/v and gate/up projections without biases, a SiLU MLP,
+`Qwen3RMSNorm`s) and the backend has a fused kernel; anywhere else nothing changes. The math
+is the fusions' (docs/kernels.md): norms and rotary in float32, each rounded once, and the
+stream unrounded, so the logits move from transformers' own by less than its bf16 rounding
+and toward float32 (the transformers bench's check measures both). `unfuse_layers` undoes it.
 """
 
 from __future__ import annotations
 
+import os
 import types
 from typing import Any
 
@@ -32,6 +34,7 @@ from ...fusion import Fusion, HeadNorm
 from ...linear import linear, stream_dtype
 from .attention import attention_forward
 
+ENV = "XGRAPH_FUSE_LAYERS"  # GraphModel(fuse_layers=None) asks it: 1 / on fuses; unset, off
 TABLE = "xgraph-rotary-table"  # position_embeddings[1] when [0] is the fused layers' table
 _HF_CACHE = ("cache", "past_key_values")  # transformers' cache keyword, by version
 
@@ -132,6 +135,19 @@ def _forward(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any)
     if layer._xgraph_last:
         h = h.to(a.o_proj.weight.dtype)  # the model's final norm and head read its dtype
     return h.view(*shape[:-1], h.shape[-1])
+
+
+def requested(fuse: bool | None) -> bool:
+    """GraphModel's `fuse_layers` as given, or, for None, XGRAPH_FUSE_LAYERS's (off unless
+    1 / true / on: the fused form has not been measured on a GPU through transformers yet)."""
+    if fuse is not None:
+        return bool(fuse)
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("", "0", "false", "off", "no"):
+        return False
+    raise XGraphError(f"{ENV}={value!r}: set 1 (fuse a Qwen3 model's layers) or 0, or unset it.")
 
 
 def _decoder(model: Any) -> Any:

@@ -43,12 +43,11 @@ from ...options import Fallback, Kind, Mode
 from ...paging import PagedAttention
 from ...plugins import get_backend
 from ...pool import SharedPhysicalPool
-from . import registration
+from . import fusions, registration
 from .attention import Binding, bound
 from .cache import PagedCache
 from .engine import LOOP_STOP_IDS, Engine, TokenEvent
 from .forward import ModelForward
-from .fusions import fuse_layers, unfuse_layers
 from .generate import GenerationResult, generate, stream
 from .head import Head, split_head
 from .limits import Limits
@@ -136,7 +135,7 @@ def _release_model(model: Any) -> None:
     """A refused model gets back its attention and its nn.Linear modules."""
     registration.release(model)
     if registration.holders(model) == 0:
-        unfuse_layers(model)
+        fusions.unfuse_layers(model)
         restore_linears([m for m in model.modules() if type(m) is XLinear])
 
 
@@ -173,8 +172,9 @@ class GraphModel:
         linear: the projections through xgraph.linear (the backend's kernel where it
             serves; linears.py): None (default) where the backend has a kernel, True, False.
             Where there is a kernel, q/k/v and gate/up projections share one merged call;
-            where there is a fused one, a Qwen3 model's layers run over the fused
-            projections (fusions.py; `fused` says whether they do).
+            with `fuse_layers` (None: XGRAPH_FUSE_LAYERS; off) and a fused kernel, a Qwen3
+            model's layers run over the fused projections (fusions.py; `fused` says
+            whether they do).
         limits / block_size, max_model_len, max_seqs, num_blocks, max_num_tokens: see Limits.
     """
 
@@ -192,6 +192,7 @@ class GraphModel:
         compile_dynamic: bool = True,
         compile_cache: str | os.PathLike[str] | bool | None = None,
         linear: bool | None = None,
+        fuse_layers: bool | None = None,
         limits: Limits | None = None,
         **limit_fields: int,
     ) -> None:
@@ -213,7 +214,8 @@ class GraphModel:
             if linear or (linear is None and kernel):
                 swap_linears(self.model, merge=kernel)
                 # a Qwen3 model's layers over the fused projections (fusions.py)
-                self.fused = kernels.fused_linear is not None and fuse_layers(self.model)
+                fuse = fusions.requested(fuse_layers) and kernels.fused_linear is not None
+                self.fused = fuse and fusions.fuse_layers(self.model)
             self._forward = ModelForward(self.model, self.spec)
             self.calls = probe(self._forward.run, self.spec, model, lim.max_model_len, self.device)
             self._forward.head = _split_head(

@@ -4,8 +4,8 @@
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
 # "all": every one, in that order; "host-copy", "skinny", "decode-cublas", "decode-forward",
 # "pipeline", "check", "hf-tests", "hf-compile", "hf-generate", "soak", "sleep", "multistep",
-# "startup", "dist", "kernels" and "decode-limit" run only when named; "kernels": the decode
-# kernels' sweep, "decode-limit": issue 35's run, both in one call: `bash scripts/device.sh
+# "startup", "dist", "kernels", "decode-limit" and "hf-fused" run only when named; "kernels":
+# the decode kernels' sweep, "decode-limit": issue 35's run, both in one call: `bash scripts/device.sh
 # kernels,decode-limit`; "dist": graphs across ranks, one process per GPU (DIST_NPROC, default
 # every GPU; DIST_MODELS, default qwen3-0.6b,qwen3-8b; docs/distributed.md);
 # DECODE_SCOPE=forward compiles the decode stage's whole forward instead of its layers).
@@ -151,6 +151,23 @@ has sleep && stage sleep 290 20 xgraph bench sleep --backend cuda --model "$mode
 has multistep && stage multistep 300 20 python3 -m \
   xgraph.integrations.transformers.bench_multistep --backend cuda --model "$model" --compile \
   --batches 1,32 --k 8 --json "$OUT/multistep.json"
+# hf-fused (only when named): the transformers Qwen3 under the decode kernels and PDL with
+# its layers over the fused projections (fusions.py) against its own layers: the GPU test,
+# bench_multistep's graph step and kernels each way (same machine), then the benchmark's
+# check and decode with them (docs/transformers.md)
+hf_env=(env XGRAPH_CUDA_LINEAR=triton XGRAPH_PDL=1 TORCHINDUCTOR_ENABLE_PDL=1)
+hf_step=(-m xgraph.integrations.transformers.bench_multistep --backend cuda --model "$model"
+  --compile --batches 1 --k 8 --new-tokens 64 --iters 2)
+has hf-fused && stage hf-fused-test 90 8 "${hf_env[@]}" python3 -m pytest -q -rfEs \
+  -p no:randomly tests/test_transformers_cuda.py -k fuse
+for fuse in 0 1; do
+  has hf-fused && stage "hf-fused-step-$fuse" 170 4 "${hf_env[@]}" "XGRAPH_FUSE_LAYERS=$fuse" \
+    python3 "${hf_step[@]}" --json "$OUT/hf-fused-step-$fuse.json"
+done
+has hf-fused && stage hf-fused-generate 200 12 "${hf_env[@]}" XGRAPH_FUSE_LAYERS=1 python3 -m \
+  xgraph.integrations.transformers.bench --backend cuda --model "$model" --parts check,decode \
+  --batches 1 --prompt-len 128 --new-tokens 128 --iters 3 --steps-per-launch 8 \
+  --json "$OUT/hf-fused-generate.json"
 # startup (only when named): cold and warm processes of the reference model and of the
 # transformers Qwen3 compiled, model build to first token (docs/startup.md)
 has startup && stage startup 480 30 xgraph bench startup --backend cuda --model "$model" \

@@ -164,7 +164,7 @@ for fuse in 0 1; do
   has hf-fused && stage "hf-fused-step-$fuse" 170 4 "${hf_env[@]}" "XGRAPH_FUSE_LAYERS=$fuse" \
     python3 "${hf_step[@]}" --json "$OUT/hf-fused-step-$fuse.json"
 done
-has hf-fused && stage hf-fused-generate 200 12 "${hf_env[@]}" XGRAPH_FUSE_LAYERS=1 python3 -m \
+has hf-fused && stage hf-fused-generate 170 12 "${hf_env[@]}" XGRAPH_FUSE_LAYERS=1 python3 -m \
   xgraph.integrations.transformers.bench --backend cuda --model "$model" --parts check,decode \
   --batches 1 --prompt-len 128 --new-tokens 128 --iters 3 --steps-per-launch 8 \
   --json "$OUT/hf-fused-generate.json"

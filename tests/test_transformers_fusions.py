@@ -88,12 +88,12 @@ def test_qwen3_layers_fuse_and_give_transformers_logits(fused_cpu, compile):
 def test_the_stream_between_layers_is_float32_and_the_last_layer_gives_bf16(fused_cpu):
     model = tiny("qwen3").to(torch.bfloat16)
     seen: list[torch.dtype] = []
-    hooks = [
-        layer.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
-        for layer in model.model.layers
-    ]
     with GraphModel(model, backend=fused_cpu, on_capture_error="raise", **LIMITS) as gm:
         assert gm.fused
+        hooks = [
+            layer.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+            for layer in model.model.layers
+        ]
         gm.generate(_prompts(), max_new_tokens=[2, 2])
     for h in hooks:
         h.remove()
@@ -119,6 +119,22 @@ def test_the_fused_form_is_asked_for(fused_cpu, monkeypatch):
     monkeypatch.setenv("XGRAPH_FUSE_LAYERS", "maybe")
     with pytest.raises(xgraph.XGraphError, match="XGRAPH_FUSE_LAYERS"):
         GraphModel(qwen, backend=fused_cpu, **LIMITS)
+
+
+def test_fused_layers_that_change_the_logits_are_not_kept(fused_cpu, monkeypatch, caplog):
+    from xgraph.integrations.transformers import fusions
+
+    forward = fusions._forward
+
+    def skewed(layer, hidden_states, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return forward(layer, hidden_states, *args, **kwargs) * 1.5
+
+    monkeypatch.setattr(fusions, "_forward", skewed)
+    qwen = tiny("qwen3")
+    with GraphModel(qwen, backend=fused_cpu, **LIMITS) as gm:
+        assert not gm.fused
+        assert not any("forward" in layer.__dict__ for layer in qwen.model.layers)
+    assert "fused Qwen3 layers were not kept" in caplog.text
 
 
 def test_a_backend_without_a_fused_kernel_keeps_the_layers():

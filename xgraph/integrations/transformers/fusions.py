@@ -23,6 +23,7 @@ on a GPU). `unfuse_layers` undoes it.
 
 from __future__ import annotations
 
+import logging
 import os
 import types
 from typing import Any
@@ -34,6 +35,9 @@ from ...errors import XGraphError
 from ...fusion import Fusion, HeadNorm
 from ...linear import linear, stream_dtype
 from .attention import attention_forward
+from .probe import Probe
+
+logger = logging.getLogger("xgraph")
 
 ENV = "XGRAPH_FUSE_LAYERS"  # GraphModel(fuse_layers=None) asks it: 1 / on fuses; unset, off
 TABLE = "xgraph-rotary-table"  # position_embeddings[1] when [0] is the fused layers' table
@@ -183,3 +187,36 @@ def unfuse_layers(model: Any) -> None:
         if m is not None and "_xgraph_unfused" in m.__dict__:
             for name in ("forward", "_xgraph_unfused", "_xgraph_last"):
                 m.__dict__.pop(name, None)
+
+
+def fuse_checked(forward: Any, spec: Any, model: Any, max_model_len: int) -> bool:
+    """fuse_layers, kept only where the fused model's logits on a few probe tokens are its
+    own model's (`forward`: the GraphModel's ModelForward): what a transformers version
+    that calls its layers differently would break shows there, not in a later step. The
+    bound is loose for 16-bit models (the fused math rounds differently), tight in float32."""
+    n = min(4, max_model_len)
+    weight = next(model.parameters())
+    device = weight.device
+    ids = torch.arange(1, n + 1, device=device) % spec.vocab_size
+    positions = torch.arange(n, device=device)
+
+    def logits() -> torch.Tensor:
+        with torch.no_grad():
+            return forward.run(Probe(spec, model, max_model_len, n), ids, positions).float()
+
+    want = logits()
+    if not fuse_layers(model):
+        return False
+    try:
+        got = logits()
+        far = float((got - want).norm() / want.norm().clamp_min(1e-12))
+    except Exception as exc:  # the fused form does not run here: the model keeps its own
+        far, why = float("inf"), f"{type(exc).__name__}: {exc}"
+    else:
+        why = f"logits {far:.3g} apart (relative norm)"
+    bound = 1e-4 if weight.dtype == torch.float32 else 0.25
+    if far <= bound:
+        return True
+    unfuse_layers(model)
+    logger.warning("%s: the fused Qwen3 layers were not kept (%s)", spec.name, why)
+    return False

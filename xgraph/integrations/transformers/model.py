@@ -213,10 +213,12 @@ class GraphModel:
             kernel = kernels.linear is not None
             if linear or (linear is None and kernel):
                 swap_linears(self.model, merge=kernel)
-                # a Qwen3 model's layers over the fused projections (fusions.py)
-                fuse = fusions.requested(fuse_layers) and kernels.fused_linear is not None
-                self.fused = fuse and fusions.fuse_layers(self.model)
             self._forward = ModelForward(self.model, self.spec)
+            # a Qwen3 model's layers over the fused projections, where asked (fusions.py)
+            if fusions.requested(fuse_layers) and kernels.fused_linear is not None:
+                self.fused = fusions.fuse_checked(
+                    self._forward, self.spec, self.model, lim.max_model_len
+                )
             self.calls = probe(self._forward.run, self.spec, model, lim.max_model_len, self.device)
             self._forward.head = _split_head(
                 self._forward, self.spec, model, lim.max_model_len, self.device

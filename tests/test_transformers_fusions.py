@@ -105,6 +105,10 @@ def test_other_families_keep_their_layers(fused_cpu):
     with GraphModel(llama, backend=fused_cpu, **LIMITS) as gm:
         assert not gm.fused
         assert not any("forward" in layer.__dict__ for layer in llama.model.layers)
+    qwen = tiny("qwen3")  # a layer the fused epilogue cannot express (one eps for q and k)
+    qwen.model.layers[1].self_attn.k_norm.variance_epsilon = 1e-3
+    with GraphModel(qwen, backend=fused_cpu, **LIMITS) as gm:
+        assert not gm.fused
 
 
 def test_the_fused_form_is_asked_for(fused_cpu, monkeypatch):

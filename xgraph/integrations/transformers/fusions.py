@@ -72,13 +72,17 @@ def _fits(layer: Any) -> bool:
     if type(layer).__name__ != "Qwen3DecoderLayer" or a is None or mlp is None:
         return False
     hidden, d = a.o_proj.out_features, a.head_dim
+    hq, hkv = a.config.num_attention_heads, a.config.num_key_value_heads
     return all(
         (
+            (a.q_proj.out_features, a.k_proj.out_features) == (hq * d, hkv * d),
+            a.v_proj.out_features == hkv * d,
             _merged(a.q_proj, 3) is not None,
             _merged(mlp.gate_proj, 2) is not None,
             a.o_proj.bias is None and mlp.down_proj.bias is None,
             _silu(getattr(mlp, "act_fn", None)),
             _norm(a.q_norm, d) and _norm(a.k_norm, d),
+            a.q_norm.variance_epsilon == a.k_norm.variance_epsilon,  # one eps in the epilogue
             _norm(layer.input_layernorm, hidden) and _norm(layer.post_attention_layernorm, hidden),
             getattr(a, "sliding_window", None) is None,
         )

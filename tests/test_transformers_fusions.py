@@ -173,3 +173,14 @@ def test_the_rotary_table_rotates_as_transformers_does():
     want, _ = apply_rotary_pos_emb(q, q, cos, sin)
     got = apply_rotary(q[0].transpose(0, 1), table(cos, sin))  # [tokens, heads, dim]
     torch.testing.assert_close(got, want[0].transpose(0, 1), rtol=0, atol=1e-6)
+
+
+def test_the_compile_cache_keys_the_fused_layers_apart(fused_cpu, tmp_path):
+    keys = []
+    for fuse in (False, True):
+        qwen = tiny("qwen3")
+        kw = dict(compile="inductor", compile_cache=tmp_path, fuse_layers=fuse)
+        with GraphModel(qwen, backend=fused_cpu, **kw, **LIMITS) as gm:  # no step: no compile
+            assert gm.fused is fuse
+            keys.append(gm.compiled.cache.key)
+    assert keys[0] != keys[1]  # a forward traced one way is never loaded for the other

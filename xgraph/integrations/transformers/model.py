@@ -276,6 +276,7 @@ class GraphModel:
             "max_tokens": self.executor.buckets.max,
             "inductor": inductor,
             "linears": sorted({type(m).__name__ for m in self.model.modules()}),
+            "fused_layers": self.fused,  # another traced forward (fusions.py)
             "limits": dataclasses.asdict(self.limits),
             "transformers": _transformers_version(),
         }

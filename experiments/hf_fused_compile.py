@@ -34,6 +34,7 @@ def one(backend: str, layers: int, fuse: bool) -> dict:
     import xgraph
     from xgraph.fusion import reference
     from xgraph.integrations.transformers import GraphModel
+    from xgraph.integrations.transformers.bench_runs import NAMED
     from xgraph.kernels import Kernels
 
     b = xgraph.get_backend(backend)
@@ -43,16 +44,9 @@ def one(backend: str, layers: int, fuse: bool) -> dict:
             fused_linear=lambda x, w, f: reference(x, w, f, F.linear),
         )
         b.kernels = lambda: k  # type: ignore[method-assign]
-    config = transformers.Qwen3Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
+    # the transformers bench's "tiny" Qwen3 with the layer count asked
+    cls_name, fields = NAMED["tiny"]
+    config = getattr(transformers, cls_name)(**{**fields, "num_hidden_layers": layers})
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(config).eval()
     if backend != "cpu":

@@ -6,12 +6,32 @@ arguments may keep passing the plain names; graph keys and stats use the plain v
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 from typing import TypeVar
 
 from .errors import XGraphError
 
 _C = TypeVar("_C", bound="Choice")
+_ON = ("1", "true", "on", "yes")
+_OFF = ("", "0", "false", "off", "no")
+
+
+def switch(given: bool | None, name: str, env: str) -> bool:
+    """An on/off option: `given` as passed, or, for None, the environment variable `env`
+    (1 / true / on / yes; 0 / false / off / no, or unset: off)."""
+    if given is not None:
+        if not isinstance(given, bool):
+            raise XGraphError(
+                f"{name}={given!r}: pass True, False or None (None: {env} decides; unset, off)."
+            )
+        return given
+    value = os.environ.get(env, "").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise XGraphError(f"{env}={value!r}: set it to 1 (on) or 0 (off), or unset it (off).")
 
 
 class Choice(str, Enum):

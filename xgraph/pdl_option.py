@@ -21,35 +21,20 @@ races, so a backend's PDL is turned on once the race check (`xgraph check`,
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from .errors import XGraphError
 from .kernels import Kernels
-from .options import Kind
+from .options import Kind, switch
 from .pdl import capture_options
 
 ENV = "XGRAPH_PDL"
-_ON = ("1", "true", "on", "yes")
-_OFF = ("", "0", "false", "off", "no")
 
 
 def requested(pdl: bool | None) -> bool:
     """The option as given, or, for None, XGRAPH_PDL's (1 / true / on; unset: off)."""
-    if pdl is not None:
-        if not isinstance(pdl, bool):
-            raise XGraphError(
-                f"pdl={pdl!r}: pass True, False or None (None: {ENV} decides; unset, off)."
-            )
-        return pdl
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise XGraphError(f"{ENV}={value!r}: set it to 1 (on) or 0 (off), or unset it (off).")
+    return switch(pdl, "pdl", ENV)
 
 
 class PDLOption:

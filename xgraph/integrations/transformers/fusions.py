@@ -24,7 +24,6 @@ on a GPU). `unfuse_layers` undoes it.
 from __future__ import annotations
 
 import logging
-import os
 import types
 from typing import Any
 
@@ -34,6 +33,7 @@ from torch import nn
 from ...errors import XGraphError
 from ...fusion import Fusion, HeadNorm
 from ...linear import linear, stream_dtype
+from ...options import switch
 from .attention import attention_forward
 from .probe import Probe
 
@@ -149,14 +149,7 @@ def _forward(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any)
 def requested(fuse: bool | None) -> bool:
     """GraphModel's `fuse_layers` as given, or, for None, XGRAPH_FUSE_LAYERS's (off unless
     1 / true / on: the fused form has not been measured on a GPU through transformers yet)."""
-    if fuse is not None:
-        return bool(fuse)
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in ("1", "true", "on", "yes"):
-        return True
-    if value in ("", "0", "false", "off", "no"):
-        return False
-    raise XGraphError(f"{ENV}={value!r}: set 1 (fuse a Qwen3 model's layers) or 0, or unset it.")
+    return switch(fuse, "fuse_layers", ENV)
 
 
 def _decoder(model: Any) -> Any:

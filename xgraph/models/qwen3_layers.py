@@ -155,10 +155,16 @@ class MLP(nn.Module):
         return linear(F.silu(gate) * up, self.down_proj.weight)
 
     def fused(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """The stream after the MLP: h + down(silu_mul(gate_up(norm(h)))), the norm fused with
-        the gate/up projection, SiLU-mul and the residual add with down_proj."""
-        gate_up = linear(h, self.gate_up_proj.weight, Fusion(norm.weight, norm.eps))
-        return linear(gate_up, self.down_proj.weight, Fusion(gated=True, residual=h))
+        """The stream after the MLP (`fused_mlp`)."""
+        return fused_mlp(h, self.gate_up_proj.weight, self.down_proj.weight, norm.weight, norm.eps)
+
+
+def fused_mlp(
+    h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, norm: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The residual stream h after a SwiGLU MLP: h + down(silu_mul(gate_up(rms_norm(h)))), the
+    norm fused with the merged gate/up projection, SiLU-mul and the residual add with down."""
+    return linear(linear(h, gate_up, Fusion(norm, eps)), down, Fusion(gated=True, residual=h))
 
 
 class DecoderLayer(nn.Module):

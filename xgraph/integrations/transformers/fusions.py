@@ -33,6 +33,7 @@ from torch import nn
 from ...errors import XGraphError
 from ...fusion import Fusion, HeadNorm
 from ...linear import linear, stream_dtype
+from ...models.qwen3_layers import fused_mlp
 from ...options import switch
 from .attention import attention_forward
 from .probe import Probe
@@ -139,8 +140,9 @@ def _forward(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any)
     qkv = linear(h, _merged(a.q_proj, 3), Fusion(n1.weight, n1.variance_epsilon, heads=heads))
     o = _attend(layer, qkv, kwargs.pop("attention_mask", None), kwargs)
     h = linear(o, a.o_proj.weight, Fusion(residual=h))
-    gate_up = linear(h, _merged(mlp.gate_proj, 2), Fusion(n2.weight, n2.variance_epsilon))
-    h = linear(gate_up, mlp.down_proj.weight, Fusion(gated=True, residual=h))
+    h = fused_mlp(
+        h, _merged(mlp.gate_proj, 2), mlp.down_proj.weight, n2.weight, n2.variance_epsilon
+    )
     if layer._xgraph_last:
         h = h.to(a.o_proj.weight.dtype)  # the model's final norm and head read its dtype
     return h.view(*shape[:-1], h.shape[-1])

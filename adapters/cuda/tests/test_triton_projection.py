@@ -1,6 +1,7 @@
 """The decode projection kernels (kernels/gemv.py, kernels/qkv.py) against the fusion's
 reference ops: plain, with each prologue and epilogue, split K finished by the last program
-(in split order: bitwise repeatable, counts back to zero), both product forms.
+(in split order: bitwise repeatable, counts back to zero), the multiply-add and tensor-core
+forms, the latter swapped (weights first) and as a GEMM (rows first).
 
 Without a GPU the kernels run in Triton's CPU interpreter (conftest.py); shapes stay small.
 """
@@ -59,6 +60,41 @@ def test_sixty_four_rows_on_the_tensor_core_form() -> None:
     x, w = _t(g, 64, 48), _t(g, 24, 48)
     y = gemv.launch(x, w, Config(True, 64, 16, 16, 2, 4, 2), arena.counts(x.device))
     _close(y, F.linear(x, w))
+
+
+@pytest.mark.parametrize("m,split", [(17, 1), (40, 2)])
+def test_the_gemm_form_with_each_prologue_and_the_residual(m: int, split: int) -> None:
+    """Rows first (`rows_first`): plain, norm, gated + residual against the reference ops,
+    through a split and unsplit, and the result is the swapped form's to float32 rounding."""
+    g = _gen(60 + m)
+    k = 96
+    x, w = _t(g, m, 2 * k), _t(g, 40, k, scale=0.1)
+    norm, res = 1 + _t(g, k, scale=0.1), _t(g, m, 40)
+    c = _cfg(MMA, m, split)._replace(rows_first=True)
+    counts = arena.counts(x.device)
+    plain = x[:, :k]
+    got = gemv.launch(plain, w, c, counts)
+    _close(got, F.linear(plain, w))
+    _close(got, gemv.launch(plain, w, c._replace(rows_first=False), counts), tol=1e-6)
+    got = gemv.launch(plain, w, c, counts, norm=norm, eps=1e-5, residual=res)
+    _close(got, reference(plain, w, Fusion(norm, 1e-5, residual=res), F.linear))
+    got = gemv.launch(x, w, c, counts, gated=True, residual=res)
+    _close(got, reference(x, w, Fusion(gated=True, residual=res), F.linear))
+    assert int(counts.abs().sum()) == 0
+
+
+def test_the_gemm_form_is_picked_from_the_row_count_the_environment_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert not pick(64, 1024, 1024, 132).rows_first  # unset: never
+    monkeypatch.setenv(tuning.GEMM_ROWS_ENV, "17")
+    assert [pick(m, 1024, 1024, 132).rows_first for m in (8, 16, 17, 64)] == [0, 0, 1, 1]
+    assert not pick(64, 4096, 1024, 132, head_dim=128).rows_first  # the qkv kernel: never
+    monkeypatch.setenv(tuning.GEMM_ROWS_ENV, "none")
+    assert not pick(64, 1024, 1024, 132).rows_first
+    monkeypatch.setenv(tuning.GEMM_ROWS_ENV, "many")
+    with pytest.raises(XGraphError, match="XGRAPH_CUDA_GEMM_ROWS='many'"):
+        pick(64, 1024, 1024, 132)
 
 
 @pytest.mark.parametrize("split", [1, 2])

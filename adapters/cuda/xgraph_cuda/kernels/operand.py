@@ -6,7 +6,9 @@ tile of 16 to 128 output columns fills the matrix units' M dimension however few
 are ("swap AB"): with one row, 15 of the 16 columns of the instruction are padding, which
 costs nothing in a product bound by the weight stream, and the weight loads feed the dot
 directly. Triton 3.6 does not software-pipeline the loop around it for 16-bit inputs
-(`tuning`: the sm_90 PTX is the same at any stage count).
+(`tuning`: the sm_90 PTX is the same at any stage count). With enough rows to fill the
+instruction's M (`tuning.gemm_rows`), the GEMM form (`accumulate_rows`) puts the rows first
+instead.
 """
 
 from __future__ import annotations
@@ -66,6 +68,17 @@ def accumulate(acc, w, x, MMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl
             return acc + tl.dot(w.to(tl.float32), tl.trans(xq.to(tl.float32)))
         return tl.dot(w, tl.trans(xq), acc, input_precision=PRECISION)
     return acc + tl.sum(w.to(tl.float32)[:, None, :] * xq.to(tl.float32)[None, :, :], 2)
+
+
+@triton.jit
+def accumulate_rows(acc, w, x, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [rows, columns] + x [rows, k] @ w [columns, k].T: the GEMM form, the input rows the
+    left operand and the weight tile the right one, which the tensor cores read from shared
+    memory, so Triton can stage it there ahead of the loop's use (`gemv.product_rows`)."""
+    xq = x.to(w.dtype)
+    if UPCAST:
+        return acc + tl.dot(xq.to(tl.float32), tl.trans(w.to(tl.float32)))
+    return tl.dot(xq, tl.trans(w), acc, input_precision=PRECISION)
 
 
 @triton.jit

@@ -55,7 +55,7 @@ _BF16 = "*bf16"
 
 def _variant(pre: bool, early: bool, preload: bool = False) -> tuple[dict, dict]:
     const = _COMMON | {"BLOCK_N": 64, "SPLIT": 2, "GATED": False, "RESIDUAL": True}
-    const.update(PREFETCH=pre, TRIGGER=int(early), PRELOAD=preload)
+    const.update(PREFETCH=pre, TRIGGER=int(early), PRELOAD=preload, ROWS_FIRST=False)
     types = {n: _BF16 for n in ("X", "W", "Y", "R", "G")}
     types.update(Part="*fp32", Count="*i32", eps="fp32")
     return const, types

@@ -1,8 +1,8 @@
 """Decode projections: y = x @ w.T for 1 to 64 rows, with the ops around them fused.
 
 Program (column tile, split) streams BLOCK_N weight rows over its share of K once for all
-rows of x (`operand`: the weight tile is the tensor cores' left operand; the loop is not
-software-pipelined, `tuning`). The prologue is applied to the input tile as it is loaded:
+rows of x (`operand`: the weight tile is the tensor cores' left operand; the loop is
+pipelined for 16-bit inputs, `tuning`). The prologue is applied to the input tile as it is loaded:
 RMSNorm (x * g, the row's sum of squares accumulated on the way; 1 / rms scales the product
 at the end, so no pass over the row comes first) or SiLU(gate) * up. With a split, each
 program stores its partial and the tile's last program sums them in split order (`fixup`);

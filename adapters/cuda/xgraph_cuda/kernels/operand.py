@@ -5,10 +5,8 @@ The weight tile is the left operand ([columns, k]) and the input rows the right 
 tile of 16 to 128 output columns fills the matrix units' M dimension however few rows there
 are ("swap AB"): with one row, 15 of the 16 columns of the instruction are padding, which
 costs nothing in a product bound by the weight stream, and the weight loads feed the dot
-directly. Triton 3.6 does not software-pipeline the loop around it for 16-bit inputs
-(`tuning`: the sm_90 PTX is the same at any stage count). With enough rows to fill the
-instruction's M (`tuning.gemm_rows`), the GEMM form (`accumulate_rows`) puts the rows first
-instead.
+directly. With enough rows to fill the instruction's M (`tuning.gemm_rows`), the GEMM form
+(`accumulate_rows`) puts the rows first instead.
 """
 
 from __future__ import annotations

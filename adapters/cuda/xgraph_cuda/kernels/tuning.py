@@ -6,13 +6,12 @@ sets its time is how many weight bytes are in flight across the GPU. The rules, 
 of `sms` multiprocessors:
 
 - tensor-core form (`mma`) by default: 64 weight rows per program against the input rows
-  padded to 16 / 32 / 64, BLOCK_K = 128: 16 KiB of weights per K step. Three stages are
-  asked, but Triton 3.6 pipelines neither kernel's loop for 16-bit inputs: their sm_90 PTX
-  is the same at one, two or three stages (plain global loads, 20 KiB of shared memory for
-  `gemv` at 16 rows). A float32 input (the residual stream) is pipelined (`cp.async`, 36 KiB
-  at 16 rows and 96 KiB at 64), which changes the kernel the configurations were measured
-  as, so such a launch asks one stage (`stages_for`) and compiles to the 16-bit kernel's
-  structure;
+  padded to 16 / 32 / 64, BLOCK_K = 128: 16 KiB of weights per K step, three stages. As
+  launched (pointers and strides multiples of 16, which Triton specializes on), a 16-bit
+  input's loop is pipelined (`cp.async`, 60 KiB of shared memory at 16 rows and 96 at 64;
+  adapters/cuda/tests/test_stream_projection.py compiles it so). A float32 input (the
+  residual stream) asks one stage (`stages_for`) and is not: measured whole-step against
+  its pipelined launch, that was faster at batch 1 and 64 (docs/kernels.md);
 - split K across `split` programs (a power of two, at most 16, each walking at least two
   K tiles) while the grid holds at most three programs per multiprocessor: a 1024-column output
   has 16 column tiles, far too few alone; the split's partials are summed by the tile's
@@ -20,7 +19,7 @@ of `sms` multiprocessors:
   waves of programs (`wave_split`), any count up to 16;
 - the GEMM form (`rows_first`, from XGRAPH_CUDA_GEMM_ROWS rows, not the qkv kernel): the
   input rows are the tensor cores' left operand and the weight tile the right one, read
-  from shared memory, which Triton can stage ahead of the loop (`operand.accumulate_rows`);
+  from shared memory (`operand.accumulate_rows`);
 - the multiply-add form (`mma=False`, rows <= 2) is kept for the sweep
   (adapters/cuda/tools/bench_kernels.py), which measures each form on the device.
 

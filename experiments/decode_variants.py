@@ -14,7 +14,7 @@ loads its first key tile before it waits: XGRAPH_CUDA_DECODE_PRELOAD), `pipeline
 stream's launches at their configuration's stage count instead of `stages_for`'s one),
 `qkvsplitN` (the qkv projection split N ways along K), `gemvsplitxN` (the other projections'
 split N times the default), `warpsN` / `qkvwarpsN` (the projections' warps), `gemmrowsN`
-(the projections other than qkv in the GEMM form from N rows), `pdlmaxN` (projections past
+(every projection in the GEMM form from N rows), `pdlmaxN` (projections past
 N MiB of weights launch without PDL: XGRAPH_CUDA_PDL_MAX_MIB).
 Each is captured into its own graph (the switches are read at launch); per bucket and
 variant: device us per replay (pdl_race.py's events over 50 replays, median of 5 rounds),
@@ -86,7 +86,7 @@ def configs(parts: set[str]):
     the kernel masks an uneven K); `gemvsplitxN`, the other projections' split N times the
     default (up to 16, each program keeping two K tiles): more programs, more weight bytes in
     flight per SM; `warpsN` / `qkvwarpsN`, every projection's (the qkv kernel's) warps;
-    `gemmrowsN`, the other projections in the GEMM form from N rows (XGRAPH_CUDA_GEMM_ROWS)."""
+    `gemmrowsN`, every projection in the GEMM form from N rows (XGRAPH_CUDA_GEMM_ROWS)."""
     from xgraph_cuda import projection
     from xgraph_cuda.kernels.tuning import MAX_SPLIT
 
@@ -98,10 +98,10 @@ def configs(parts: set[str]):
     def pick(m, n, k, sms, head_dim=None):
         c = kept(m, n, k, sms, head_dim)
         c = c._replace(warps=warps or c.warps)
-        if head_dim is not None:
-            return c._replace(split=qkv or c.split, warps=qkv_warps or c.warps)
         if gemm_rows is not None:
             c = c._replace(rows_first=m >= gemm_rows)
+        if head_dim is not None:
+            return c._replace(split=qkv or c.split, warps=qkv_warps or c.warps)
         split = c.split
         while (
             times and split < c.split * times and split < MAX_SPLIT and k >= 4 * c.block_k * split

@@ -89,7 +89,7 @@ def test_the_gemm_form_is_picked_from_the_row_count_the_environment_names(
     assert not pick(64, 1024, 1024, 132).rows_first  # unset: never
     monkeypatch.setenv(tuning.GEMM_ROWS_ENV, "17")
     assert [pick(m, 1024, 1024, 132).rows_first for m in (8, 16, 17, 64)] == [0, 0, 1, 1]
-    assert not pick(64, 4096, 1024, 132, head_dim=128).rows_first  # the qkv kernel: never
+    assert pick(64, 4096, 1024, 132, head_dim=128).rows_first  # the qkv kernel too
     monkeypatch.setenv(tuning.GEMM_ROWS_ENV, "none")
     assert not pick(64, 1024, 1024, 132).rows_first
     monkeypatch.setenv(tuning.GEMM_ROWS_ENV, "many")
@@ -124,16 +124,17 @@ def _heads(g: torch.Generator, t: int, hq: int, hkv: int, d: int) -> HeadNorm:
     return HeadNorm(qw, kw, 1e-6, cs, hq, hkv)
 
 
-@pytest.mark.parametrize("split,k", [(1, 64), (2, 64), (3, 320)])
-def test_qkv_with_its_norms_and_rotary(split: int, k: int) -> None:
-    """Splits 1 and 2, and 3 over a K no split of whole tiles shares evenly."""
+@pytest.mark.parametrize("split,k,t", [(1, 64, 3), (2, 64, 3), (3, 320, 3), (2, 64, 20)])
+@pytest.mark.parametrize("rows_first", [False, True], ids=["swapped", "gemm"])
+def test_qkv_with_its_norms_and_rotary(split: int, k: int, t: int, rows_first: bool) -> None:
+    """Splits 1 and 2, and 3 over a K no split of whole tiles shares evenly; both forms."""
     g = _gen(20 + split)
-    t, hq, hkv, d = 3, 4, 2, 32
+    hq, hkv, d = 4, 2, 32
     x, w = _t(g, t, k), _t(g, (hq + 2 * hkv) * d, k, scale=0.1)
     norm = 1 + _t(g, k, scale=0.1)
     h = _heads(g, t, hq, hkv, d)
     spec = (h.q_weight, h.k_weight, h.eps, h.cos_sin, hq, hkv)
-    c = _cfg(MMA, t, split)
+    c = _cfg(MMA, t, split)._replace(rows_first=rows_first)
     got = qkv.launch(x, w, c, arena.counts(x.device), spec, norm=norm, eps=1e-6)
     _close(got, reference(x, w, Fusion(norm, 1e-6, heads=h), F.linear))
 

@@ -8,7 +8,7 @@ at the end, so no pass over the row comes first) or SiLU(gate) * up. With a spli
 program stores its partial and the tile's last program sums them in split order (`fixup`);
 then the epilogue: the norm's scale, the residual add, one rounding to the output dtype.
 
-With enough rows (`tuning.gemm_rows`) the product takes the GEMM form (`product_rows`: the
+With enough rows (`tuning.gemm_rows`) the product takes the GEMM form (`ROWS_FIRST`: the
 rows the tensor cores' left operand, the weight tile the right one).
 
 The qkv projection with its per-head norm and rotary is `qkv.py`, over the same pieces.
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from . import dot_precision, dot_upcast, pdl_options, prefetch, tuning
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
-from .operand import accumulate, accumulate_rows, input_tile, weight_tile
+from .operand import accumulate, columns_first, input_tile, weight_tile, zeros
 from .tuning import Config, stages_for
 
 # fmt: off
@@ -46,47 +46,26 @@ def _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm,
 def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, GATED: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr,
+            ROWS_FIRST: tl.constexpr):
     """One program's share of the product: acc [BLOCK_N, BLOCK_M] over k_per columns of K
     from k (weight rows `rows`), and the input rows' sum of squares over them. PRELOAD: the
-    first weight tile is `w_first`, loaded before the program waited."""
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    first weight tile is `w_first`, loaded before the program waited. ROWS_FIRST: the GEMM
+    form (`operand.accumulate`)."""
+    acc = zeros(BLOCK_N, BLOCK_M, ROWS_FIRST)
     ss = tl.zeros([BLOCK_M], tl.float32)
     if PRELOAD:
         x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
         ss += sq
-        acc = accumulate(acc, w_first, x, MMA, UPCAST, PRECISION)
+        acc = accumulate(acc, w_first, x, MMA, ROWS_FIRST, UPCAST, PRECISION)
         k += BLOCK_K
     for _ in range(BLOCK_K if PRELOAD else 0, k_per, BLOCK_K):
         w = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
         x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
         ss += sq
-        acc = accumulate(acc, w, x, MMA, UPCAST, PRECISION)
+        acc = accumulate(acc, w, x, MMA, ROWS_FIRST, UPCAST, PRECISION)
         k += BLOCK_K
-    return acc, ss
-
-
-@triton.jit
-def product_rows(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NORM: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr,
-                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr):
-    """`product` in the GEMM form (`accumulate_rows`), returned as `product` returns it:
-    acc [BLOCK_N, BLOCK_M] (transposed once, after the loop) and the sum of squares."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    ss = tl.zeros([BLOCK_M], tl.float32)
-    if PRELOAD:
-        x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
-        ss += sq
-        acc = accumulate_rows(acc, w_first, x, UPCAST, PRECISION)
-        k += BLOCK_K
-    for _ in range(BLOCK_K if PRELOAD else 0, k_per, BLOCK_K):
-        w = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
-        x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
-        ss += sq
-        acc = accumulate_rows(acc, w, x, UPCAST, PRECISION)
-        k += BLOCK_K
-    return tl.trans(acc), ss
+    return columns_first(acc, ROWS_FIRST), ss
 
 
 @triton.jit
@@ -107,14 +86,9 @@ def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, 
     # nothing the previous kernel writes is read, nor anything written, before this
     prefetch.enter(W, rows, n_ok, split * k_per, k_pre, K, s_wn, BLOCK_K, LINE, PREFETCH, PDL,
                    TRIGGER)
-    if ROWS_FIRST:
-        acc, ss = product_rows(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
-                               BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, EVEN, UPCAST, PRECISION,
-                               PRELOAD)
-    else:
-        acc, ss = product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
-                          BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST, PRECISION,
-                          PRELOAD)
+    acc, ss = product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
+                      BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST, PRECISION,
+                      PRELOAD, ROWS_FIRST)
     prefetch.leave(PDL, TRIGGER)
     if SPLIT == 1:
         _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm, NORM, RESIDUAL)

@@ -17,7 +17,7 @@ of `sms` multiprocessors:
   has 16 column tiles, far too few alone; the split's partials are summed by the tile's
   last program (`fixup`), in a fixed order. The qkv kernel's split instead fills whole
   waves of programs (`wave_split`), any count up to 16;
-- the GEMM form (`rows_first`, from XGRAPH_CUDA_GEMM_ROWS rows, not the qkv kernel): the
+- the GEMM form (`rows_first`, from XGRAPH_CUDA_GEMM_ROWS rows): the
   input rows are the tensor cores' left operand and the weight tile the right one, read
   from shared memory (`operand.accumulate_rows`);
 - the multiply-add form (`mma=False`, rows <= 2) is kept for the sweep
@@ -64,8 +64,8 @@ GEMM_ROWS_ENV = "XGRAPH_CUDA_GEMM_ROWS"
 
 
 def gemm_rows() -> int | None:
-    """XGRAPH_CUDA_GEMM_ROWS: the fewest rows a projection (not qkv) takes in the GEMM form,
-    or None (`none`, the default: every row count in the swapped form)."""
+    """XGRAPH_CUDA_GEMM_ROWS: the fewest rows a projection takes in the GEMM form, or None
+    (`none`, the default: every row count in the swapped form)."""
     v = os.environ.get(GEMM_ROWS_ENV, "none").strip().lower()
     if v in ("", "none", "off"):
         return None
@@ -136,7 +136,7 @@ def pick(m: int, n: int, k: int, sms: int, head_dim: int | None = None) -> Confi
     else:  # the qkv kernel's wider tiles keep two a multiprocessor, as measured before
         split = split_for(tiles, k, block_k, sms, PER_SM if head_dim is None else 2)
     rows = gemm_rows()
-    first = head_dim is None and rows is not None and m >= rows
+    first = rows is not None and m >= rows
     return Config(True, block_m_for(m, True), block_n, block_k, split, 4, 3, first)
 
 
@@ -155,10 +155,11 @@ def candidates(m: int, n: int, k: int, sms: int, head_dim: int | None = None) ->
         if 1 <= split <= MAX_SPLIT and k >= split * base.block_k:
             out.append(base._replace(split=split))
     out.append(base._replace(block_k=base.block_k * 2, stages=2))
+    if m > 8:  # the other form
+        out.append(base._replace(rows_first=not base.rows_first))
     if head_dim is None:
         out.append(base._replace(block_n=32, split=min(MAX_SPLIT, base.split * 2)))
-        if m > 8:  # the other form, and its wider tile (half the input's re-reads)
-            out.append(base._replace(rows_first=not base.rows_first))
+        if m > 8:  # the GEMM form's wider tile: half the input's re-reads
             out.append(base._replace(rows_first=True, block_n=128))
     if m <= 2 and head_dim is None:
         bm = block_m_for(m, False)

@@ -13,9 +13,8 @@ their first weight tile before they wait: XGRAPH_CUDA_PRELOAD), `keys` (the deco
 loads its first key tile before it waits: XGRAPH_CUDA_DECODE_PRELOAD), `pipelined` (the float32
 stream's launches at their configuration's stage count instead of `stages_for`'s one),
 `qkvsplitN` (the qkv projection split N ways along K), `gemvsplitxN` (the other projections'
-split N times the default), `warpsN` / `qkvwarpsN` (the projections' warps), `gemmrowsN`
-(every projection in the GEMM form from N rows), `pdlmaxN` (projections past
-N MiB of weights launch without PDL: XGRAPH_CUDA_PDL_MAX_MIB).
+split N times the default), `warpsN` / `qkvwarpsN` (the projections' warps), `pdlmaxN`
+(projections past N MiB of weights launch without PDL: XGRAPH_CUDA_PDL_MAX_MIB).
 Each is captured into its own graph (the switches are read at launch); per bucket and
 variant: device us per replay (pdl_race.py's events over 50 replays, median of 5 rounds),
 kernels of one replay by name (torch.profiler) for the first and last variant, and for PDL
@@ -85,21 +84,17 @@ def configs(parts: set[str]):
     `qkvsplitN`, the qkv projection's K split set to N (a split need not be a power of two:
     the kernel masks an uneven K); `gemvsplitxN`, the other projections' split N times the
     default (up to 16, each program keeping two K tiles): more programs, more weight bytes in
-    flight per SM; `warpsN` / `qkvwarpsN`, every projection's (the qkv kernel's) warps;
-    `gemmrowsN`, every projection in the GEMM form from N rows (XGRAPH_CUDA_GEMM_ROWS)."""
+    flight per SM; `warpsN` / `qkvwarpsN`, every projection's (the qkv kernel's) warps."""
     from xgraph_cuda import projection
     from xgraph_cuda.kernels.tuning import MAX_SPLIT
 
     qkv, times = _asked(parts, "qkvsplit"), _asked(parts, "gemvsplitx")
     warps, qkv_warps = _asked(parts, "warps"), _asked(parts, "qkvwarps")
-    gemm_rows = _asked(parts, "gemmrows")
     kept = projection.pick
 
     def pick(m, n, k, sms, head_dim=None):
         c = kept(m, n, k, sms, head_dim)
         c = c._replace(warps=warps or c.warps)
-        if gemm_rows is not None:
-            c = c._replace(rows_first=m >= gemm_rows)
         if head_dim is not None:
             return c._replace(split=qkv or c.split, warps=qkv_warps or c.warps)
         split = c.split

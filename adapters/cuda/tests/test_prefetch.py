@@ -55,7 +55,7 @@ _BF16 = "*bf16"
 
 def _variant(pre: bool, early: bool, preload: bool = False) -> tuple[dict, dict]:
     const = _COMMON | {"BLOCK_N": 64, "SPLIT": 2, "GATED": False, "RESIDUAL": True}
-    const.update(PREFETCH=pre, TRIGGER=int(early), PRELOAD=preload, ROWS_FIRST=False)
+    const.update(PREFETCH=pre, TRIGGER=int(early), PRELOAD=preload)
     types = {n: _BF16 for n in ("X", "W", "Y", "R", "G")}
     types.update(Part="*fp32", Count="*i32", eps="fp32")
     return const, types
@@ -114,7 +114,7 @@ def test_preload_loads_the_first_weight_tile_before_the_wait(ptx_order):
 
 def _qkv_variant(preload: bool) -> tuple[dict, dict]:
     const = _COMMON | {"HQ": 16, "HKV": 8, "HALF": 64, "SPLIT": 4}
-    const.update(PREFETCH=False, TRIGGER=0, PRELOAD=preload, ROWS_FIRST=False)
+    const.update(PREFETCH=False, TRIGGER=0, PRELOAD=preload)
     types = {n: _BF16 for n in ("X", "W", "Y", "G", "QW", "KW")}
     types.update(CS="*fp32", Part="*fp32", Count="*i32", eps="fp32", head_eps="fp32")
     return const, types

@@ -1,7 +1,6 @@
 """The decode projection kernels (kernels/gemv.py, kernels/qkv.py) against the fusion's
 reference ops: plain, with each prologue and epilogue, split K finished by the last program
-(in split order: bitwise repeatable, counts back to zero), the multiply-add and tensor-core
-forms, the latter swapped (weights first) and as a GEMM (rows first).
+(in split order: bitwise repeatable, counts back to zero), both product forms.
 
 Without a GPU the kernels run in Triton's CPU interpreter (conftest.py); shapes stay small.
 """
@@ -62,41 +61,6 @@ def test_sixty_four_rows_on_the_tensor_core_form() -> None:
     _close(y, F.linear(x, w))
 
 
-@pytest.mark.parametrize("m,split", [(17, 1), (40, 2)])
-def test_the_gemm_form_with_each_prologue_and_the_residual(m: int, split: int) -> None:
-    """Rows first (`rows_first`): plain, norm, gated + residual against the reference ops,
-    through a split and unsplit, and the result is the swapped form's to float32 rounding."""
-    g = _gen(60 + m)
-    k = 96
-    x, w = _t(g, m, 2 * k), _t(g, 40, k, scale=0.1)
-    norm, res = 1 + _t(g, k, scale=0.1), _t(g, m, 40)
-    c = _cfg(MMA, m, split)._replace(rows_first=True)
-    counts = arena.counts(x.device)
-    plain = x[:, :k]
-    got = gemv.launch(plain, w, c, counts)
-    _close(got, F.linear(plain, w))
-    _close(got, gemv.launch(plain, w, c._replace(rows_first=False), counts), tol=1e-6)
-    got = gemv.launch(plain, w, c, counts, norm=norm, eps=1e-5, residual=res)
-    _close(got, reference(plain, w, Fusion(norm, 1e-5, residual=res), F.linear))
-    got = gemv.launch(x, w, c, counts, gated=True, residual=res)
-    _close(got, reference(x, w, Fusion(gated=True, residual=res), F.linear))
-    assert int(counts.abs().sum()) == 0
-
-
-def test_the_gemm_form_is_picked_from_the_row_count_the_environment_names(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert not pick(64, 1024, 1024, 132).rows_first  # unset: never
-    monkeypatch.setenv(tuning.GEMM_ROWS_ENV, "17")
-    assert [pick(m, 1024, 1024, 132).rows_first for m in (8, 16, 17, 64)] == [0, 0, 1, 1]
-    assert pick(64, 4096, 1024, 132, head_dim=128).rows_first  # the qkv kernel too
-    monkeypatch.setenv(tuning.GEMM_ROWS_ENV, "none")
-    assert not pick(64, 1024, 1024, 132).rows_first
-    monkeypatch.setenv(tuning.GEMM_ROWS_ENV, "many")
-    with pytest.raises(XGraphError, match="XGRAPH_CUDA_GEMM_ROWS='many'"):
-        pick(64, 1024, 1024, 132)
-
-
 @pytest.mark.parametrize("split", [1, 2])
 def test_norm_prologue_and_residual_epilogue(split: int) -> None:
     g = _gen(split)
@@ -124,17 +88,16 @@ def _heads(g: torch.Generator, t: int, hq: int, hkv: int, d: int) -> HeadNorm:
     return HeadNorm(qw, kw, 1e-6, cs, hq, hkv)
 
 
-@pytest.mark.parametrize("split,k,t", [(1, 64, 3), (2, 64, 3), (3, 320, 3), (2, 64, 20)])
-@pytest.mark.parametrize("rows_first", [False, True], ids=["swapped", "gemm"])
-def test_qkv_with_its_norms_and_rotary(split: int, k: int, t: int, rows_first: bool) -> None:
-    """Splits 1 and 2, and 3 over a K no split of whole tiles shares evenly; both forms."""
+@pytest.mark.parametrize("split,k", [(1, 64), (2, 64), (3, 320)])
+def test_qkv_with_its_norms_and_rotary(split: int, k: int) -> None:
+    """Splits 1 and 2, and 3 over a K no split of whole tiles shares evenly."""
     g = _gen(20 + split)
-    hq, hkv, d = 4, 2, 32
+    t, hq, hkv, d = 3, 4, 2, 32
     x, w = _t(g, t, k), _t(g, (hq + 2 * hkv) * d, k, scale=0.1)
     norm = 1 + _t(g, k, scale=0.1)
     h = _heads(g, t, hq, hkv, d)
     spec = (h.q_weight, h.k_weight, h.eps, h.cos_sin, hq, hkv)
-    c = _cfg(MMA, t, split)._replace(rows_first=rows_first)
+    c = _cfg(MMA, t, split)
     got = qkv.launch(x, w, c, arena.counts(x.device), spec, norm=norm, eps=1e-6)
     _close(got, reference(x, w, Fusion(norm, 1e-6, heads=h), F.linear))
 

@@ -8,9 +8,6 @@ at the end, so no pass over the row comes first) or SiLU(gate) * up. With a spli
 program stores its partial and the tile's last program sums them in split order (`fixup`);
 then the epilogue: the norm's scale, the residual add, one rounding to the output dtype.
 
-With enough rows (`tuning.gemm_rows`) the product takes the GEMM form (`ROWS_FIRST`: the
-rows the tensor cores' left operand, the weight tile the right one).
-
 The qkv projection with its per-head norm and rotary is `qkv.py`, over the same pieces.
 """
 
@@ -22,7 +19,7 @@ import triton.language as tl
 
 from . import dot_precision, dot_upcast, pdl_options, prefetch, tuning
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
-from .operand import accumulate, columns_first, input_tile, weight_tile, zeros
+from .operand import accumulate, input_tile, weight_tile
 from .tuning import Config, stages_for
 
 # fmt: off
@@ -46,26 +43,24 @@ def _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm,
 def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, GATED: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr,
-            ROWS_FIRST: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr):
     """One program's share of the product: acc [BLOCK_N, BLOCK_M] over k_per columns of K
     from k (weight rows `rows`), and the input rows' sum of squares over them. PRELOAD: the
-    first weight tile is `w_first`, loaded before the program waited. ROWS_FIRST: the GEMM
-    form (`operand.accumulate`)."""
-    acc = zeros(BLOCK_N, BLOCK_M, ROWS_FIRST)
+    first weight tile is `w_first`, loaded before the program waited."""
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
     if PRELOAD:
         x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
         ss += sq
-        acc = accumulate(acc, w_first, x, MMA, ROWS_FIRST, UPCAST, PRECISION)
+        acc = accumulate(acc, w_first, x, MMA, UPCAST, PRECISION)
         k += BLOCK_K
     for _ in range(BLOCK_K if PRELOAD else 0, k_per, BLOCK_K):
         w = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
         x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
         ss += sq
-        acc = accumulate(acc, w, x, MMA, ROWS_FIRST, UPCAST, PRECISION)
+        acc = accumulate(acc, w, x, MMA, UPCAST, PRECISION)
         k += BLOCK_K
-    return columns_first(acc, ROWS_FIRST), ss
+    return acc, ss
 
 
 @triton.jit
@@ -75,7 +70,7 @@ def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, 
                  RESIDUAL: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
                  UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
                  PREFETCH: tl.constexpr, LINE: tl.constexpr, TRIGGER: tl.constexpr,
-                 PRELOAD: tl.constexpr, ROWS_FIRST: tl.constexpr):
+                 PRELOAD: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,7 +83,7 @@ def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, 
                    TRIGGER)
     acc, ss = product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
                       BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST, PRECISION,
-                      PRELOAD, ROWS_FIRST)
+                      PRELOAD)
     prefetch.leave(PDL, TRIGGER)
     if SPLIT == 1:
         _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm, NORM, RESIDUAL)
@@ -170,7 +165,6 @@ def launch(
         EVEN=k % c.block_k == 0 and per * split == k,
         UPCAST=dot_upcast(),
         PRECISION=dot_precision(w.dtype),
-        ROWS_FIRST=c.rows_first and c.mma,
         num_warps=c.warps,
         num_stages=stages_for(c, x.dtype, w.dtype),
         **pre_opts,

@@ -5,8 +5,7 @@ The weight tile is the left operand ([columns, k]) and the input rows the right 
 tile of 16 to 128 output columns fills the matrix units' M dimension however few rows there
 are ("swap AB"): with one row, 15 of the 16 columns of the instruction are padding, which
 costs nothing in a product bound by the weight stream, and the weight loads feed the dot
-directly. With enough rows to fill the instruction's M (`tuning.gemm_rows`), the GEMM form
-(`ROWS_FIRST`) puts the rows first instead.
+directly.
 """
 
 from __future__ import annotations
@@ -56,52 +55,16 @@ def input_tile(
 
 
 @triton.jit
-def zeros(BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_FIRST: tl.constexpr):
-    """A float32 accumulator in the product's form: [rows, columns] in the GEMM form, else
-    [columns, rows]."""
-    if ROWS_FIRST:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    return acc
-
-
-@triton.jit
-def columns_first(acc, ROWS_FIRST: tl.constexpr):
-    """The accumulator as [columns, rows] whatever its form (what the epilogues and the split
-    partials take): the GEMM form's is transposed once, after the loop."""
-    if ROWS_FIRST:
-        acc = tl.trans(acc)
-    return acc
-
-
-@triton.jit
-def accumulate(
-    acc,
-    w,
-    x,
-    MMA: tl.constexpr,
-    ROWS_FIRST: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """acc + the product of the weight tile w [columns, k] and the input rows x [rows, k], the
-    input rounded to the weights' dtype first (the operand an unfused model hands its GEMM):
-    w @ x.T into acc [columns, rows], or in the GEMM form (ROWS_FIRST, tensor cores only)
-    x @ w.T into acc [rows, columns], the weight tile then the right operand, which the
-    tensor cores read from shared memory. UPCAST: float32 operands (the interpreter's 16-bit
-    dot is wrong)."""
+def accumulate(acc, w, x, MMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [columns, rows] + w [columns, k] @ x [rows, k].T, the input rounded to the
+    weights' dtype first (the operand an unfused model hands its GEMM). UPCAST: float32
+    operands (the interpreter's 16-bit dot is wrong)."""
     xq = x.to(w.dtype)
-    if UPCAST:
-        xq = xq.to(tl.float32)
-        w = w.to(tl.float32)
-    if ROWS_FIRST:
-        acc = tl.dot(xq, tl.trans(w), acc, input_precision=PRECISION)
-    elif MMA:
-        acc = tl.dot(w, tl.trans(xq), acc, input_precision=PRECISION)
-    else:
-        acc += tl.sum(w.to(tl.float32)[:, None, :] * xq.to(tl.float32)[None, :, :], 2)
-    return acc
+    if MMA:
+        if UPCAST:
+            return acc + tl.dot(w.to(tl.float32), tl.trans(xq.to(tl.float32)))
+        return tl.dot(w, tl.trans(xq), acc, input_precision=PRECISION)
+    return acc + tl.sum(w.to(tl.float32)[:, None, :] * xq.to(tl.float32)[None, :, :], 2)
 
 
 @triton.jit

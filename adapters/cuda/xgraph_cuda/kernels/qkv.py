@@ -19,7 +19,7 @@ import triton.language as tl
 from . import dot_precision, dot_upcast, pdl_options, prefetch
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
 from .gemv import k_share, workspace
-from .operand import accumulate, columns_first, input_tile, weight_tile, zeros
+from .operand import accumulate, input_tile, weight_tile
 from .tuning import Config, stages_for
 
 # fmt: off
@@ -61,31 +61,29 @@ def _head_epilogue(Y, QW, KW, CS, head, rm, m_ok, lo, hi, ss, K, eps, head_eps, 
 def _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, first_lo, first_hi,
             BLOCK_M: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr,
-            ROWS_FIRST: tl.constexpr):
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr):
     """One program's share of a head: the products of its two halves of weight rows (`rows`,
     `rows + HALF`) over k_per columns of K from k, and the input's sum of squares (PRELOAD:
-    the halves' first tiles are first_lo, first_hi, loaded before the program waited;
-    ROWS_FIRST: the GEMM form, `operand.accumulate`)."""
+    the halves' first tiles are first_lo, first_hi, loaded before the program waited)."""
     n_ok = tl.full([HALF], True, tl.int1)
-    lo = zeros(HALF, BLOCK_M, ROWS_FIRST)
-    hi = zeros(HALF, BLOCK_M, ROWS_FIRST)
+    lo = tl.zeros([HALF, BLOCK_M], tl.float32)
+    hi = tl.zeros([HALF, BLOCK_M], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
     if PRELOAD:
         x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, False, EVEN)
         ss += sq
-        lo = accumulate(lo, first_lo, x, MMA, ROWS_FIRST, UPCAST, PRECISION)
-        hi = accumulate(hi, first_hi, x, MMA, ROWS_FIRST, UPCAST, PRECISION)
+        lo = accumulate(lo, first_lo, x, MMA, UPCAST, PRECISION)
+        hi = accumulate(hi, first_hi, x, MMA, UPCAST, PRECISION)
         k += BLOCK_K
     for _ in range(BLOCK_K if PRELOAD else 0, k_per, BLOCK_K):
         w_lo = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
         w_hi = weight_tile(W, rows + HALF, k, n_ok, K, s_wn, EVEN)
         x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, False, EVEN)
         ss += sq
-        lo = accumulate(lo, w_lo, x, MMA, ROWS_FIRST, UPCAST, PRECISION)
-        hi = accumulate(hi, w_hi, x, MMA, ROWS_FIRST, UPCAST, PRECISION)
+        lo = accumulate(lo, w_lo, x, MMA, UPCAST, PRECISION)
+        hi = accumulate(hi, w_hi, x, MMA, UPCAST, PRECISION)
         k += BLOCK_K
-    return columns_first(lo, ROWS_FIRST), columns_first(hi, ROWS_FIRST), ss
+    return lo, hi, ss
 
 
 @triton.jit
@@ -96,7 +94,7 @@ def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, k_pre, s_xm, s
                 NORM: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
                 PREFETCH: tl.constexpr, LINE: tl.constexpr, TRIGGER: tl.constexpr,
-                PRELOAD: tl.constexpr, ROWS_FIRST: tl.constexpr):
+                PRELOAD: tl.constexpr):
     head = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
@@ -111,8 +109,7 @@ def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, k_pre, s_xm, s
                    tl.full([2 * HALF], True, tl.int1), split * k_per, k_pre, K, s_wn, BLOCK_K,
                    LINE, PREFETCH, PDL, TRIGGER)
     lo, hi, ss = _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, w_lo, w_hi, BLOCK_M,
-                         HALF, BLOCK_K, NORM, MMA, EVEN, UPCAST, PRECISION, PRELOAD,
-                         ROWS_FIRST)
+                         HALF, BLOCK_K, NORM, MMA, EVEN, UPCAST, PRECISION, PRELOAD)
     prefetch.leave(PDL, TRIGGER)
     if SPLIT == 1:
         _head_epilogue(Y, QW, KW, CS, head, rm, m_ok, lo, hi, ss, K, eps, head_eps, s_ym, s_cs,
@@ -185,7 +182,6 @@ def launch(
         EVEN=k % c.block_k == 0 and per * split == k,
         UPCAST=dot_upcast(),
         PRECISION=dot_precision(w.dtype),
-        ROWS_FIRST=c.rows_first and c.mma,
         num_warps=c.warps,
         num_stages=stages_for(c, x.dtype, w.dtype),
         **pre_opts,

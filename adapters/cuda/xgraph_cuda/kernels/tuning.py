@@ -17,9 +17,6 @@ of `sms` multiprocessors:
   has 16 column tiles, far too few alone; the split's partials are summed by the tile's
   last program (`fixup`), in a fixed order. The qkv kernel's split instead fills whole
   waves of programs (`wave_split`), any count up to 16;
-- the GEMM form (`rows_first`, from XGRAPH_CUDA_GEMM_ROWS rows): the
-  input rows are the tensor cores' left operand and the weight tile the right one, read
-  from shared memory (`operand.accumulate_rows`);
 - the multiply-add form (`mma=False`, rows <= 2) is kept for the sweep
   (adapters/cuda/tools/bench_kernels.py), which measures each form on the device.
 
@@ -28,12 +25,9 @@ of `sms` multiprocessors:
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
-
-from xgraph.adapter import XGraphError
 
 MAX_ROWS = 64  # decode buckets up to here; prefill-sized calls go to cuBLAS
 MAX_SPLIT = 16
@@ -47,7 +41,6 @@ class Config(NamedTuple):
     split: int  # programs along K per column tile
     warps: int
     stages: int
-    rows_first: bool = False  # the GEMM form (gemv.product_rows), tensor cores only
 
 
 def _pow2(v: int) -> int:
@@ -60,22 +53,6 @@ def block_m_for(m: int, mma: bool) -> int:
 
 
 PER_SM = 3  # programs per multiprocessor the split aims at
-GEMM_ROWS_ENV = "XGRAPH_CUDA_GEMM_ROWS"
-
-
-def gemm_rows() -> int | None:
-    """XGRAPH_CUDA_GEMM_ROWS: the fewest rows a projection takes in the GEMM form, or None
-    (`none`, the default: every row count in the swapped form)."""
-    v = os.environ.get(GEMM_ROWS_ENV, "none").strip().lower()
-    if v in ("", "none", "off"):
-        return None
-    try:
-        rows = int(v)
-    except ValueError:
-        rows = 0
-    if rows < 1:
-        raise XGraphError(f"{GEMM_ROWS_ENV}={v!r}: give a row count (at least 1) or 'none'.")
-    return rows
 
 
 def split_for(tiles: int, k: int, block_k: int, sms: int, per_sm: int = PER_SM) -> int:
@@ -135,9 +112,7 @@ def pick(m: int, n: int, k: int, sms: int, head_dim: int | None = None) -> Confi
         split = wave_split(tiles, k, block_k, sms)
     else:  # the qkv kernel's wider tiles keep two a multiprocessor, as measured before
         split = split_for(tiles, k, block_k, sms, PER_SM if head_dim is None else 2)
-    rows = gemm_rows()
-    first = rows is not None and m >= rows
-    return Config(True, block_m_for(m, True), block_n, block_k, split, 4, 3, first)
+    return Config(True, block_m_for(m, True), block_n, block_k, split, 4, 3)
 
 
 def stages_for(c: Config, x: torch.dtype, w: torch.dtype) -> int:
@@ -155,12 +130,8 @@ def candidates(m: int, n: int, k: int, sms: int, head_dim: int | None = None) ->
         if 1 <= split <= MAX_SPLIT and k >= split * base.block_k:
             out.append(base._replace(split=split))
     out.append(base._replace(block_k=base.block_k * 2, stages=2))
-    if m > 8:  # the other form
-        out.append(base._replace(rows_first=not base.rows_first))
     if head_dim is None:
         out.append(base._replace(block_n=32, split=min(MAX_SPLIT, base.split * 2)))
-        if m > 8:  # the GEMM form's wider tile: half the input's re-reads
-            out.append(base._replace(rows_first=True, block_n=128))
     if m <= 2 and head_dim is None:
         bm = block_m_for(m, False)
         tiles = -(-n // 16)

@@ -8,6 +8,8 @@ float32 stream, giving the model back), against transformers' own forward.
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -79,7 +81,8 @@ def test_qwen3_layers_fuse_and_give_transformers_logits(fused_cpu, compile):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     assert result.graph_steps["eager"] == 0
     # closed: the model's own forwards again, and it computes what it did
-    assert not any("forward" in m.__dict__ for m in [*layers, model.model.rotary_emb])
+    mods = [*layers, model.model.rotary_emb]
+    assert not any(n in m.__dict__ for m in mods for n in ("forward", "_forward", "_rotary"))
     ids = torch.tensor([ps[0]])
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
@@ -184,3 +187,17 @@ def test_the_compile_cache_keys_the_fused_layers_apart(fused_cpu, tmp_path):
             assert gm.fused is fuse
             keys.append(gm.compiled.cache.key)
     assert keys[0] != keys[1]  # a forward traced one way is never loaded for the other
+
+
+def test_the_fused_forwards_pickle_as_torchs_ahead_of_time_compile_does(fused_cpu):
+    """torch's AOT compile (what keeps GraphModel's compiled forward for the next process)
+    pickles a bound method by looking it up on its object under its function's name: the
+    fused forwards must be found there (an AttributeError on a GPU otherwise)."""
+    aot = pytest.importorskip("torch._dynamo.aot_compile")
+    qwen = tiny("qwen3")
+    with GraphModel(qwen, backend=fused_cpu, **LIMITS) as gm:
+        assert gm.fused
+        for fn in (qwen.model.layers[0].forward, qwen.model.rotary_emb.forward):
+            buf = io.BytesIO()
+            aot.AOTCompilePickler({}, buf).dump(fn)
+            assert buf.getvalue()

@@ -172,11 +172,20 @@ def fuse_layers(model: Any) -> bool:
         return False
     for i, layer in enumerate(layers):
         layer._xgraph_last = i == len(layers) - 1
-        layer._xgraph_unfused = layer.forward
-        layer.forward = types.MethodType(_forward, layer)
-    rotary._xgraph_unfused = rotary.forward
-    rotary.forward = types.MethodType(_rotary, rotary)
+        _install(layer, _forward)
+    _install(rotary, _rotary)
     return True
+
+
+def _install(module: nn.Module, fn: Any) -> None:
+    """module.forward = fn bound to the module (its own forward kept to give back). The bound
+    method is also the module's attribute under fn's own name: torch's AOT compile pickles a
+    bound method by looking it up on its object under its function's name, and without it
+    `GraphModel`'s compiled forward could not be kept for the next process."""
+    bound = types.MethodType(fn, module)
+    module._xgraph_unfused = module.forward
+    module.forward = bound
+    setattr(module, fn.__name__, bound)
 
 
 def unfuse_layers(model: Any) -> None:
@@ -184,7 +193,8 @@ def unfuse_layers(model: Any) -> None:
     dec = _decoder(model)
     for m in [*(getattr(dec, "layers", None) or []), getattr(dec, "rotary_emb", None)]:
         if m is not None and "_xgraph_unfused" in m.__dict__:
-            for name in ("forward", "_xgraph_unfused", "_xgraph_last"):
+            names = ("forward", _forward.__name__, _rotary.__name__, "_xgraph_unfused")
+            for name in (*names, "_xgraph_last"):
                 m.__dict__.pop(name, None)
 
 

@@ -118,7 +118,10 @@ def test_the_fused_form_is_asked_for(fused_cpu, monkeypatch):
     qwen = tiny("qwen3")
     with GraphModel(qwen, backend=fused_cpu, fuse_layers=False, **LIMITS) as gm:
         assert not gm.fused
-    monkeypatch.delenv("XGRAPH_FUSE_LAYERS")  # off by default
+    monkeypatch.delenv("XGRAPH_FUSE_LAYERS")  # on by default where there is a fused kernel
+    with GraphModel(qwen, backend=fused_cpu, **LIMITS) as gm:
+        assert gm.fused
+    monkeypatch.setenv("XGRAPH_FUSE_LAYERS", "0")
     with GraphModel(qwen, backend=fused_cpu, **LIMITS) as gm:
         assert not gm.fused
     with GraphModel(qwen, backend=fused_cpu, fuse_layers=True, **LIMITS) as gm:

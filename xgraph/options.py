@@ -17,21 +17,25 @@ _ON = ("1", "true", "on", "yes")
 _OFF = ("", "0", "false", "off", "no")
 
 
-def switch(given: bool | None, name: str, env: str) -> bool:
+def switch(given: bool | None, name: str, env: str, default: bool = False) -> bool:
     """An on/off option: `given` as passed, or, for None, the environment variable `env`
-    (1 / true / on / yes; 0 / false / off / no, or unset: off)."""
+    (1 / true / on / yes; 0 / false / off / no; unset or empty: `default`)."""
+    unset = "on" if default else "off"
     if given is not None:
         if not isinstance(given, bool):
             raise XGraphError(
-                f"{name}={given!r}: pass True, False or None (None: {env} decides; unset, off)."
+                f"{name}={given!r}: pass True, False or None (None: {env} decides; unset, "
+                f"{unset})."
             )
         return given
     value = os.environ.get(env, "").strip().lower()
+    if value == "":
+        return default
     if value in _ON:
         return True
     if value in _OFF:
         return False
-    raise XGraphError(f"{env}={value!r}: set it to 1 (on) or 0 (off), or unset it (off).")
+    raise XGraphError(f"{env}={value!r}: set it to 1 (on) or 0 (off), or unset it ({unset}).")
 
 
 class Choice(str, Enum):

@@ -172,7 +172,7 @@ class GraphModel:
         linear: the projections through xgraph.linear (the backend's kernel where it
             serves; linears.py): None (default) where the backend has a kernel, True, False.
             Where there is a kernel, q/k/v and gate/up projections share one merged call;
-            with `fuse_layers` (None: XGRAPH_FUSE_LAYERS; off) and a fused kernel, a Qwen3
+            with `fuse_layers` (None: XGRAPH_FUSE_LAYERS; on) and a fused kernel, a Qwen3
             model's layers run over the fused projections (fusions.py; `fused` says
             whether they do).
         limits / block_size, max_model_len, max_seqs, num_blocks, max_num_tokens: see Limits.

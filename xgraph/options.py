@@ -24,8 +24,7 @@ def switch(given: bool | None, name: str, env: str, default: bool = False) -> bo
     if given is not None:
         if not isinstance(given, bool):
             raise XGraphError(
-                f"{name}={given!r}: pass True, False or None (None: {env} decides; unset, "
-                f"{unset})."
+                f"{name}={given!r}: pass True, False or None (None: {env} decides; unset, {unset})."
             )
         return given
     value = os.environ.get(env, "").strip().lower()

@@ -8,7 +8,7 @@ float32 stream, giving the model back), against transformers' own forward.
 
 from __future__ import annotations
 
-import io
+import pickle
 
 import pytest
 import torch
@@ -82,7 +82,7 @@ def test_qwen3_layers_fuse_and_give_transformers_logits(fused_cpu, compile):
     assert result.graph_steps["eager"] == 0
     # closed: the model's own forwards again, and it computes what it did
     mods = [*layers, model.model.rotary_emb]
-    assert not any(n in m.__dict__ for m in mods for n in ("forward", "_forward", "_rotary"))
+    assert not any(n in m.__dict__ for m in mods for n in ("forward", "_xgraph_last"))
     ids = torch.tensor([ps[0]])
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
@@ -192,15 +192,39 @@ def test_the_compile_cache_keys_the_fused_layers_apart(fused_cpu, tmp_path):
     assert keys[0] != keys[1]  # a forward traced one way is never loaded for the other
 
 
-def test_the_fused_forwards_pickle_as_torchs_ahead_of_time_compile_does(fused_cpu):
-    """torch's AOT compile (what keeps GraphModel's compiled forward for the next process)
-    pickles a bound method by looking it up on its object under its function's name: the
-    fused forwards must be found there (an AttributeError on a GPU otherwise)."""
-    aot = pytest.importorskip("torch._dynamo.aot_compile")
+def test_the_fused_modules_survive_a_pickle_round_trip(fused_cpu):
+    """torch's ahead-of-time compile snapshots the modules its guards read by pickling them
+    by value (a warm process unpickles them to load the compiled forward): a fused layer
+    and the rotary module come back fused, the rotary computing the same table. A bound
+    method kept in a module failed here (an AttributeError on the half-restored module)."""
+    from xgraph.integrations.transformers import fusions
+
     qwen = tiny("qwen3")
     with GraphModel(qwen, backend=fused_cpu, **LIMITS) as gm:
         assert gm.fused
-        for fn in (qwen.model.layers[0].forward, qwen.model.rotary_emb.forward):
-            buf = io.BytesIO()
-            aot.AOTCompilePickler({}, buf).dump(fn)
-            assert buf.getvalue()
+        layer, rotary = qwen.model.layers[0], qwen.model.rotary_emb
+        copy_layer, copy_rotary = pickle.loads(pickle.dumps((layer, rotary)))
+        assert copy_layer.forward.func is fusions._forward
+        assert copy_layer.forward.args == (copy_layer,)
+        assert copy_rotary.forward.args == (copy_rotary,)
+        x, pos = torch.randn(1, 3, qwen.config.hidden_size), torch.arange(3)[None]
+        got, want = copy_rotary(x, pos), rotary(x, pos)
+        assert got[1] == want[1] == fusions.TABLE
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+
+
+def test_a_later_graph_model_loads_the_fused_forward_compiled_ahead(fused_cpu, tmp_path):
+    """Through the compile cache, a second GraphModel over a fresh fused model loads both
+    token classes' forwards compiled ahead of time (nothing compiled, nothing ignored) and
+    gives the first one's tokens."""
+    got = []
+    for _ in range(2):
+        qwen = tiny("qwen3")
+        kw = dict(compile="inductor", compile_cache=tmp_path)
+        with GraphModel(qwen, backend=fused_cpu, **kw, **LIMITS) as gm:
+            assert gm.fused
+            got.append(gm.generate([[1, 2, 3, 4]], max_new_tokens=3).tokens)
+            stats = gm.compiled.stats()
+    assert got[0] == got[1]
+    assert stats["cache"]["ignored"] is None
+    assert stats["ahead"]["loaded"] == ["many", "one"] and stats["ahead"]["compiled"] == []

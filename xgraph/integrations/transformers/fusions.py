@@ -24,8 +24,8 @@ distance from float32; through transformers on an H100 the bench's check passes,
 
 from __future__ import annotations
 
+import functools
 import logging
-import types
 from typing import Any
 
 import torch
@@ -100,7 +100,7 @@ def table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def _rotary(module: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, str]:
-    cos, sin = module._xgraph_unfused(*args, **kwargs)
+    cos, sin = type(module).forward(module, *args, **kwargs)  # its own forward
     return table(cos, sin), TABLE
 
 
@@ -179,23 +179,25 @@ def fuse_layers(model: Any) -> bool:
 
 
 def _install(module: nn.Module, fn: Any) -> None:
-    """module.forward = fn bound to the module (its own forward kept to give back). The bound
-    method is also the module's attribute under fn's own name: torch's AOT compile pickles a
-    bound method by looking it up on its object under its function's name, and without it
-    `GraphModel`'s compiled forward could not be kept for the next process."""
-    bound = types.MethodType(fn, module)
-    module._xgraph_unfused = module.forward
-    module.forward = bound
-    setattr(module, fn.__name__, bound)
+    """module.forward = fn with the module as its first argument, as a functools.partial
+    rather than a bound method: torch's ahead-of-time compile snapshots the modules its
+    guards read by pickling them, and a bound method kept in a module unpickles as a
+    lookup on the half-restored module (an AttributeError, which made every later process
+    compile the forward again instead of loading it)."""
+    module.forward = functools.partial(fn, module)
+
+
+def _fused(module: Any) -> bool:
+    f = module.__dict__.get("forward")
+    return isinstance(f, functools.partial) and f.func in (_forward, _rotary)
 
 
 def unfuse_layers(model: Any) -> None:
     """Undo fuse_layers (the modules' own forwards again)."""
     dec = _decoder(model)
     for m in [*(getattr(dec, "layers", None) or []), getattr(dec, "rotary_emb", None)]:
-        if m is not None and "_xgraph_unfused" in m.__dict__:
-            names = ("forward", _forward.__name__, _rotary.__name__, "_xgraph_unfused")
-            for name in (*names, "_xgraph_last"):
+        if m is not None and _fused(m):
+            for name in ("forward", "_xgraph_last"):
                 m.__dict__.pop(name, None)
 
 

@@ -14,7 +14,7 @@ from .errors import XGraphError
 
 _C = TypeVar("_C", bound="Choice")
 _ON = ("1", "true", "on", "yes")
-_OFF = ("", "0", "false", "off", "no")
+_OFF = ("0", "false", "off", "no")
 
 
 def switch(given: bool | None, name: str, env: str, default: bool = False) -> bool:

@@ -188,6 +188,7 @@ def _install(module: nn.Module, fn: Any) -> None:
 
 
 def _fused(module: Any) -> bool:
+    """Whether `_install` gave this module its fused forward."""
     f = module.__dict__.get("forward")
     return isinstance(f, functools.partial) and f.func in (_forward, _rotary)
 

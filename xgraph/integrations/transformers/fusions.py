@@ -41,7 +41,7 @@ from .probe import Probe
 
 logger = logging.getLogger("xgraph")
 
-ENV = "XGRAPH_FUSE_LAYERS"  # GraphModel(fuse_layers=None) asks it: 1 / on fuses; unset, off
+ENV = "XGRAPH_FUSE_LAYERS"  # GraphModel(fuse_layers=None) asks it: 0 / off keeps; unset, on
 TABLE = "xgraph-rotary-table"  # position_embeddings[1] when [0] is the fused layers' table
 _HF_CACHE = ("cache", "past_key_values")  # transformers' cache keyword, by version
 

@@ -2,11 +2,12 @@
 
 Program (column tile, split) streams BLOCK_N weight rows over its share of K once for all
 rows of x (`operand`: the weight tile is the tensor cores' left operand; the loop is
-pipelined for 16-bit inputs, `tuning`). The prologue is applied to the input tile as it is loaded:
-RMSNorm (x * g, the row's sum of squares accumulated on the way; 1 / rms scales the product
-at the end, so no pass over the row comes first) or SiLU(gate) * up. With a split, each
-program stores its partial and the tile's last program sums them in split order (`fixup`);
-then the epilogue: the norm's scale, the residual add, one rounding to the output dtype.
+pipelined for 16-bit inputs, `tuning`). The prologue is applied to the input tile as it is
+loaded: RMSNorm (x * g, the row's sum of squares accumulated on the way; 1 / rms scales the
+product at the end, so no pass over the row comes first) or SiLU(gate) * up. With a split,
+each program stores its partial and the tile's last program sums them in split order
+(`fixup`); then the epilogue: the norm's scale, the residual add, one rounding to the
+output dtype.
 
 The qkv projection with its per-head norm and rotary is `qkv.py`, over the same pieces.
 """

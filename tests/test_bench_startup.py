@@ -57,5 +57,9 @@ def test_bench_startup_hf_warm_process_loads_the_compiled_forward():
     cold, warm = data["targets"]["hf"]["cold"], data["targets"]["hf"]["warm"]
     assert "error" not in cold and "error" not in warm, (cold.get("error"), warm.get("error"))
     assert cold["compile"]["cache"]["saved"] and warm["compile"]["cache"]["loaded"]
+    # the warm process loads both token classes' forwards whole: nothing compiled again
+    assert sorted(warm["compile"]["ahead"]["loaded"]) == ["many", "one"]
+    assert warm["compile"]["ahead"]["compiled"] == []
+    assert cold["parts"]["warmup"] > 0 and cold["plan"]["total_bytes"] == cold["predicted_bytes"]
     assert data["tokens_equal"] == {"hf": True}
     assert data["cold"]["parts"]["compile"] > 0 and data["warm"]["seconds"] > 0

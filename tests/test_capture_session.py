@@ -5,11 +5,12 @@ whatever way the capture ended (done, failed, KeyboardInterrupt)."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 
 import xgraph
-from xgraph.capture_session import active, capture_session
+from xgraph.capture_session import YOUNG, active, capture_session
 from xgraph.models import Workload
 
 SIZES = [1, 2, 4, 8]
@@ -95,3 +96,24 @@ def test_a_disabled_collector_stays_disabled_and_sessions_nest():
     with pytest.raises(ValueError), capture_session():
         raise ValueError("inside")
     assert gc.isenabled() and not active()
+
+
+class _Node:
+    """A reference cycle's member (a weak reference says when it is freed)."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_session_collects_the_last_steps_garbage_but_does_not_walk_the_old_heap(collections):
+    old = _Node()
+    gc.collect()  # `old` survives into the oldest generation: the heap a model lives in
+    old_ref, young_ref = weakref.ref(old), weakref.ref(_Node())  # the new one is garbage
+    del old
+    before = len(collections)
+    with capture_session():
+        assert young_ref() is None  # the young cycle died when the session opened
+        assert old_ref() is not None  # the old one waits for a full collection
+    assert collections[before:] == [YOUNG]  # one collection, of the young generations only
+    gc.collect()
+    assert old_ref() is None

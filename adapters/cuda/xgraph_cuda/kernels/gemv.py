@@ -64,7 +64,7 @@ def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
     return acc, ss
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, s_ym, s_rm,
                  eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,

@@ -104,7 +104,7 @@ def _attend_tile(Q, K, V, Out, Tiles, SeqLens, Tables, tile, head, scale_log2,
     tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles", "num_tokens", "total_rows"])
 def _prefill_kernel(Q, K, V, Out, Tiles, SeqLens, Tables, num_tiles, num_tokens, total_rows,
                     scale_log2, s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
                     s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, s_tb,

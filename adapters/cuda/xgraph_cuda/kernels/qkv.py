@@ -86,7 +86,7 @@ def _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, first_lo, first_hi
     return lo, hi, ss
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, k_pre, s_xm, s_wn, s_ym,
                 s_cs, eps, head_eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,

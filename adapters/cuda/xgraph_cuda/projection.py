@@ -16,7 +16,7 @@ import torch
 
 from xgraph.adapter import Fusion, HeadNorm
 
-from . import pdl
+from . import family, pdl
 from .kernels import arena, interpreting, sm_count
 from .kernels.tuning import MAX_ROWS, Config, pick
 
@@ -87,8 +87,11 @@ def config(x: torch.Tensor, w: torch.Tensor, f: Fusion | None = None) -> Config:
     return pick(x.shape[0], w.shape[0], w.shape[1], sm_count(x.device), head_dim)
 
 
-def run(x: torch.Tensor, w: torch.Tensor, f: Fusion, c: Config) -> torch.Tensor:
-    """The call with configuration `c` (it must be served: `serves`)."""
+def run(
+    x: torch.Tensor, w: torch.Tensor, f: Fusion, c: Config, compile_only: bool = False
+) -> torch.Tensor:
+    """The call with configuration `c` (it must be served: `serves`); `compile_only`: its
+    kernel compiled, not run."""
     from .kernels import gemv, qkv  # Triton: imported where it is known to be there
 
     counts = arena.counts(x.device)
@@ -96,22 +99,44 @@ def run(x: torch.Tensor, w: torch.Tensor, f: Fusion, c: Config) -> torch.Tensor:
     h = f.heads
     if h is not None:
         spec = (h.q_weight, h.k_weight, h.eps, h.cos_sin, h.heads, h.kv_heads)
-        return qkv.launch(x, w, c, counts, spec, norm=f.norm, eps=f.eps, pdl=on)
+        return qkv.launch(
+            x, w, c, counts, spec, norm=f.norm, eps=f.eps, pdl=on, compile_only=compile_only
+        )
     return gemv.launch(
-        x, w, c, counts, norm=f.norm, eps=f.eps, gated=f.gated, residual=f.residual, pdl=on
+        x,
+        w,
+        c,
+        counts,
+        norm=f.norm,
+        eps=f.eps,
+        gated=f.gated,
+        residual=f.residual,
+        pdl=on,
+        compile_only=compile_only,
     )
+
+
+def _compile_one(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> None:
+    run(x, w, f, config(x, w, f), compile_only=True)
+
+
+def _default(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> torch.Tensor:
+    """The call with its default configuration, its kind's binaries for every row count
+    compiled first on the GPU (`family`)."""
+    if x.is_cuda:
+        family.compile_family(x, w, f, _compile_one)
+    return run(x, w, f, config(x, w, f))
 
 
 def plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """`Kernels.linear`: x @ w.T for the calls served, else None."""
     if not serves(x, w):
         return None
-    f = Fusion()
-    return run(x, w, f, config(x, w, f))
+    return _default(x, w, Fusion())
 
 
 def fused(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> torch.Tensor | None:
     """`Kernels.fused_linear`: the projection with its fusion for the calls served, else None."""
     if not serves(x, w, f):
         return None
-    return run(x, w, f, config(x, w, f))
+    return _default(x, w, f)

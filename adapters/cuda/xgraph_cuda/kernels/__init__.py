@@ -12,7 +12,9 @@ for Triton imports them. Under TRITON_INTERPRET=1 the kernels run on CPU tensors
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
 import torch
 
@@ -29,6 +31,12 @@ def sm_count(device: torch.device) -> int:
     if device not in _SM_COUNT:
         _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SM_COUNT[device]
+
+
+def launcher(kernel: Any, grid: tuple[int, ...], compile_only: bool = False) -> Any:
+    """`kernel` over `grid`, called as a launch; or (`compile_only`) compiled for the same
+    arguments and not run (Triton's `warmup`: no launch, nothing read or written)."""
+    return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
 
 
 def pdl_options(launch: bool = False, waits: bool = False) -> dict:

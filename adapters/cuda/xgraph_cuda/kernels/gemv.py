@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dot_precision, dot_upcast, pdl_options, prefetch, tuning
+from . import dot_precision, dot_upcast, launcher, pdl_options, prefetch, tuning
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
 from .operand import accumulate, input_tile, weight_tile
 from .tuning import Config, stages_for
@@ -64,7 +64,7 @@ def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
     return acc, ss
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, s_ym, s_rm,
                  eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
@@ -124,10 +124,11 @@ def launch(
     gated: bool = False,
     residual: torch.Tensor | None = None,
     pdl: dict | None = None,
+    compile_only: bool = False,
 ) -> torch.Tensor:
     """y [m, n] = epilogue(prologue(x) @ w.T) in w's dtype (a float32 residual's with one),
     with configuration `c` (its split needs `counts`, the arena; without it the launch is
-    unsplit)."""
+    unsplit). `compile_only`: compiled for these arguments, not run (`y` is then unwritten)."""
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
     per, split = k_share(k, c if counts is not None else c._replace(split=1))
     # the weights' dtype, or a float32 residual stream's (the sum is stored unrounded)
@@ -137,7 +138,7 @@ def launch(
     res = residual if residual is not None else y
     pdl = pdl or pdl_options()
     pre, pre_opts = prefetch.options(w, per, c.block_k, pdl["PDL"])
-    _gemv_kernel[(tiles, split)](
+    launcher(_gemv_kernel, (tiles, split), compile_only)(
         x,
         w,
         y,

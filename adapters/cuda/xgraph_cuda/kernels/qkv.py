@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dot_precision, dot_upcast, pdl_options, prefetch
+from . import dot_precision, dot_upcast, launcher, pdl_options, prefetch
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
 from .gemv import k_share, workspace
 from .operand import accumulate, input_tile, weight_tile
@@ -86,7 +86,7 @@ def _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, first_lo, first_hi
     return lo, hi, ss
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, k_pre, s_xm, s_wn, s_ym,
                 s_cs, eps, head_eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
@@ -139,9 +139,11 @@ def launch(
     norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     pdl: dict | None = None,
+    compile_only: bool = False,
 ) -> torch.Tensor:
     """[m, (hq + 2 hkv) * d]: the qkv projection of prologue(x) with its heads' epilogue.
-    `heads`: (q norm weight, k norm weight, eps, cos_sin [m, 2, d] float32, hq, hkv)."""
+    `heads`: (q norm weight, k norm weight, eps, cos_sin [m, 2, d] float32, hq, hkv).
+    `compile_only`: compiled for these arguments, not run (the output is then unwritten)."""
     qw, kw, head_eps, cos_sin, hq, hkv = heads
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
     d = qw.shape[0]
@@ -151,7 +153,7 @@ def launch(
     tiles = hq + 2 * hkv
     pdl = pdl or pdl_options()
     pre, pre_opts = prefetch.options(w, per, c.block_k, pdl["PDL"])
-    _qkv_kernel[(tiles, split)](
+    launcher(_qkv_kernel, (tiles, split), compile_only)(
         x,
         w,
         y,

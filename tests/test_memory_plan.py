@@ -14,7 +14,8 @@ import pytest
 
 import xgraph
 from xgraph import GraphMemory, XGraphError
-from xgraph.memory_plan import measured_graph_memory
+from xgraph.buckets import vllm_capture_sizes
+from xgraph.memory_plan import EXECUTABLE_SAMPLES, measured_graph_memory, samples
 from xgraph.models import Qwen3Config, Qwen3Model, Workload
 
 # the CUDA adapter's where a GPU is present (the H200 run), skipped elsewhere
@@ -193,3 +194,16 @@ def test_a_failed_plan_leaves_nothing_behind():
     assert _books(backend) == books
     ex.close()
     memory.close()
+
+
+def test_the_plan_reads_executables_over_every_range_of_buckets():
+    """Executables are read over keys spread over the buckets, not the largest few: a
+    small bucket's graph can hold other kernels (few-row kernels where large ones run
+    GEMMs), so the largest alone do not stand for every graph."""
+    sizes = vllm_capture_sizes(512)
+    got = samples(sizes, executables=True)
+    assert got[0] == max(sizes) and len(set(got)) == len(got) == EXECUTABLE_SAMPLES
+    assert got == sorted(got, reverse=True) and set(got) <= set(sizes)
+    assert min(got) <= 8 and sum(s <= 64 for s in got) >= 3  # the few-row range is read too
+    assert samples(sizes, executables=False) == [512]  # the pool needs the largest alone
+    assert samples([1, 2, 4], executables=True) == [4, 2, 1]

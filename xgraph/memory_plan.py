@@ -9,7 +9,7 @@ pieces of the largest piecewise bucket) needs as much pool memory as every bucke
 that is `pool_bytes`, measured, not extrapolated. What a captured graph costs outside every
 pool (the driver's executable: its nodes, kept in device memory) grows with the number of
 graphs instead; it is measured on the device around the same captures, per graph of each
-kind (over the largest `EXECUTABLE_SAMPLES` keys: the driver's reading moves in pages),
+kind (over `EXECUTABLE_SAMPLES` keys spread over the buckets, `samples`),
 and counted once per bucket (`executable_bytes`). Backends whose recordings cost the
 device nothing (`Backend.graph_executables` False: the CPU reference) report 0. The CUDA
 driver keeps the memory of freed executables for later ones, so a plan reads them only
@@ -180,10 +180,7 @@ def _plan_executor(
     twin = _twin(ex, memory)
     try:
         key_dims, per_key = _key_dims(ex)
-        # the largest key first; where executables cost device memory, the next keys too:
-        # the driver's reading moves in pages, so one graph's cost is read over several
-        sizes = sorted(ex.buckets.sizes, reverse=True)
-        sizes = sizes[:EXECUTABLE_SAMPLES] if ex.backend.graph_executables else sizes[:1]
+        sizes = samples(ex.buckets.sizes, ex.backend.graph_executables)
         for kind in kinds:
             before = twin.stats()["outside_pool_bytes"] or 0
             twin.capture(sizes, kind=kind, progress=False, **key_dims)
@@ -193,6 +190,21 @@ def _plan_executor(
             out.append(KindPlan(ex.name, kind.value, ex.buckets.max, graphs, per_graph))
     finally:
         twin.close()
+
+
+def samples(sizes: Iterable[int], executables: bool) -> list[int]:
+    """The sizes a plan captures, largest first (it needs the pool every bucket will).
+    Where executables cost device memory, more: the driver's reading moves in pages, so one
+    graph's cost is read over several, and a graph's nodes can differ by size (a kernel
+    library choosing by shape: few-row kernels for small buckets, GEMMs for large ones), so
+    they are spread evenly over every bucket, not the largest few."""
+    ordered = sorted(sizes, reverse=True)
+    if not executables:
+        return ordered[:1]
+    if len(ordered) <= EXECUTABLE_SAMPLES:
+        return ordered
+    rest, picks = ordered[1:], EXECUTABLE_SAMPLES - 1
+    return [ordered[0], *(rest[(i * len(rest)) // picks] for i in range(picks))]
 
 
 def _key_dims(ex: GraphExecutor) -> tuple[dict[str, int], int]:

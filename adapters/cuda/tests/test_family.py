@@ -114,3 +114,15 @@ def test_a_real_async_mode_is_found_where_triton_has_one():
         assert mode is None
     else:
         assert mode is AsyncCompileMode
+
+
+def test_a_failed_compile_is_logged_and_left_to_the_call(calls, caplog):
+    _, _ = calls
+
+    def broken(x, w, f):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no such option")
+
+    with caplog.at_level("WARNING", logger="xgraph"):
+        family.compile_family(*_stream(2), broken)  # returns: the call compiles its own
+    assert "each row count compiles on its first call instead" in caplog.text
+    assert "RuntimeError: no such option" in caplog.text

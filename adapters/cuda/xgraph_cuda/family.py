@@ -17,7 +17,8 @@ other row counts are small tensors made for the compile and dropped.
 
 Skipped (the calls compile as they meet each count, as before) where Triton has no
 `AsyncCompileMode`, inside another one, in the interpreter, and while the stream is being
-captured (nothing may be allocated for the compile there).
+captured (nothing may be allocated for the compile there). A compile that fails here is
+logged once per kind and left to the call that needs it, which compiles it as before.
 """
 
 from __future__ import annotations
@@ -127,9 +128,18 @@ def compile_family(
     mode = _async_mode()
     if mode is None or interpreting() or _capturing(x):
         return
-    with mode(_executor()):
-        for m in sorted({*ROWS, x.shape[0]}):
-            if m <= MAX_ROWS:
-                xs, fs = resized(x, f, m)
-                compile_one(xs, w, fs)
+    try:
+        with mode(_executor()):
+            for m in sorted({*ROWS, x.shape[0]}):
+                if m <= MAX_ROWS:
+                    xs, fs = resized(x, f, m)
+                    compile_one(xs, w, fs)
+    except Exception as exc:  # a speed-up only: the calls compile their own
+        logger.warning(
+            "Compiling the projection kernels of every row count ahead failed (%s: %s); "
+            "each row count compiles on its first call instead.",
+            type(exc).__name__,
+            exc,
+        )
+        return
     logger.debug("compiled the projection kernels of %s for every row count", key)

@@ -145,8 +145,7 @@ def launch(
     `heads`: (q norm weight, k norm weight, eps, cos_sin [m, 2, d] float32, hq, hkv).
     `compile_only`: compiled for these arguments, not run (the output is then unwritten)."""
     qw, kw, head_eps, cos_sin, hq, hkv = heads
-    m, n, k = x.shape[0], w.shape[0], w.shape[1]
-    d = qw.shape[0]
+    m, (n, k), d = x.shape[0], w.shape, qw.shape[0]
     c = c._replace(block_n=d)
     per, split = k_share(k, c if counts is not None else c._replace(split=1))
     y = torch.empty((m, n), dtype=w.dtype, device=x.device)  # x may be the float32 stream

@@ -8,12 +8,13 @@ process compiles them one at a time as its warm-ups meet each row count: 23 of t
 kernels a cold transformers Qwen3 process compiled (18.4 s of its start-up, all on one
 thread; docs/startup.md). On the first call of a projection of one kind (its weight's shape
 and dtype, the input's dtype and strides, the ops fused around it, PDL on or off),
-`compile_family`
-compiles the binaries of every row count up to `MAX_ROWS` at once, in a pool of threads
-(Triton's `AsyncCompileMode`: its compiler releases the interpreter while it works), and
-returns when all are in Triton's cache: the first call waits for the slowest binary
-instead of each count waiting for its own. Nothing runs on the device; the inputs of the
-other row counts are small tensors made for the compile and dropped.
+`compile_family` compiles the binaries of every row count up to `MAX_ROWS` at once, in a
+pool of threads (Triton's `AsyncCompileMode`: its compiler releases the interpreter's lock
+while it works), and returns when all are in Triton's cache: the first call waits for the
+slowest binary instead of each count waiting for its own. Nothing runs on the device; the
+inputs of the other row counts are small tensors made for the compile and dropped. On the
+H100 the cold transformers process's eager warm-up of every size went from 10.0 to 2.8 s,
+its load and warm-up together from 16.4 to 12.8 s.
 
 Skipped (the calls compile as they meet each count, as before) where Triton has no
 `AsyncCompileMode`, inside another one, in the interpreter, and while the stream is being

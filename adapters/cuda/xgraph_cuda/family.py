@@ -68,10 +68,11 @@ def _capturing(x: torch.Tensor) -> bool:
 
 def _executor() -> ThreadPoolExecutor:
     global _pool
-    if _pool is None:
-        workers = min(WORKERS, os.cpu_count() or 1)
-        _pool = ThreadPoolExecutor(workers, thread_name_prefix="xgraph-compile")
-    return _pool
+    with _lock:  # one pool, whichever thread asks first
+        if _pool is None:
+            workers = min(WORKERS, os.cpu_count() or 1)
+            _pool = ThreadPoolExecutor(workers, thread_name_prefix="xgraph-compile")
+        return _pool
 
 
 def kind(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> tuple:
@@ -122,12 +123,15 @@ def compile_family(
     once (see the module doc); `compile_one(x, w, f)` compiles the call of x's rows
     without running it. Later calls of the kind return at once."""
     key = kind(x, w, f)
+    # a capture's call leaves the kind to the next call outside one
+    if key in _done or _capturing(x):  # (a set lookup needs no lock)
+        return
     with _lock:
         if key in _done:
             return
         _done.add(key)
     mode = _async_mode()
-    if mode is None or interpreting() or _capturing(x):
+    if mode is None or interpreting():
         return
     try:
         with mode(_executor()):

@@ -39,7 +39,32 @@ def test_bench_startup_reference_cold_and_warm(tmp_path, capsys):
     assert mp["predicted_bytes"] > 0 and mp["rel_err"] <= 0.05
     assert data["tokens_equal"] == {"reference": True} and data["mismatches"] == []
     assert data["commit"] and "partial" not in data
-    assert "tokens equal cold vs warm" in capsys.readouterr().out
+    memory = data["memory"]["reference"]  # the device's reading beside the two others
+    assert memory["predicted_bytes"] == mp["predicted_bytes"]
+    assert isinstance(memory["device_graph_bytes"], int)
+    assert isinstance(memory["plan_held_bytes"], int)
+    printed = capsys.readouterr().out
+    assert "tokens equal cold vs warm" in printed and "graph memory (cold process)" in printed
+
+
+def test_the_device_reading_spans_the_plan_and_the_captures():
+    """`device_graph_bytes`: from before the plan to after the captures; `plan_held_bytes`:
+    what the plan left behind; both absent where the backend gives no reading."""
+    from xgraph.bench.startup_run import Clock
+
+    clock = Clock(xgraph.get_backend("cpu"))
+    clock.readings = {"before_plan": 1000, "after_plan": 1100, "after_capture": 5000}
+    run = {"predicted_bytes": 4200, "measured_bytes": 3900, "readings": clock.readings}
+    run["device_graph_bytes"] = clock.device_graph_bytes()
+    assert startup._memory(run) == {
+        "predicted_bytes": 4200,
+        "measured_bytes": 3900,
+        "device_graph_bytes": 4000,
+        "plan_held_bytes": 100,
+    }
+    clock.readings["after_capture"] = None
+    assert clock.device_graph_bytes() is None
+    assert startup._memory({})["plan_held_bytes"] is None
 
 
 def test_a_process_that_fails_is_reported_not_raised(monkeypatch):

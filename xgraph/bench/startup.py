@@ -97,6 +97,21 @@ def _argv(backend: Backend, model: str, decode: list[int], pieces: list[int]) ->
     ]
 
 
+def _memory(run: dict[str, Any]) -> dict[str, Any]:
+    """A process's graph memory three ways: the plan's prediction, the per-capture reading
+    (pool plus executables metered around each capture) and the device's own reading from
+    before the plan to after the captures; `plan_held_bytes`: what the device still held
+    once the plan's captures were closed."""
+    readings = run.get("readings") or {}
+    before, after = readings.get("before_plan"), readings.get("after_plan")
+    return {
+        "predicted_bytes": run.get("predicted_bytes"),
+        "measured_bytes": run.get("measured_bytes"),
+        "device_graph_bytes": run.get("device_graph_bytes"),
+        "plan_held_bytes": None if before is None or after is None else after - before,
+    }
+
+
 def _headline(data: dict[str, Any]) -> None:
     """The issue's fields from the targets' processes."""
     targets = data["targets"]
@@ -127,6 +142,7 @@ def _headline(data: dict[str, Any]) -> None:
         "measured_bytes": m,
         "rel_err": abs(p - m) / m if p is not None and m else None,
     }
+    data["memory"] = {n: _memory(t.get("cold", {})) for n, t in targets.items()}
     data["tokens_equal"] = {
         name: t.get("cold", {}).get("tokens") is not None
         and t.get("cold", {}).get("tokens") == t.get("warm", {}).get("tokens")
@@ -190,6 +206,9 @@ def summarize(data: dict[str, Any]) -> str:
             rows.append(row)
     cols = ["target", "process", "seconds", "xgraph", *PARTS]
     text = table(rows, [*cols, "first_step", "graphs", "error"])
+    memory = [{"target": n, **m} for n, m in (data.get("memory") or {}).items()]
+    if memory:
+        text += "\n\ngraph memory (cold process), bytes:\n" + table(memory, list(memory[0]))
     mp, cap = data.get("memory_prediction") or {}, data.get("capture") or {}
     return (
         f"{text}\n\ncapture (reference, warm process): {cap.get('graphs')} graphs in "

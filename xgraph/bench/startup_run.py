@@ -35,10 +35,26 @@ PIECEWISE_SEQS = 16
 
 
 class Clock:
-    """Seconds of each part, each ending with the device's queue drained."""
+    """Seconds of each part, each ending with the device's queue drained; and the device's
+    memory in use at named points between parts (`read`)."""
 
     def __init__(self, backend: Any) -> None:
         self.backend, self.parts = backend, {}
+        self.readings: dict[str, int | None] = {}
+
+    def read(self, name: str) -> None:
+        """The device's memory in use now, settled (queue drained, cached blocks returned),
+        between parts: the seconds it takes count in none of them."""
+        from ..memory import settled_reading
+
+        self.readings[name] = settled_reading(self.backend)
+
+    def device_graph_bytes(self) -> int | None:
+        """What the device lost from before the plan to after the captures, by its own
+        reading: the graphs' memory including whatever the driver kept from the plan's
+        captures (the per-capture measure cannot see that), None without readings."""
+        before, after = self.readings.get("before_plan"), self.readings.get("after_capture")
+        return None if before is None or after is None else after - before
 
     def __call__(self, name: str, fn: Callable[[], Any]) -> Any:
         self.backend.synchronize()
@@ -133,6 +149,11 @@ def _capture_all(full: Any, pw: Any) -> None:
         pw.capture(kind="piecewise", progress=False)
 
 
+def device_side(clock: Clock) -> dict:
+    """The device's own readings around the plan and the captures (see `Clock.read`)."""
+    return {"readings": clock.readings, "device_graph_bytes": clock.device_graph_bytes()}
+
+
 def reference(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> dict:
     import torch
 
@@ -154,11 +175,14 @@ def reference(backend: Any, model_name: str, decode: list[int], pieces: list[int
         finally:
             _close(placeholder)
 
+    clock.read("before_plan")
     predicted = clock("plan", plan)
+    clock.read("after_plan")
     clock("kv_cache", lambda: _kv_cache(model, backend, decode, pieces))
     full, pw = clock("kv_cache", lambda: _reference_executors(model, backend, decode, pieces))
     clock("warmup", lambda: (full.warm_up(), pw.warm_up(kind="piecewise")))
     clock("capture", lambda: _capture_all(full, pw))
+    clock.read("after_capture")
     tokens = clock("first_step", lambda: _reference_first_step(model, pw, max(pieces)))
     stats = [full.stats(), pw.stats()]
     out = {
@@ -171,6 +195,7 @@ def reference(backend: Any, model_name: str, decode: list[int], pieces: list[int
         "predicted_bytes": predicted.total_bytes,
         "measured_bytes": measured_graph_memory(full, pw),
         "plan": predicted.as_dict(),
+        **device_side(clock),
         "tokens": tokens,
     }
     _close([full, pw])

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ...bench import register_startup
-from ...bench.startup_run import BLOCK, Clock, prompts
+from ...bench.startup_run import BLOCK, Clock, device_side, prompts
 from ...memory_plan import measured_graph_memory
 from .bench_runs import build_named
 from .model import GraphModel
@@ -55,11 +55,14 @@ def run(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> 
     ex = gm.executor
     top = max(decode)
     clock("compile", lambda: (ex.warm_up([top, 1]), ex.warm_up([top], kind="piecewise")))
+    clock.read("before_plan")
     predicted = clock("plan", ex.plan_memory)  # after compile: its twins run compiled code
+    clock.read("after_plan")
     # every size eagerly first: the kernels' own compilation and loading, reported apart as
     # the reference target does (each is its capture's warm-up, which the capture skips)
     clock("warmup", lambda: (ex.warm_up(decode), ex.warm_up(decode, kind="piecewise")))
     clock("capture", gm.capture)
+    clock.read("after_capture")
     asked = prompts(gm.spec.vocab_size, PROMPT_LENS)
     clock("first_step", lambda: gm.generate(asked, 1))
     out = {
@@ -71,6 +74,7 @@ def run(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> 
         "plan": predicted.as_dict(),
         "measured_pool_bytes": ex.memory.graph_bytes(),
         "measured_outside_bytes": ex.stats()["outside_pool_bytes"],
+        **device_side(clock),
         "compile": None if gm.compiled is None else gm.compiled.stats(),
         "tokens": gm.generate(asked, NEW_TOKENS).tokens,
     }

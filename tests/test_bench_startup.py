@@ -13,7 +13,7 @@ from xgraph.bench import startup
 from xgraph.buckets import sglang_piecewise_sizes
 from xgraph.cli import main as xgraph_main
 
-PARTS = {"start", "weights", "plan", "kv_cache", "warmup", "capture", "first_step"}
+PARTS = {"start", "weights", "profile", "plan", "kv_cache", "warmup", "capture", "first_step"}
 
 
 @pytest.mark.slow
@@ -53,18 +53,53 @@ def test_the_device_reading_spans_the_plan_and_the_captures():
     from xgraph.bench.startup_run import Clock
 
     clock = Clock(xgraph.get_backend("cpu"))
-    clock.readings = {"before_plan": 1000, "after_plan": 1100, "after_capture": 5000}
-    run = {"predicted_bytes": 4200, "measured_bytes": 3900, "readings": clock.readings}
+    clock.readings = {"before_plan": 1000, "after_plan": 1100, "after_capture": 6000}
+    clock.apart_bytes = 1000  # a KV cache allocated between them: not graph memory
+    run = {"predicted_bytes": 4200, "measured_bytes": 4000, "readings": clock.readings}
     run["device_graph_bytes"] = clock.device_graph_bytes()
     assert startup._memory(run) == {
         "predicted_bytes": 4200,
-        "measured_bytes": 3900,
+        "measured_bytes": 4000,
+        "rel_err": 0.05,
         "device_graph_bytes": 4000,
+        "rel_err_device": 0.05,
         "plan_held_bytes": 100,
     }
     clock.readings["after_capture"] = None
     assert clock.device_graph_bytes() is None
     assert startup._memory({})["plan_held_bytes"] is None
+
+
+class _Device:
+    """A backend's reading alone: memory in use moves as the test allocates."""
+
+    def __init__(self) -> None:
+        self.in_use = 5000
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def memory_in_use(self) -> int:
+        return self.in_use
+
+
+def test_work_kept_apart_leaves_the_device_reading():
+    """`Clock.apart`: what a call allocates or frees (a cache, placeholder executors) is kept
+    out of the graph reading; what happens outside it counts."""
+    from xgraph.bench.startup_run import Clock
+
+    device = _Device()
+    clock = Clock(device)
+    clock.read("before_plan")
+    device.in_use += 700  # the plan's captures leave this much held
+    clock.apart(lambda: setattr(device, "in_use", device.in_use + 3000))  # the KV cache
+    clock.apart(lambda: setattr(device, "in_use", device.in_use - 200))  # placeholders closed
+    device.in_use += 1300  # the captures
+    clock.read("after_capture")
+    assert clock.apart_bytes == 2800 and clock.device_graph_bytes() == 2000
 
 
 def test_a_process_that_fails_is_reported_not_raised(monkeypatch):

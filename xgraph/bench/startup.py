@@ -100,14 +100,18 @@ def _argv(backend: Backend, model: str, decode: list[int], pieces: list[int]) ->
 def _memory(run: dict[str, Any]) -> dict[str, Any]:
     """A process's graph memory three ways: the plan's prediction, the per-capture reading
     (pool plus executables metered around each capture) and the device's own reading from
-    before the plan to after the captures; `plan_held_bytes`: what the device still held
-    once the plan's captures were closed."""
+    before the plan to after the captures (`device_graph_bytes`, which also holds what the
+    driver kept from the plan's captures and gave the real ones); `plan_held_bytes`: what
+    the device still held once the plan's captures were closed."""
     readings = run.get("readings") or {}
     before, after = readings.get("before_plan"), readings.get("after_plan")
+    p, m, d = run.get("predicted_bytes"), run.get("measured_bytes"), run.get("device_graph_bytes")
     return {
-        "predicted_bytes": run.get("predicted_bytes"),
-        "measured_bytes": run.get("measured_bytes"),
-        "device_graph_bytes": run.get("device_graph_bytes"),
+        "predicted_bytes": p,
+        "measured_bytes": m,
+        "rel_err": abs(p - m) / m if p is not None and m else None,
+        "device_graph_bytes": d,
+        "rel_err_device": abs(p - d) / d if p is not None and d else None,
         "plan_held_bytes": None if before is None or after is None else after - before,
     }
 
@@ -136,12 +140,7 @@ def _headline(data: dict[str, Any]) -> None:
         "parts": warm.get("capture_parts"),  # host seconds: warm-ups, recordings, replays
         "cold_seconds": (cold.get("parts") or {}).get("capture"),
     }
-    p, m = cold.get("predicted_bytes"), cold.get("measured_bytes")
-    data["memory_prediction"] = {
-        "predicted_bytes": p,
-        "measured_bytes": m,
-        "rel_err": abs(p - m) / m if p is not None and m else None,
-    }
+    data["memory_prediction"] = _memory(cold)
     data["memory"] = {n: _memory(t.get("cold", {})) for n, t in targets.items()}
     data["tokens_equal"] = {
         name: t.get("cold", {}).get("tokens") is not None
@@ -188,7 +187,7 @@ def run(
 
 
 # the table's part columns (a target without one leaves it empty)
-PARTS = ("start", "weights", "load", "compile", "plan", "warmup", "capture")
+PARTS = ("start", "weights", "profile", "load", "compile", "plan", "warmup", "capture")
 
 
 def summarize(data: dict[str, Any]) -> str:
@@ -213,6 +212,7 @@ def summarize(data: dict[str, Any]) -> str:
     return (
         f"{text}\n\ncapture (reference, warm process): {cap.get('graphs')} graphs in "
         f"{cap.get('seconds')} s; graph memory predicted {mp.get('predicted_bytes')} B, "
-        f"measured {mp.get('measured_bytes')} B (rel_err {mp.get('rel_err')}); tokens equal "
+        f"measured {mp.get('measured_bytes')} B (rel_err {mp.get('rel_err')}), by the device "
+        f"{mp.get('device_graph_bytes')} B (rel_err {mp.get('rel_err_device')}); tokens equal "
         f"cold vs warm: {data.get('tokens_equal')}"
     )

@@ -12,8 +12,9 @@ interpreter, the imports and the command line, from `--t0`.
 
 The bench's own target, `reference` (xgraph/models/qwen3.py over its eager forward):
 `weights` (the model with random weights, over a placeholder cache: what an engine's
-checkpoint read would take), `plan` (`predict_graph_memory` of a decode and a
-piecewise executor, before the KV cache), `kv_cache` (the cache and the executors over it),
+checkpoint read would take), `profile` (an engine's profile run: the largest step of each
+kind eagerly, over placeholder executors), `plan` (their `predict_graph_memory`, before the
+KV cache), `kv_cache` (the cache and the executors over it),
 `warmup` (every size run eagerly: the kernels' own compilation and loading, reported
 apart; each as its capture's warm-up, which the capture then skips), `capture` (every
 size captured, kernels warm; `capture_parts`: its host seconds in warm-ups, recordings and
@@ -28,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..memory import settled_reading as settle
+
 MARKER = "XGRAPH_STARTUP "
 BLOCK = 16
 CONTEXT = 64  # decode layout: tokens per sequence (captures touch the dummy block only)
@@ -36,25 +39,13 @@ PIECEWISE_SEQS = 16
 
 class Clock:
     """Seconds of each part, each ending with the device's queue drained; and the device's
-    memory in use at named points between parts (`read`)."""
+    memory in use at named points between parts (`read`), less what work that is not graph
+    memory allocated or freed in between (`apart`)."""
 
     def __init__(self, backend: Any) -> None:
         self.backend, self.parts = backend, {}
         self.readings: dict[str, int | None] = {}
-
-    def read(self, name: str) -> None:
-        """The device's memory in use now, settled (queue drained, cached blocks returned),
-        between parts: the seconds it takes count in none of them."""
-        from ..memory import settled_reading
-
-        self.readings[name] = settled_reading(self.backend)
-
-    def device_graph_bytes(self) -> int | None:
-        """What the device lost from before the plan to after the captures, by its own
-        reading: the graphs' memory including whatever the driver kept from the plan's
-        captures (the per-capture measure cannot see that), None without readings."""
-        before, after = self.readings.get("before_plan"), self.readings.get("after_capture")
-        return None if before is None or after is None else after - before
+        self.apart_bytes: int | None = 0
 
     def __call__(self, name: str, fn: Callable[[], Any]) -> Any:
         self.backend.synchronize()
@@ -63,6 +54,33 @@ class Clock:
         self.backend.synchronize()
         self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - t0
         return out
+
+    def read(self, name: str) -> None:
+        """The device's memory in use now, settled (queue drained, cached blocks returned),
+        between parts: the seconds it takes count in none of them."""
+        self.readings[name] = settle(self.backend)
+
+    def apart(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` (the KV cache, executors' buffers: not graph memory) and keep what the
+        device's reading moved by out of `device_graph_bytes`."""
+        before = settle(self.backend)
+        out = fn()
+        after = settle(self.backend)
+        if before is None or after is None or self.apart_bytes is None:
+            self.apart_bytes = None
+        else:
+            self.apart_bytes += after - before
+        return out
+
+    def device_graph_bytes(self) -> int | None:
+        """What the device lost from before the plan to after the captures by its own
+        reading, less the work kept `apart`: the graphs' memory including whatever the
+        driver kept from the plan's captures for later ones (the per-capture measure cannot
+        see that); None without readings."""
+        before, after = self.readings.get("before_plan"), self.readings.get("after_capture")
+        if before is None or after is None or self.apart_bytes is None:
+            return None
+        return after - before - self.apart_bytes
 
 
 def prompts(vocab: int, lens: list[int]) -> list[list[int]]:
@@ -168,18 +186,25 @@ def reference(backend: Any, model_name: str, decode: list[int], pieces: list[int
 
     model = clock("weights", load)
 
-    def plan() -> Any:
+    def profile() -> list:
+        """An engine's profile run before it plans (docs/engine-integration.md, section 9):
+        the largest step of each kind eagerly, over placeholder executors, so the kernels
+        the plan's captures run are loaded before its reading starts."""
         placeholder = _reference_executors(model, backend, decode, pieces)
-        try:
-            return predict_graph_memory(*placeholder)
-        finally:
-            _close(placeholder)
+        placeholder[0].warm_up([max(decode)])
+        placeholder[1].warm_up([max(pieces)], kind="piecewise")
+        return placeholder
 
+    placeholder = clock("profile", profile)
     clock.read("before_plan")
-    predicted = clock("plan", plan)
+    predicted = clock("plan", lambda: predict_graph_memory(*placeholder))
     clock.read("after_plan")
-    clock("kv_cache", lambda: _kv_cache(model, backend, decode, pieces))
-    full, pw = clock("kv_cache", lambda: _reference_executors(model, backend, decode, pieces))
+    clock("plan", lambda: clock.apart(lambda: _close(placeholder)))
+    clock("kv_cache", lambda: clock.apart(lambda: _kv_cache(model, backend, decode, pieces)))
+    full, pw = clock(
+        "kv_cache",
+        lambda: clock.apart(lambda: _reference_executors(model, backend, decode, pieces)),
+    )
     clock("warmup", lambda: (full.warm_up(), pw.warm_up(kind="piecewise")))
     clock("capture", lambda: _capture_all(full, pw))
     clock.read("after_capture")

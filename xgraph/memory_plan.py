@@ -130,7 +130,11 @@ def predict_graph_memory(
 def measured_graph_memory(*executors: GraphExecutor) -> int:
     """What the executors' captures hold now, read as a plan predicts it: the physical (or
     pool) bytes of each distinct graph memory, plus the executables measured outside them
-    (on backends whose recordings cost the device memory)."""
+    (on backends whose recordings cost the device memory). After a plan in the same process
+    it can read low: the CUDA driver gives the real captures memory it kept from the plan's
+    closed ones, which their own readings never see; the device's reading from before the
+    plan to after the captures holds it (docs/startup.md, "Graph memory before the KV
+    cache")."""
     memories = {id(ex.memory): ex.memory for ex in executors}
     total = sum(m.graph_bytes() for m in memories.values())
     if executors and executors[0].backend.graph_executables:

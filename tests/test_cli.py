@@ -379,3 +379,31 @@ def test_a_ctrl_c_that_pytest_turns_into_an_error_is_still_an_interrupt(monkeypa
     assert main(["conformance", "--backend", "cpu"]) == 130
     assert capsys.readouterr().err.splitlines() == ["xgraph: interrupted"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
+def test_a_ctrl_c_swallowed_by_a_finalizer_still_ends_the_command_with_130(monkeypatch, capsys):
+    """Python prints a KeyboardInterrupt raised inside a finalizer as "Exception ignored"
+    and runs on; the command line still answers the Ctrl-C: one line, status 130."""
+    import os
+    import weakref
+
+    from xgraph import cli
+
+    def command(args) -> int:
+        class Held:
+            pass
+
+        def interrupted_here() -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # the handler runs between these bytecodes
+                pass
+
+        held = Held()
+        weakref.finalize(held, interrupted_here)
+        del held  # the finalizer runs, the KeyboardInterrupt inside it is swallowed
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_info", command)
+    code = cli.main(["info"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 130 and err == ["xgraph: interrupted"], err

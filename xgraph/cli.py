@@ -130,6 +130,24 @@ def _noting_interrupts() -> Iterator[list[bool]]:
             signal.signal(signal.SIGINT, previous)
 
 
+@contextlib.contextmanager
+def _quiet_finalizer_interrupts() -> Iterator[None]:
+    """A Ctrl-C that lands in a finalizer or `__del__` is not raised but printed as an
+    "Exception ignored" traceback, and the command runs on; `_noting_interrupts` has noted it
+    and `main` exits with the one line and 130, so the traceback is left out."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from .check_cli import run_check
 
@@ -338,8 +356,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         _command_parser(parser, args.command).error(problem)
     verbose = bool(args.verbose)
     try:
-        with _output(verbose):
-            return int(args.func(args) or 0)
+        with _output(verbose), _noting_interrupts() as interrupted, _quiet_finalizer_interrupts():
+            code = int(args.func(args) or 0)
+        if interrupted:  # a Ctrl-C raised inside a finalizer, which Python swallows
+            raise KeyboardInterrupt
+        return code
     except KeyboardInterrupt as exc:
         if argv is None:  # the process's own command line: the exit follows
             _ignore_interrupts()

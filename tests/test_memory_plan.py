@@ -207,3 +207,22 @@ def test_the_plan_reads_executables_over_every_range_of_buckets():
     assert min(got) <= 8 and sum(s <= 64 for s in got) >= 3  # the few-row range is read too
     assert samples(sizes, executables=False) == [512]  # the pool needs the largest alone
     assert samples([1, 2, 4], executables=True) == [4, 2, 1]
+
+
+def test_the_plan_counts_the_output_buffers_the_first_capture_makes():
+    """An executor's first capture makes its output buffers (the largest bucket's logits
+    here: [64, 32768] float32, 8 MiB, more than the pool); the plan counts them while the
+    executor has none, and not again once it has."""
+    backend = xgraph.get_backend("cpu")
+    w = _workload(8)
+    memory = _memory(backend)
+    ex = _executor(w, backend, memory, "full")
+    plan = ex.plan_memory()
+    assert plan.output_bytes == max(SIZES) * 32768 * 4
+    assert plan.total_bytes == plan.pool_bytes + plan.executable_bytes + plan.output_bytes
+    assert plan.as_dict()["output_bytes"] == plan.output_bytes
+    ex.capture([max(SIZES)], progress=False)
+    assert ex.cache.output_bytes() == plan.output_bytes  # what the capture made
+    assert ex.plan_memory().output_bytes == 0  # made already: the executor holds them
+    ex.close()
+    memory.close()

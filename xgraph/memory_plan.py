@@ -1,7 +1,7 @@
 """Graph memory known before the KV cache: capture the largest key of each kind, read, undo.
 
     plan = xgraph.predict_graph_memory(decode_ex, prefill_ex)   # or decode_ex.plan_memory()
-    plan.total_bytes   # what capturing every bucket of them will hold: pool + executables
+    plan.total_bytes   # what capturing every bucket will hold: pool, executables, outputs
 
 Shared-physical memory makes graph memory the maximum over captures, not the sum, so the
 capture of the largest key of each kind (the full decode graph of the largest bucket, the
@@ -14,6 +14,9 @@ and counted once per bucket (`executable_bytes`). Backends whose recordings cost
 device nothing (`Backend.graph_executables` False: the CPU reference) report 0. The CUDA
 driver keeps the memory of freed executables for later ones, so a plan reads them only
 before the process's first graphs are freed: plan at start-up, as an engine sizes its cache.
+An executor's first capture also makes its output buffers (the largest bucket's rows, the
+forward's outputs: logits can be the largest memory of all); the twins make the same ones,
+and `output_bytes` counts them for each executor that has none yet.
 
 The captures run in twin executors of the ones given (the same forward, inputs, buckets,
 attention and mode) over a fresh graph memory of the same mode, closed before the call
@@ -69,6 +72,9 @@ class MemoryPlan:
     kinds: list[KindPlan] = field(default_factory=list)
     executables_measured: bool = False  # False: the backend's recordings cost the device 0
     seconds: float = 0.0
+    # the output buffers (the largest bucket's rows) each executor's first capture makes,
+    # for executors that have none yet
+    output_bytes: int = 0
 
     @property
     def graphs(self) -> int:
@@ -80,12 +86,15 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.pool_bytes + self.executable_bytes
+        """What to keep back from the KV cache for the captures: the pool, the executables
+        and the output buffers they will make."""
+        return self.pool_bytes + self.executable_bytes + self.output_bytes
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "pool_bytes": self.pool_bytes,
             "executable_bytes": self.executable_bytes,
+            "output_bytes": self.output_bytes,
             "total_bytes": self.total_bytes,
             "graphs": self.graphs,
             "executables_measured": self.executables_measured,
@@ -115,7 +124,7 @@ def predict_graph_memory(
         _check(ex)
         groups.setdefault(id(ex.memory), []).append(ex)
     for group in groups.values():
-        plan.pool_bytes += _plan_memory(group, wanted, plan.kinds)
+        plan.pool_bytes += _plan_memory(group, wanted, plan)
     plan.seconds = time.perf_counter() - t0
     logger.info(
         "graph memory plan: %d pool + %d executable bytes for %d graphs (%.2f s)",
@@ -129,14 +138,15 @@ def predict_graph_memory(
 
 def measured_graph_memory(*executors: GraphExecutor) -> int:
     """What the executors' captures hold now, read as a plan predicts it: the physical (or
-    pool) bytes of each distinct graph memory, plus the executables measured outside them
-    (on backends whose recordings cost the device memory). After a plan in the same process
-    it can read low: the CUDA driver gives the real captures memory it kept from the plan's
-    closed ones, which their own readings never see; the device's reading from before the
-    plan to after the captures holds it (docs/startup.md, "Graph memory before the KV
-    cache")."""
+    pool) bytes of each distinct graph memory, the executables measured outside them (on
+    backends whose recordings cost the device memory) and the executors' output buffers.
+    After a plan in the same process it can read low: the CUDA driver gives the real
+    captures memory it kept from the plan's closed ones, which their own readings never
+    see; the device's reading from before the plan to after the captures holds it
+    (docs/startup.md, "Graph memory before the KV cache")."""
     memories = {id(ex.memory): ex.memory for ex in executors}
     total = sum(m.graph_bytes() for m in memories.values())
+    total += sum(ex.cache.output_bytes() for ex in {id(ex): ex for ex in executors}.values())
     if executors and executors[0].backend.graph_executables:
         total += sum(ex.stats()["outside_pool_bytes"] or 0 for ex in executors)
     return total
@@ -156,9 +166,7 @@ def _check(ex: GraphExecutor) -> None:
         )
 
 
-def _plan_memory(
-    group: Sequence[GraphExecutor], wanted: set[Kind] | None, out: list[KindPlan]
-) -> int:
+def _plan_memory(group: Sequence[GraphExecutor], wanted: set[Kind] | None, plan: MemoryPlan) -> int:
     """Twins of the group's executors over one fresh memory: the pool bytes they held."""
     first = group[0]
     physical = first.memory.physical
@@ -169,14 +177,14 @@ def _plan_memory(
     )
     try:
         for ex in group:
-            _plan_executor(ex, memory, wanted, out)
+            _plan_executor(ex, memory, wanted, plan)
         return memory.graph_bytes()
     finally:
         memory.close()
 
 
 def _plan_executor(
-    ex: GraphExecutor, memory: GraphMemory, wanted: set[Kind] | None, out: list[KindPlan]
+    ex: GraphExecutor, memory: GraphMemory, wanted: set[Kind] | None, plan: MemoryPlan
 ) -> None:
     kinds = [k for k in KINDS_OF_MODE[ex.mode] if wanted is None or k in wanted]
     if not kinds:
@@ -191,7 +199,9 @@ def _plan_executor(
             grown = (twin.stats()["outside_pool_bytes"] or 0) - before
             per_graph = max(grown, 0) // len(sizes) if ex.backend.graph_executables else 0
             graphs = len(ex.buckets.sizes) * per_key
-            out.append(KindPlan(ex.name, kind.value, ex.buckets.max, graphs, per_graph))
+            plan.kinds.append(KindPlan(ex.name, kind.value, ex.buckets.max, graphs, per_graph))
+        if not ex.cache.has_outputs:  # the twin's first capture made the same buffers
+            plan.output_bytes += twin.cache.output_bytes()
     finally:
         twin.close()
 

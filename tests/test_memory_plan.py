@@ -226,3 +226,20 @@ def test_the_plan_counts_the_output_buffers_the_first_capture_makes():
     assert ex.plan_memory().output_bytes == 0  # made already: the executor holds them
     ex.close()
     memory.close()
+
+
+def test_captures_read_no_memory_where_recordings_cost_the_device_nothing(monkeypatch):
+    """The CPU backend's recordings are host objects (`graph_executables` False): its
+    captures skip the reading around each capture (the whole process's resident size, 11 ms
+    a read) and report no memory outside the pool."""
+    backend = xgraph.get_backend("cpu")
+    assert backend.graph_executables is False
+    reads: list[int] = []
+    monkeypatch.setattr(backend, "memory_in_use", lambda: reads.append(1) or 0)
+    memory = _memory(backend)
+    ex = _executor(_workload(8), backend, memory, "full")
+    ex.capture([1, 2], progress=False)
+    assert reads == [] and ex.stats()["outside_pool_bytes"] is None
+    assert measured_graph_memory(ex) == memory.graph_bytes() + ex.cache.output_bytes()
+    ex.close()
+    memory.close()

@@ -221,20 +221,26 @@ class OutsidePoolMeter:
     graph's nodes in device memory) plus anything else a capture left allocated. The
     readings bracket the capture alone, which allocates only from its graph pool, so the
     default allocator's cache is the same at both and cancels out: no synchronize and no
-    `empty_cache` are needed. None where the backend reports no memory in use. Other users
-    of the device in the meantime count too.
+    `empty_cache` are needed. None where the backend reports no memory in use, or where its
+    recordings cost the device nothing (`Backend.graph_executables` False: the CPU backend,
+    whose reading is the whole process's resident size, 11 ms a read, two per capture).
+    Other users of the device in the meantime count too.
     """
 
     def __init__(self, memory: GraphMemory) -> None:
         self.memory = memory
         self.bytes: int | None = None
         self._before: tuple[int | None, int] = (None, 0)
+        self.reads = bool(memory.backend.graph_executables)
 
     def start(self) -> None:
         """Take the reading before a capture."""
-        self._before = (self.memory.backend.memory_in_use(), self.memory.graph_bytes())
+        if self.reads:
+            self._before = (self.memory.backend.memory_in_use(), self.memory.graph_bytes())
 
     def stop(self) -> None:
+        if not self.reads:
+            return
         after, (before, graph_before) = self.memory.backend.memory_in_use(), self._before
         if before is None or after is None:
             return

@@ -127,9 +127,10 @@ def predict_graph_memory(
         plan.pool_bytes += _plan_memory(group, wanted, plan)
     plan.seconds = time.perf_counter() - t0
     logger.info(
-        "graph memory plan: %d pool + %d executable bytes for %d graphs (%.2f s)",
+        "graph memory plan: %d pool + %d executable + %d output bytes for %d graphs (%.2f s)",
         plan.pool_bytes,
         plan.executable_bytes,
+        plan.output_bytes,
         plan.graphs,
         plan.seconds,
     )

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..memory import settled_reading as settle
+from .readings import driver_reading, settle
 
 MARKER = "XGRAPH_STARTUP "
 BLOCK = 16
@@ -57,15 +57,19 @@ class Clock:
 
     def read(self, name: str) -> None:
         """The device's memory in use now, settled (queue drained, cached blocks returned),
-        between parts: the seconds it takes count in none of them."""
-        self.readings[name] = settle(self.backend)
+        between parts: the seconds it takes count in none of them. None where the backend
+        has no driver's reading (the CPU's is the whole process's resident size)."""
+        self.readings[name] = self._settled()
+
+    def _settled(self) -> int | None:
+        return settle(self.backend) if driver_reading(self.backend) else None
 
     def apart(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` (the KV cache, executors' buffers: not graph memory) and keep what the
         device's reading moved by out of `device_graph_bytes`."""
-        before = settle(self.backend)
+        before = self._settled()
         out = fn()
-        after = settle(self.backend)
+        after = self._settled()
         if before is None or after is None or self.apart_bytes is None:
             self.apart_bytes = None
         else:

@@ -59,15 +59,15 @@ ENV = {
 def pipelined(on: bool):
     """`pipelined`: the float32 stream's launches at their configuration's stage count, as
     before `stages_for` asked one stage for them (Triton then pipelines their loops)."""
-    from xgraph_cuda.kernels import gemv, qkv
+    from xgraph_cuda.kernels import gemv  # its shared_options serves both kernels
 
-    kept = gemv.stages_for, qkv.stages_for
+    kept = gemv.stages_for
     if on:
-        gemv.stages_for = qkv.stages_for = lambda c, x, w: c.stages
+        gemv.stages_for = lambda c, x, w: c.stages
     try:
         yield
     finally:
-        gemv.stages_for, qkv.stages_for = kept
+        gemv.stages_for = kept
 
 
 def _asked(parts: set[str], prefix: str) -> int | None:

@@ -14,6 +14,8 @@ The qkv projection with its per-head norm and rotary is `qkv.py`, over the same 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -136,8 +138,7 @@ def launch(
     y = torch.empty((m, n), dtype=out, device=x.device)
     tiles = triton.cdiv(n, c.block_n)
     res = residual if residual is not None else y
-    pdl = pdl or pdl_options()
-    pre, pre_opts = prefetch.options(w, per, c.block_k, pdl["PDL"])
+    pre, options = shared_options(x, w, c, per, split, norm, pdl)
     launcher(_gemv_kernel, (tiles, split), compile_only)(
         x,
         w,
@@ -156,20 +157,41 @@ def launch(
         y.stride(0),
         res.stride(0),
         eps,
-        BLOCK_M=c.block_m,
         BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k,
-        SPLIT=split,
-        NORM=norm is not None,
         GATED=gated,
         RESIDUAL=residual is not None,
-        MMA=c.mma,
-        EVEN=k % c.block_k == 0 and per * split == k,
-        UPCAST=dot_upcast(),
-        PRECISION=dot_precision(w.dtype),
-        num_warps=c.warps,
-        num_stages=stages_for(c, x.dtype, w.dtype),
-        **pre_opts,
-        **pdl,
+        **options,
     )
     return y
+
+
+def shared_options(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    c: Config,
+    per: int,
+    split: int,
+    norm: torch.Tensor | None,
+    pdl: dict | None,
+) -> tuple[int, dict[str, Any]]:
+    """What every projection kernel's launch takes alike: the prefetch's count (a positional
+    argument) and the meta-parameters and launch options of configuration `c` over a K
+    share of `per` in `split` parts, with a norm prologue or not, under `pdl` (PDL's
+    options, default off)."""
+    pdl = pdl or pdl_options()
+    pre, pre_opts = prefetch.options(w, per, c.block_k, pdl["PDL"])
+    k = w.shape[1]
+    return pre, {
+        "BLOCK_M": c.block_m,
+        "BLOCK_K": c.block_k,
+        "SPLIT": split,
+        "NORM": norm is not None,
+        "MMA": c.mma,
+        "EVEN": k % c.block_k == 0 and per * split == k,
+        "UPCAST": dot_upcast(),
+        "PRECISION": dot_precision(w.dtype),
+        "num_warps": c.warps,
+        "num_stages": stages_for(c, x.dtype, w.dtype),
+        **pre_opts,
+        **pdl,
+    }

@@ -16,11 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dot_precision, dot_upcast, launcher, pdl_options, prefetch
+from . import launcher, prefetch
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
-from .gemv import k_share, workspace
+from .gemv import k_share, shared_options, workspace
 from .operand import accumulate, input_tile, weight_tile
-from .tuning import Config, stages_for
+from .tuning import Config
 
 # fmt: off
 # Triton kernels take every pointer, stride and tile size as its own argument; one per line
@@ -145,13 +145,13 @@ def launch(
     `heads`: (q norm weight, k norm weight, eps, cos_sin [m, 2, d] float32, hq, hkv).
     `compile_only`: compiled for these arguments, not run (the output is then unwritten)."""
     qw, kw, head_eps, cos_sin, hq, hkv = heads
-    m, (n, k), d = x.shape[0], w.shape, qw.shape[0]
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    d = qw.shape[0]
     c = c._replace(block_n=d)
     per, split = k_share(k, c if counts is not None else c._replace(split=1))
     y = torch.empty((m, n), dtype=w.dtype, device=x.device)  # x may be the float32 stream
     tiles = hq + 2 * hkv
-    pdl = pdl or pdl_options()
-    pre, pre_opts = prefetch.options(w, per, c.block_k, pdl["PDL"])
+    pre, options = shared_options(x, w, c, per, split, norm, pdl)
     launcher(_qkv_kernel, (tiles, split), compile_only)(
         x,
         w,
@@ -175,17 +175,6 @@ def launch(
         HQ=hq,
         HKV=hkv,
         HALF=d // 2,
-        BLOCK_M=c.block_m,
-        BLOCK_K=c.block_k,
-        SPLIT=split,
-        NORM=norm is not None,
-        MMA=c.mma,
-        EVEN=k % c.block_k == 0 and per * split == k,
-        UPCAST=dot_upcast(),
-        PRECISION=dot_precision(w.dtype),
-        num_warps=c.warps,
-        num_stages=stages_for(c, x.dtype, w.dtype),
-        **pre_opts,
-        **pdl,
+        **options,
     )
     return y

@@ -158,6 +158,8 @@ def test_default_configurations_cover_the_grid() -> None:
     for c in candidates(1, 1024, 2048, 132):
         assert c.split * c.block_k <= 2048
     assert any(not c.mma for c in candidates(1, 1024, 2048, 132))
+    wide = [c.block_n for c in candidates(64, 1024, 3072, 132) if c.block_n > 64]
+    assert wide and not any(c.block_n > 64 for c in candidates(8, 1024, 3072, 132))
 
 
 def test_the_kernels_are_chosen_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

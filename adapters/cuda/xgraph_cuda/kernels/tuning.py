@@ -123,7 +123,8 @@ def stages_for(c: Config, x: torch.dtype, w: torch.dtype) -> int:
 
 def candidates(m: int, n: int, k: int, sms: int, head_dim: int | None = None) -> list[Config]:
     """Configurations the device sweep compares for one shape: the default, a deeper and a
-    shallower split, a wider K step, and (rows <= 2, not qkv) the multiply-add form."""
+    shallower split, a wider K step, (not qkv) narrower and, past 16 rows, wider column
+    tiles, and (rows <= 2, not qkv) the multiply-add form."""
     base = pick(m, n, k, sms, head_dim)
     out = [base]
     for split in (base.split * 2, base.split // 2):
@@ -132,8 +133,22 @@ def candidates(m: int, n: int, k: int, sms: int, head_dim: int | None = None) ->
     out.append(base._replace(block_k=base.block_k * 2, stages=2))
     if head_dim is None:
         out.append(base._replace(block_n=32, split=min(MAX_SPLIT, base.split * 2)))
+    if head_dim is None and m > 16:
+        out.extend(wide_tiles(base, n, k, sms))
     if m <= 2 and head_dim is None:
         bm = block_m_for(m, False)
         tiles = -(-n // 16)
         out.append(Config(False, bm, 16, 256, split_for(tiles, k, 256, sms), 4, 1))
     return list(dict.fromkeys(out))
+
+
+def wide_tiles(base: Config, n: int, k: int, sms: int) -> list[Config]:
+    """Wider column tiles for 32 and 64 rows: each program loads its input rows once per K
+    step whatever its width, so at 64 rows a 64-column tile reads as many input bytes as
+    weight bytes; 128 and 256 columns halve and quarter that (256 at two stages, to fit
+    shared memory)."""
+    out = []
+    for block_n, warps, stages in ((128, 4, 3), (128, 8, 3), (256, 8, 2)):
+        split = split_for(-(-n // block_n), k, base.block_k, sms)
+        out.append(base._replace(block_n=block_n, split=split, warps=warps, stages=stages))
+    return out

@@ -14,7 +14,9 @@ loads its first key tile before it waits: XGRAPH_CUDA_DECODE_PRELOAD), `pipeline
 stream's launches at their configuration's stage count instead of `stages_for`'s one),
 `qkvsplitN` (the qkv projection split N ways along K), `gemvsplitxN` (the other projections'
 split N times the default), `warpsN` / `qkvwarpsN` (the projections' warps), `pdlmaxN`
-(projections past N MiB of weights launch without PDL: XGRAPH_CUDA_PDL_MAX_MIB).
+(projections past N MiB of weights launch without PDL: XGRAPH_CUDA_PDL_MAX_MIB), `cublasN`
+(calls of N rows or more on cuBLAS with the fused ops around it: XGRAPH_CUDA_CUBLAS_ROWS;
+65 unless named).
 Each is captured into its own graph (the switches are read at launch); per bucket and
 variant: device us per replay (pdl_race.py's events over 50 replays, median of 5 rounds),
 kernels of one replay by name (torch.profiler) for the first and last variant, and for PDL
@@ -128,6 +130,22 @@ def pdl_max(parts: set[str]):
 
 
 @contextmanager
+def cublas_rows(parts: set[str]):
+    """`cublasN`: XGRAPH_CUDA_CUBLAS_ROWS=N (calls of N rows or more run cuBLAS with the
+    fused ops around it); without it 65, the decode kernels for all their 64 rows."""
+    asked = _asked(parts, "cublas")
+    old = os.environ.get("XGRAPH_CUDA_CUBLAS_ROWS")
+    os.environ["XGRAPH_CUDA_CUBLAS_ROWS"] = str(asked or 65)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("XGRAPH_CUDA_CUBLAS_ROWS", None)
+        else:
+            os.environ["XGRAPH_CUDA_CUBLAS_ROWS"] = old
+
+
+@contextmanager
 def switches(variant: str):
     parts = set(variant.split("+"))
     old = {v[0]: os.environ.get(v[0]) for v in ENV.values()}
@@ -137,7 +155,7 @@ def switches(variant: str):
         if name in parts:
             os.environ[var] = on
     try:
-        with pipelined("pipelined" in parts), configs(parts), pdl_max(parts):
+        with pipelined("pipelined" in parts), configs(parts), pdl_max(parts), cublas_rows(parts):
             yield "pdl" in parts
     finally:
         for var, val in old.items():

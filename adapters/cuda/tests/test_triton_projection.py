@@ -128,12 +128,12 @@ def test_the_fused_duty_serves_decode_rows_and_declines_the_rest() -> None:
     g = _gen(50)
     x, w = _t(g, 2, 64), _t(g, 16, 64)
     assert projection.serves(x, w)
-    assert not projection.serves(_t(g, 65, 64), w)  # prefill-sized: cuBLAS
+    assert projection.serves(_t(g, 65, 64), w)  # prefill-sized: cuBLAS and the kernels around
+    assert projection.plain(_t(g, 65, 64), w) is None  # cuBLAS alone: F.linear's
     assert not projection.serves(x.double(), w.double())
     assert not projection.serves(x, w.t().contiguous().t())  # weight inner stride not 1
     assert not projection.serves(x, w, Fusion(residual=_t(g, 2, 15)))  # residual shape
     assert not projection.serves(x, w, Fusion(torch.ones(63)))  # norm width
-    assert projection.fused(_t(g, 65, 64), w, Fusion(residual=_t(g, 65, 16))) is None
     y = projection.fused(x, w, Fusion(residual=torch.zeros(2, 16, device=DEVICE)))
     assert y is not None
     _close(y, F.linear(x, w))

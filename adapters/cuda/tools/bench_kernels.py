@@ -139,7 +139,7 @@ def make_inputs(
 def variants(case: Case, sms: int) -> dict[str, Callable]:
     """name -> fn(x, w, fusion) for every variant measured on this case."""
     from xgraph_cuda import projection
-    from xgraph_cuda.kernels import skinny
+    from xgraph_cuda.kernels import around, skinny
     from xgraph_cuda.kernels.tuning import candidates, pick
 
     head_dim = case.heads[2] if case.heads else None
@@ -157,6 +157,7 @@ def variants(case: Case, sms: int) -> dict[str, Callable]:
         return F.linear(x[:, : w.shape[1]], w)
 
     out["cublas"] = gemm
+    out["cublas+around"] = lambda x, w, f: around.run(x, w, f)  # the fused ops as own kernels
     probe_x = torch.empty(case.rows, case.k, dtype=torch.bfloat16)
     if skinny.serves(probe_x, torch.empty(case.n, case.k, dtype=torch.bfloat16)):
         out["skinny"] = lambda x, w, f: reference(x, w, f, skinny.skinny_linear)

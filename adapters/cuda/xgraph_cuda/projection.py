@@ -1,9 +1,11 @@
 """The CUDA adapter's projection kernels as the core's duties: `plain` for `xgraph.linear`,
 `fused` for `linear(x, w, fusion)` (`Kernels.linear`, `Kernels.fused_linear`).
 
-Both serve decode's 1 to 64 rows (`kernels.tuning.MAX_ROWS`) of 16- or 32-bit float inputs
-with unit inner strides, on CUDA tensors (or CPU tensors in Triton's interpreter), and
-answer None for anything else (F.linear, or the fusion's reference ops, run those). A call
+Both serve 16- or 32-bit float inputs with unit inner strides, on CUDA tensors (or CPU
+tensors in Triton's interpreter), and answer None for anything else (F.linear, or the
+fusion's reference ops, run those). Decode's rows up to `linear.cublas_rows` go to the
+decode kernels (at most `kernels.tuning.MAX_ROWS`); from there `fused` runs cuBLAS with the
+fusion's ops as kernels of their own (`kernels.around`) and `plain` answers None. A call
 that needs a split K and finds no arrival counts (the first call of a process made inside a
 capture, `kernels.arena`) runs unsplit. Launches made while a capture asked for
 programmatic dependent launch (`pdl`) wait for their predecessor in the kernel and let
@@ -19,6 +21,7 @@ from xgraph.adapter import Fusion, HeadNorm
 from . import family, pdl
 from .kernels import arena, interpreting, sm_count
 from .kernels.tuning import MAX_ROWS, Config, pick
+from .linear import cublas_rows
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (32, 64, 128, 256)  # half a head must fill the tensor cores' 16 rows
@@ -35,7 +38,7 @@ def _pair_fits(x: torch.Tensor, w: torch.Tensor, width: int, stream: bool) -> bo
     return (
         x.dim() == 2
         and w.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
+        and x.shape[0] > 0
         and x.shape[1] == width
         and w.dtype in DTYPES
         and (x.dtype == w.dtype or (stream and x.dtype == torch.float32))
@@ -116,21 +119,35 @@ def run(
     )
 
 
+def _on_cublas(x: torch.Tensor) -> bool:
+    return x.shape[0] >= min(cublas_rows(), MAX_ROWS + 1)
+
+
 def _compile_one(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> None:
-    run(x, w, f, config(x, w, f), compile_only=True)
+    if _on_cublas(x):
+        from .kernels import around
+
+        around.compile_kernels(x, w, f)
+    else:
+        run(x, w, f, config(x, w, f), compile_only=True)
 
 
 def _default(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> torch.Tensor:
     """The call with its default configuration, its kind's binaries for every row count
-    compiled first on the GPU (`family`)."""
+    compiled first on the GPU (`family`); from `cublas_rows` rows, cuBLAS with the
+    fusion's ops around it (`kernels.around`)."""
+    if _on_cublas(x):
+        from .kernels import around
+
+        return around.run(x, w, f)
     if x.is_cuda:
         family.compile_family(x, w, f, _compile_one)
     return run(x, w, f, config(x, w, f))
 
 
 def plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """`Kernels.linear`: x @ w.T for the calls served, else None."""
-    if not serves(x, w):
+    """`Kernels.linear`: x @ w.T for the calls served, else None (cuBLAS's rows too)."""
+    if _on_cublas(x) or not serves(x, w):
         return None
     return _default(x, w, Fusion())
 

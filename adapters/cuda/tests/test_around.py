@@ -1,0 +1,129 @@
+"""Projections on cuBLAS with the fused ops as kernels of their own (kernels/around.py):
+the rows from `linear.cublas_rows` on, and every row past the decode kernels' 64, against
+the fusion's reference ops, against the decode kernels at the same rows, and the choice of
+rows by the environment.
+
+Without a GPU the kernels run in Triton's CPU interpreter (conftest.py); shapes stay small.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from xgraph_cuda import linear as cuda_linear
+from xgraph_cuda import projection
+from xgraph_cuda.kernels import around
+
+from xgraph.errors import XGraphError
+from xgraph.fusion import Fusion, HeadNorm, epilogue, reference
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+K, N, HQ, HKV, D = 64, 48, 4, 2, 32
+
+
+def _t(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE)
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def _heads(g: torch.Generator, m: int) -> HeadNorm:
+    qw, kw = 1 + _t(g, D, scale=0.1), 1 + _t(g, D, scale=0.1)
+    return HeadNorm(qw, kw, 1e-6, _t(g, m, 2, D), HQ, HKV)
+
+
+def _call(kind: str, m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, Fusion]:
+    """x, w and the fusion of one projection of a decode layer, of `m` rows."""
+    g = torch.Generator().manual_seed(seed)
+    norm = 1 + _t(g, K, scale=0.1)
+    if kind == "qkv":
+        return (
+            _t(g, m, K),
+            _t(g, (HQ + 2 * HKV) * D, K, scale=0.1),
+            Fusion(norm, heads=_heads(g, m)),
+        )
+    if kind == "gate_up":
+        return _t(g, m, K), _t(g, 2 * N, K, scale=0.1), Fusion(norm, 1e-5)
+    if kind == "down":
+        return _t(g, m, 2 * K), _t(g, N, K, scale=0.1), Fusion(gated=True, residual=_t(g, m, N))
+    return _t(g, m, K), _t(g, N, K, scale=0.1), Fusion(residual=_t(g, m, N))  # o
+
+
+KINDS = ("qkv", "o", "gate_up", "down")
+
+
+@pytest.mark.parametrize("m", [33, 70])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_fusions_on_cublas_match_the_reference_ops(kind: str, m: int) -> None:
+    x, w, f = _call(kind, m, seed=m)
+    assert projection.serves(x, w, f)
+    assert _err(projection.fused(x, w, f), reference(x, w, f, F.linear)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cublas_and_the_decode_kernels_agree_at_the_same_rows(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, w, f = _call(kind, 40, seed=7)
+    on_cublas = projection.fused(x, w, f)
+    monkeypatch.setenv(cuda_linear.CUBLAS_ROWS_ENV, "65")  # the decode kernels up to 64 rows
+    assert _err(projection.fused(x, w, f), on_cublas) < 1e-5
+
+
+def test_the_float32_stream_over_bf16_weights_keeps_its_dtypes() -> None:
+    """The norm reads the float32 residual stream into bf16; the residual add stores the sum
+    in float32, as the decode kernels do."""
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(3)
+    x, w, norm = _t(g, 48, K), _t(g, N, K, scale=0.1).to(bf), 1 + _t(g, K, scale=0.1)
+    f = Fusion(norm, 1e-6)
+    got = projection.fused(x, w, f)
+    assert got.dtype == bf and _err(got, reference(x, w, f, F.linear)) < 1e-2
+    r = _t(g, 48, N)
+    f = Fusion(residual=r)
+    got = projection.fused(x.to(bf), w, f)
+    assert got.dtype == torch.float32 and _err(got, reference(x.to(bf), w, f, F.linear)) < 1e-2
+
+
+def test_the_heads_epilogue_runs_in_place_and_leaves_the_v_heads() -> None:
+    g = torch.Generator().manual_seed(5)
+    m, h = 20, _heads(g, 20)
+    y = _t(g, m, (HQ + 2 * HKV) * D)
+    want = epilogue(y.clone(), Fusion(heads=h))
+    spec = (h.q_weight, h.k_weight, h.eps, h.cos_sin, HQ, HKV)
+    got = around.heads(y, spec)
+    assert got.data_ptr() == y.data_ptr()
+    qk = (HQ + HKV) * D
+    assert torch.equal(got[:, qk:], want[:, qk:])  # v: untouched
+    assert _err(got, want) < 1e-5
+
+
+def test_the_plain_projection_leaves_cublas_rows_to_f_linear(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    g = torch.Generator().manual_seed(9)
+    x, w = _t(g, 33, K), _t(g, N, K)
+    assert projection.plain(x, w) is None  # 33 rows: cuBLAS by default
+    assert projection.plain(x[:32], w) is not None
+    monkeypatch.setenv(cuda_linear.CUBLAS_ROWS_ENV, "65")
+    assert cuda_linear.cublas_rows() == 65
+    assert projection.plain(x, w) is not None
+    assert projection.plain(_t(g, 65, K), w) is None  # past the decode kernels' rows
+
+
+@pytest.mark.parametrize("raw", ["0", "66", "many", "-1"])
+def test_a_row_count_out_of_range_is_one_clear_error(
+    raw: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(cuda_linear.CUBLAS_ROWS_ENV, raw)
+    with pytest.raises(
+        XGraphError, match=r"XGRAPH_CUDA_CUBLAS_ROWS=.*give a row count from 1 to 65"
+    ):
+        cuda_linear.cublas_rows()

@@ -1,0 +1,160 @@
+"""The ops fused around a projection, as kernels of their own around a cuBLAS product.
+
+Past a few dozen rows the decode projection kernels (`gemv`, `qkv`) lose to cuBLAS: they
+stream the weights well, but their programs reload the input rows for every column tile
+and recompute its prologue there (docs/kernels.md, "Rows for cuBLAS"). For those rows
+`projection` runs the fusion as three launches instead of one: the prologue here (RMSNorm,
+or SiLU(gate) * up, rounded once to the weights' dtype, as the fused kernels round it), the
+product on cuBLAS, then the epilogue: the residual add is torch's (one kernel: the 16-bit
+product promoted into the float32 stream), the per-head norm and rotary of a qkv product is
+`heads` here, the qkv kernel's own epilogue run in place over the product.
+
+Every launch here goes without PDL's attribute: each keeps a full edge to its predecessor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from xgraph.adapter import Fusion
+
+from . import launcher
+from .qkv import _head_epilogue
+
+GATE_BLOCK = 1024  # columns of SiLU(gate) * up per program
+HEAD_ROWS = 16  # tokens per program of the heads' epilogue
+
+# fmt: off
+# Triton kernels take every pointer, stride and tile size as its own argument; one per line
+# would bury each kernel under its signature (as in decode.py), so these keep them packed.
+
+@triton.jit
+def _norm_kernel(X, G, Y, K, s_xm, s_ym, eps, BLOCK: tl.constexpr):
+    """Row `program_id` of x / rms(x) * g, the whole row in one tile."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < K
+    x = tl.load(X + row * s_xm + c, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(G + c, mask=ok, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, 0) / K + eps)
+    tl.store(Y + row * s_ym + c, (x * g * r).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gate_kernel(X, Y, K, s_xm, s_ym, BLOCK: tl.constexpr):
+    """Columns of one row of SiLU(gate) * up, X holding [gate | up] of K columns each."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < K
+    gate = tl.load(X + row * s_xm + c, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(X + row * s_xm + K + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + row * s_ym + c, (gate / (1.0 + tl.exp(-gate)) * up).to(Y.dtype.element_ty),
+             mask=ok)
+
+
+@triton.jit
+def _heads_kernel(Y, QW, KW, CS, M, s_ym, s_cs, head_eps,
+                  HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """A q or k head of BLOCK_M tokens normed and rotated in place (v heads are left)."""
+    head = tl.program_id(0)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    c = tl.arange(0, HALF)
+    at = Y + rm[None, :].to(tl.int64) * s_ym + head * (2 * HALF) + c[:, None]
+    lo = tl.load(at, mask=m_ok[None, :], other=0.0).to(tl.float32)
+    hi = tl.load(at + HALF, mask=m_ok[None, :], other=0.0).to(tl.float32)
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    _head_epilogue(Y, QW, KW, CS, head, rm, m_ok, lo, hi, ss, 1, 0.0, head_eps, s_ym, s_cs,
+                   HQ, HKV, HALF, False)
+
+# fmt: on
+
+
+def run(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> torch.Tensor:
+    """epilogue(prologue(x) @ w.T): the prologue's kernel, cuBLAS, the epilogue's kernel;
+    in w's dtype, or a float32 residual's with one (what `gemv.launch` returns)."""
+    a = x
+    if f.norm is not None:
+        a = norm(x, f.norm, f.eps, w.dtype)
+    elif f.gated:
+        a = gate(x)
+    y = F.linear(a, w)
+    if f.residual is not None:
+        return y + f.residual
+    h = f.heads
+    if h is None:
+        return y
+    return heads(y, (h.q_weight, h.k_weight, h.eps, h.cos_sin, h.heads, h.kv_heads))
+
+
+def compile_kernels(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> None:
+    """The prologue's and epilogue's kernels of this call compiled, not run."""
+    if f.norm is not None:
+        norm(x, f.norm, f.eps, w.dtype, compile_only=True)
+    elif f.gated:
+        gate(x, compile_only=True)
+    h = f.heads
+    if h is not None:
+        y = torch.empty((x.shape[0], w.shape[0]), dtype=w.dtype, device=x.device)
+        heads(y, (h.q_weight, h.k_weight, h.eps, h.cos_sin, h.heads, h.kv_heads), True)
+
+
+def norm(
+    x: torch.Tensor, g: torch.Tensor, eps: float, dtype: torch.dtype, compile_only: bool = False
+) -> torch.Tensor:
+    """rms_norm(x) * g in `dtype` (x may be the float32 residual stream)."""
+    m, k = x.shape
+    y = torch.empty((m, k), dtype=dtype, device=x.device)
+    block = triton.next_power_of_2(k)
+    launcher(_norm_kernel, (m,), compile_only)(
+        x, g, y, k, x.stride(0), y.stride(0), eps, BLOCK=block, num_warps=_warps(block)
+    )
+    return y
+
+
+def gate(x: torch.Tensor, compile_only: bool = False) -> torch.Tensor:
+    """SiLU(gate) * up of x [m, 2k], in x's dtype."""
+    m, k = x.shape[0], x.shape[1] // 2
+    y = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    grid = (m, triton.cdiv(k, GATE_BLOCK))
+    launcher(_gate_kernel, grid, compile_only)(
+        x, y, k, x.stride(0), y.stride(0), BLOCK=GATE_BLOCK, num_warps=4
+    )
+    return y
+
+
+def heads(
+    y: torch.Tensor,
+    spec: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, int, int],
+    compile_only: bool = False,
+) -> torch.Tensor:
+    """The qkv product y [m, (hq + 2 hkv) * d] with its q and k heads normed and rotated, in
+    place. `spec`: (q norm weight, k norm weight, eps, cos_sin [m, 2, d] float32, hq, hkv)."""
+    qw, kw, head_eps, cos_sin, hq, hkv = spec
+    m, d = y.shape[0], qw.shape[0]
+    grid = (hq + hkv, triton.cdiv(m, HEAD_ROWS))
+    launcher(_heads_kernel, grid, compile_only)(
+        y,
+        qw,
+        kw,
+        cos_sin,
+        m,
+        y.stride(0),
+        cos_sin.stride(0),
+        head_eps,
+        HQ=hq,
+        HKV=hkv,
+        HALF=d // 2,
+        BLOCK_M=HEAD_ROWS,
+        num_warps=4,
+    )
+    return y
+
+
+def _warps(block: int) -> int:
+    """Warps for a row of `block` columns: about eight columns a thread, 1 to 16 warps."""
+    return max(1, min(16, block // 256))

@@ -114,35 +114,30 @@ def configs(parts: set[str]):
 
 
 @contextmanager
+def env_set(var: str, value: str):
+    """`var` set to `value` until the block ends, then as it was."""
+    old = os.environ.get(var)
+    os.environ[var] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
+
+
 def pdl_max(parts: set[str]):
     """`pdlmaxN`: XGRAPH_CUDA_PDL_MAX_MIB=N (projections past N MiB of weights launch without
     the PDL attribute)."""
     asked = [p[len("pdlmax") :] for p in parts if p.startswith("pdlmax")]
-    old = os.environ.get("XGRAPH_CUDA_PDL_MAX_MIB")
-    os.environ["XGRAPH_CUDA_PDL_MAX_MIB"] = asked[0] if asked else "none"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("XGRAPH_CUDA_PDL_MAX_MIB", None)
-        else:
-            os.environ["XGRAPH_CUDA_PDL_MAX_MIB"] = old
+    return env_set("XGRAPH_CUDA_PDL_MAX_MIB", asked[0] if asked else "none")
 
 
-@contextmanager
 def cublas_rows(parts: set[str]):
     """`cublasN`: XGRAPH_CUDA_CUBLAS_ROWS=N (calls of N rows or more run cuBLAS with the
     fused ops around it); without it 65, the decode kernels for all their 64 rows."""
-    asked = _asked(parts, "cublas")
-    old = os.environ.get("XGRAPH_CUDA_CUBLAS_ROWS")
-    os.environ["XGRAPH_CUDA_CUBLAS_ROWS"] = str(asked or 65)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("XGRAPH_CUDA_CUBLAS_ROWS", None)
-        else:
-            os.environ["XGRAPH_CUDA_CUBLAS_ROWS"] = old
+    return env_set("XGRAPH_CUDA_CUBLAS_ROWS", str(_asked(parts, "cublas") or 65))
 
 
 @contextmanager

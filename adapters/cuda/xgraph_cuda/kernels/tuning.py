@@ -143,12 +143,9 @@ def candidates(m: int, n: int, k: int, sms: int, head_dim: int | None = None) ->
 
 
 def wide_tiles(base: Config, n: int, k: int, sms: int) -> list[Config]:
-    """Wider column tiles for 32 and 64 rows: each program loads its input rows once per K
-    step whatever its width, so at 64 rows a 64-column tile reads as many input bytes as
-    weight bytes; 128 and 256 columns halve and quarter that (256 at two stages, to fit
-    shared memory)."""
-    out = []
-    for block_n, warps, stages in ((128, 4, 3), (128, 8, 3), (256, 8, 2)):
-        split = split_for(-(-n // block_n), k, base.block_k, sms)
-        out.append(base._replace(block_n=block_n, split=split, warps=warps, stages=stages))
-    return out
+    """128-column tiles past 16 rows, at four and eight warps: each program loads its input
+    rows once per K step whatever its width, so at 64 rows a 64-column tile reads as many
+    input bytes as weight bytes, and 128 columns halve that (measured: docs/kernels.md,
+    "Rows for cuBLAS"; 256 columns at two stages did not compile)."""
+    split = split_for(-(-n // 128), k, base.block_k, sms)
+    return [base._replace(block_n=128, split=split, warps=w) for w in (4, 8)]

@@ -169,8 +169,11 @@ def test_the_kernels_are_chosen_by_the_environment(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv(cuda_linear.FUSED_ENV, raising=False)
     assert cuda_linear.linear_kernel() is projection.plain
     assert cuda_linear.fused_kernel() is projection.fused
-    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "auto")  # off by default: the fidelity gate
-    assert cuda_linear.fused_kernel() is None
+    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "auto")  # the default: the decode kernels
+    assert cuda_linear.linear_kernel() is projection.plain
+    assert cuda_linear.fused_kernel() is projection.fused
+    monkeypatch.delenv(cuda_linear.LINEAR_ENV)
+    assert cuda_linear.linear_kernel() is projection.plain
     monkeypatch.setenv(cuda_linear.LINEAR_ENV, "skinny")
     assert cuda_linear.linear_kernel() is skinny.linear
     assert cuda_linear.fused_kernel() is None  # auto: fused only with the decode kernel

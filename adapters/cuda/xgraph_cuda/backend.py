@@ -56,8 +56,8 @@ class CUDABackend(TorchBackend):
     def kernels(self) -> Kernels:
         """Triton decode and prefill runners when triton imports, else SDPA prefill and the
         core's graph-safe reference decode (XGRAPH_CUDA_ATTENTION=triton|torch forces one);
-        the skinny projection kernel, or (XGRAPH_CUDA_LINEAR=triton) the decode projection
-        kernels for 1 to 64 rows, plain and fused with the ops around them
+        the decode projection kernels when triton imports (cuBLAS from
+        XGRAPH_CUDA_CUBLAS_ROWS rows), plain and fused with the ops around them
         (XGRAPH_CUDA_LINEAR, XGRAPH_CUDA_FUSED choose; `linear`); programmatic
         dependent launch in full graphs on Hopper and later (`pdl`)."""
         return Kernels(

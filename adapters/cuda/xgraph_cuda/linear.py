@@ -1,13 +1,14 @@
 """Which projection kernels the CUDA adapter gives `xgraph.linear`, chosen by environment.
 
 XGRAPH_CUDA_LINEAR (the plain projection, `Kernels.linear`):
-- `auto` (default): the skinny kernel (kernels/skinny.py: one row, or up to four into
-  narrow outputs) when triton imports, else cuBLAS;
-- `triton`: the decode projection kernel (`projection.plain`, 1 to 64 rows; Triton
-  kernels/gemv.py), failing loudly where Triton is missing. Not the default: with the
-  float32 residual stream it passes the fidelity gate, but at Qwen3-0.6B batch 64 its
-  step is slower than reduce-overhead's (docs/kernels.md);
-- `skinny`: the skinny kernel, as `auto` picks it;
+- `auto` (default): the decode projection kernels (`projection.plain`: Triton
+  kernels/gemv.py up to XGRAPH_CUDA_CUBLAS_ROWS rows, cuBLAS from there) when triton
+  imports, else cuBLAS. With the float32 residual stream they pass the fidelity gate, and
+  with cuBLAS past 32 rows no measured batch is slower than reduce-overhead's
+  (docs/kernels.md, "Rows for cuBLAS");
+- `triton`: the same, failing loudly where Triton is missing;
+- `skinny`: the earlier skinny kernel (kernels/skinny.py: one row, or up to four into
+  narrow outputs), the default before 2026-12-06;
 - `torch`: F.linear (cuBLAS) for every call.
 
 XGRAPH_CUDA_CUBLAS_ROWS (the decode kernels' rows): calls of this many rows or more run
@@ -17,7 +18,8 @@ Calls past 64 rows always go that way.
 
 XGRAPH_CUDA_FUSED (`Kernels.fused_linear`: RMSNorm / SiLU-mul prologues, residual and
 per-head norm + rotary epilogues in the projection's kernel):
-- `auto` (default): on when the plain kernel is the decode projection kernel (`triton`);
+- `auto` (default): on when the plain kernel is the decode projection kernel (`auto`,
+  `triton`);
 - `on`: on wherever triton imports (with any plain choice);
 - `off`: the fusion's reference ops around the plain projection.
 """
@@ -61,10 +63,10 @@ def _has_triton(asked: str, env: str) -> bool:
 
 def linear_kernel() -> Callable[..., Any] | None:
     """The plain projection kernel XGRAPH_CUDA_LINEAR picks, or None (cuBLAS)."""
-    asked = _asked(LINEAR_ENV, CHOICES, "auto: the skinny kernel when triton imports")
+    asked = _asked(LINEAR_ENV, CHOICES, "auto: the decode kernels when triton imports")
     if asked == "torch" or not _has_triton(asked, LINEAR_ENV):
         return None
-    if asked in ("auto", "skinny"):
+    if asked == "skinny":
         from .kernels.skinny import linear
 
         return linear
@@ -80,7 +82,7 @@ def fused_kernel() -> Callable[..., Any] | None:
         return None
     if asked == "auto":
         plain = _asked(LINEAR_ENV, CHOICES, "")
-        if plain != "triton":
+        if plain not in ("auto", "triton"):
             return None
     if not _has_triton(asked, FUSED_ENV):
         return None

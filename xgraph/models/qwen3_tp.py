@@ -234,7 +234,7 @@ class Qwen3TPModel(nn.Module):
         """Vocab-parallel lm_head: this rank's slice of the logits, all-gathered. F.linear,
         as `Qwen3Model`'s lm_head (an nn.Linear) runs it, not `xgraph.linear`: over a group
         of one the same kernels run as in the single-rank model, so the logits are its bit
-        for bit (a backend's linear kernel, CUDA's skinny one at one row, rounds otherwise)."""
+        for bit (a backend's linear kernel rounds otherwise)."""
         s = self.shard
         w = (
             self.model.embed_tokens.weight

@@ -1,5 +1,5 @@
 """Projections on cuBLAS with the fused ops as kernels of their own (kernels/around.py):
-the rows from `linear.cublas_rows` on, and every row past the decode kernels' 64, against
+the rows from `rows.cublas_rows` on, and every row past the decode kernels' 64, against
 the fusion's reference ops, against the decode kernels at the same rows, and the choice of
 rows by the environment.
 
@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from xgraph_cuda import linear as cuda_linear
-from xgraph_cuda import projection
+from xgraph_cuda import projection, rows
 from xgraph_cuda.kernels import around
 
 from xgraph.errors import XGraphError
@@ -73,7 +72,7 @@ def test_cublas_and_the_decode_kernels_agree_at_the_same_rows(
 ) -> None:
     x, w, f = _call(kind, 40, seed=7)
     on_cublas = projection.fused(x, w, f)
-    monkeypatch.setenv(cuda_linear.CUBLAS_ROWS_ENV, "65")  # the decode kernels up to 64 rows
+    monkeypatch.setenv(rows.CUBLAS_ROWS_ENV, "65")  # the decode kernels up to 64 rows
     assert _err(projection.fused(x, w, f), on_cublas) < 1e-5
 
 
@@ -112,8 +111,8 @@ def test_the_plain_projection_leaves_cublas_rows_to_f_linear(
     x, w = _t(g, 33, K), _t(g, N, K)
     assert projection.plain(x, w) is None  # 33 rows: cuBLAS by default
     assert projection.plain(x[:32], w) is not None
-    monkeypatch.setenv(cuda_linear.CUBLAS_ROWS_ENV, "65")
-    assert cuda_linear.cublas_rows() == 65
+    monkeypatch.setenv(rows.CUBLAS_ROWS_ENV, "65")
+    assert rows.cublas_rows() == 65
     assert projection.plain(x, w) is not None
     assert projection.plain(_t(g, 65, K), w) is None  # past the decode kernels' rows
 
@@ -122,8 +121,8 @@ def test_the_plain_projection_leaves_cublas_rows_to_f_linear(
 def test_a_row_count_out_of_range_is_one_clear_error(
     raw: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(cuda_linear.CUBLAS_ROWS_ENV, raw)
+    monkeypatch.setenv(rows.CUBLAS_ROWS_ENV, raw)
     with pytest.raises(
         XGraphError, match=r"XGRAPH_CUDA_CUBLAS_ROWS=.*give a row count from 1 to 65"
     ):
-        cuda_linear.cublas_rows()
+        rows.cublas_rows()

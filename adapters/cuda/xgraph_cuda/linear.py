@@ -11,10 +11,8 @@ XGRAPH_CUDA_LINEAR (the plain projection, `Kernels.linear`):
   narrow outputs), the default before 2026-12-06;
 - `torch`: F.linear (cuBLAS) for every call.
 
-XGRAPH_CUDA_CUBLAS_ROWS (the decode kernels' rows): calls of this many rows or more run
-their product on cuBLAS, the ops fused around it as kernels of their own
-(kernels/around.py); 1 to 65, default 33 (65: the decode kernels for all their 64 rows).
-Calls past 64 rows always go that way.
+XGRAPH_CUDA_CUBLAS_ROWS (the decode kernels' rows, `rows.cublas_rows`): calls of this many
+rows or more run their product on cuBLAS, the ops fused around it as kernels of their own.
 
 XGRAPH_CUDA_FUSED (`Kernels.fused_linear`: RMSNorm / SiLU-mul prologues, residual and
 per-head norm + rotary epilogues in the projection's kernel):
@@ -33,14 +31,10 @@ from typing import Any
 
 from xgraph.adapter import XGraphError
 
-from .kernels.tuning import MAX_ROWS
-
 LINEAR_ENV = "XGRAPH_CUDA_LINEAR"
 FUSED_ENV = "XGRAPH_CUDA_FUSED"
 CHOICES = ("auto", "triton", "skinny", "torch")
 FUSED_CHOICES = ("auto", "on", "off")
-CUBLAS_ROWS_ENV = "XGRAPH_CUDA_CUBLAS_ROWS"
-CUBLAS_ROWS = 33  # measured crossover, docs/kernels.md ("Rows for cuBLAS")
 
 
 def _asked(env: str, choices: tuple[str, ...], what: str) -> str:
@@ -89,16 +83,3 @@ def fused_kernel() -> Callable[..., Any] | None:
     from .projection import fused
 
     return fused
-
-
-def cublas_rows() -> int:
-    """The row count from which projections run on cuBLAS (XGRAPH_CUDA_CUBLAS_ROWS)."""
-    raw = os.environ.get(CUBLAS_ROWS_ENV, "").strip()
-    if not raw:
-        return CUBLAS_ROWS
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_ROWS + 1:
-        raise XGraphError(
-            f"{CUBLAS_ROWS_ENV}={raw!r}; give a row count from 1 to {MAX_ROWS + 1} (calls of "
-            f"that many rows or more run on cuBLAS; {MAX_ROWS + 1}: none up to {MAX_ROWS})."
-        )
-    return int(raw)

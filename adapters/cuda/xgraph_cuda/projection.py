@@ -3,7 +3,7 @@
 
 Both serve 16- or 32-bit float inputs with unit inner strides, on CUDA tensors (or CPU
 tensors in Triton's interpreter), and answer None for anything else (F.linear, or the
-fusion's reference ops, run those). Decode's rows up to `linear.cublas_rows` go to the
+fusion's reference ops, run those). Decode's rows up to `rows.cublas_rows` go to the
 decode kernels (at most `kernels.tuning.MAX_ROWS`); from there `fused` runs cuBLAS with the
 fusion's ops as kernels of their own (`kernels.around`) and `plain` answers None. A call
 that needs a split K and finds no arrival counts (the first call of a process made inside a
@@ -21,7 +21,7 @@ from xgraph.adapter import Fusion, HeadNorm
 from . import family, pdl
 from .kernels import arena, interpreting, sm_count
 from .kernels.tuning import MAX_ROWS, Config, pick
-from .linear import cublas_rows
+from .rows import cublas_rows
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (32, 64, 128, 256)  # half a head must fill the tensor cores' 16 rows

@@ -16,6 +16,8 @@ from xgraph_cuda.kernels.tuning import MAX_ROWS
 from xgraph.fusion import Fusion, HeadNorm
 
 K, N, D = 64, 96, 32
+# the kernels serve CUDA tensors, or CPU ones in Triton's interpreter (CI's runs)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class _Mode:
@@ -51,8 +53,9 @@ def calls(monkeypatch):  # type: ignore[no-untyped-def]
 
 
 def _stream(m: int) -> tuple[torch.Tensor, torch.Tensor, Fusion]:
-    x, w = torch.randn(m, K), torch.randn(N, K)
-    return x, w, Fusion(norm=torch.ones(K), residual=torch.randn(m, N))
+    x, w = torch.randn(m, K, device=DEVICE), torch.randn(N, K, device=DEVICE)
+    norm = torch.ones(K, device=DEVICE)
+    return x, w, Fusion(norm=norm, residual=torch.randn(m, N, device=DEVICE))
 
 
 def test_the_first_call_compiles_every_row_count_and_later_calls_nothing(calls):
@@ -76,7 +79,8 @@ def test_another_kind_compiles_its_own(calls):
     x, w, f = _stream(2)
     family.compile_family(x, w, f, compile_one)
     n = len(seen)
-    family.compile_family(x, torch.randn(N + 32, K), Fusion(), compile_one)  # another shape
+    other = torch.randn(N + 32, K, device=DEVICE)  # another shape
+    family.compile_family(x, other, Fusion(), compile_one)
     assert len(seen) == 2 * n
     with pdl.enabled_for(True):  # a capture under PDL compiles the binaries with the wait
         family.compile_family(x, w, f, compile_one)
@@ -86,11 +90,12 @@ def test_another_kind_compiles_its_own(calls):
 def test_the_rotary_table_is_resized_with_the_rows(calls):
     seen, compile_one = calls
     hq, hkv = 2, 1
-    x, w = torch.randn(4, K), torch.randn((hq + 2 * hkv) * D, K)
-    cs = torch.randn(4, 2, D)
-    heads = HeadNorm(torch.ones(D), torch.ones(D), 1e-6, cs, hq, hkv)
-    family.compile_family(x, w, Fusion(norm=torch.ones(K), heads=heads), compile_one)
-    assert [f.heads.cos_sin.shape for _, _, f in seen] == [(m, 2, D) for m, _, _ in seen]
+    with torch.device(DEVICE):
+        x, w = torch.randn(4, K), torch.randn((hq + 2 * hkv) * D, K)
+        cs = torch.randn(4, 2, D)
+        heads = HeadNorm(torch.ones(D), torch.ones(D), 1e-6, cs, hq, hkv)
+        family.compile_family(x, w, Fusion(norm=torch.ones(K), heads=heads), compile_one)
+    assert seen and [f.heads.cos_sin.shape for _, _, f in seen] == [(m, 2, D) for m, _, _ in seen]
 
 
 @pytest.mark.parametrize("why", ["no async mode", "interpreter", "capturing"])

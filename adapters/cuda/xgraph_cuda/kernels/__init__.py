@@ -5,6 +5,7 @@ query token per sequence (graph-safe), `prefill` attends variable-length query t
 planned by `tiles`. Projections: `gemv` (decode's few-row products with the ops around them
 fused), `qkv` (the merged qkv projection with its per-head norm and rotary), over `operand`,
 `fixup` (split reductions finished by the last program, counts in `arena`) and `tuning`;
+`around` runs the fused ops as kernels of their own around cuBLAS for the rows past them;
 `skinny` is the earlier few-row kernel.
 Importing this package loads no Triton; the kernel modules do, so only code that has checked
 for Triton imports them. Under TRITON_INTERPRET=1 the kernels run on CPU tensors.

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "adapters", "cuda", "tools"))
 from bench_kernels import graph_us
+from probe_common import write
 from xgraph_cuda.kernels import around
 
 SHAPES = {  # (n, k)
@@ -61,10 +62,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "rows": ROWS}
     res["cases"] = {name: case(n, k) for name, (n, k) in SHAPES.items()}
     print(json.dumps(res, indent=1))
-    path = os.path.join(os.environ.get("OUT", "out"), "residual-gemm.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+    write("residual-gemm.json", res)
 
 
 if __name__ == "__main__":

@@ -272,3 +272,40 @@ def test_the_first_tile_before_the_wait_changes_no_bit(
         )
     for on, off in zip(outs["on"], outs["off"]):
         assert torch.equal(on, off)
+
+
+def test_auto_keeps_the_skinny_kernel_before_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode kernels are the default where they were measured (compute capability 9.0
+    and up); an older GPU keeps the earlier default, and naming them still picks them."""
+    from xgraph_cuda.kernels import skinny
+
+    monkeypatch.delenv(cuda_linear.LINEAR_ENV, raising=False)
+    monkeypatch.delenv(cuda_linear.FUSED_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = torch.device("cuda", 0)
+    for major, plain, fused in [(8, skinny.linear, None), (9, projection.plain, projection.fused)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
+        assert cuda_linear.linear_kernel(gpu) is plain
+        assert cuda_linear.fused_kernel(gpu) is fused
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: (8, 0))
+    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "triton")
+    assert cuda_linear.linear_kernel(gpu) is projection.plain
+    assert cuda_linear.fused_kernel(gpu) is projection.fused
+
+
+def test_auto_without_triton_is_cublas_on_any_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    monkeypatch.delenv(cuda_linear.LINEAR_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    find = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find(name, *a)
+    )
+    for major in (8, 9):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
+        assert cuda_linear.linear_kernel(torch.device("cuda", 0)) is None
+        assert cuda_linear.fused_kernel(torch.device("cuda", 0)) is None
+    monkeypatch.setenv(cuda_linear.LINEAR_ENV, "skinny")
+    with pytest.raises(XGraphError, match="XGRAPH_CUDA_LINEAR=skinny but triton is not installed"):
+        cuda_linear.linear_kernel(torch.device("cuda", 0))

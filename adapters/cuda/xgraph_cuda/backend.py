@@ -56,14 +56,15 @@ class CUDABackend(TorchBackend):
     def kernels(self) -> Kernels:
         """Triton decode and prefill runners when triton imports, else SDPA prefill and the
         core's graph-safe reference decode (XGRAPH_CUDA_ATTENTION=triton|torch forces one);
-        the decode projection kernels when triton imports (cuBLAS from
-        XGRAPH_CUDA_CUBLAS_ROWS rows), plain and fused with the ops around them
+        the decode projection kernels on Hopper and later when triton imports (cuBLAS
+        from XGRAPH_CUDA_CUBLAS_ROWS rows; the skinny kernel before Hopper), plain and fused
+        with the ops around them
         (XGRAPH_CUDA_LINEAR, XGRAPH_CUDA_FUSED choose; `linear`); programmatic
         dependent launch in full graphs on Hopper and later (`pdl`)."""
         return Kernels(
             attention.attention_runners(),
-            linear.linear_kernel(),
-            linear.fused_kernel(),
+            linear.linear_kernel(self.device),
+            linear.fused_kernel(self.device),
             pdl.CUDAProgrammaticLaunch(self.device),
         )
 

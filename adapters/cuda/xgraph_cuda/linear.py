@@ -2,11 +2,11 @@
 
 XGRAPH_CUDA_LINEAR (the plain projection, `Kernels.linear`):
 - `auto` (default): the decode projection kernels (`projection.plain`: Triton
-  kernels/gemv.py up to XGRAPH_CUDA_CUBLAS_ROWS rows, cuBLAS from there) when triton
-  imports, else cuBLAS. With the float32 residual stream they pass the fidelity gate, and
-  with cuBLAS past 32 rows no measured batch is slower than reduce-overhead's
-  (docs/kernels.md, "Rows for cuBLAS");
-- `triton`: the same, failing loudly where Triton is missing;
+  kernels/gemv.py up to XGRAPH_CUDA_CUBLAS_ROWS rows, cuBLAS from there) on GPUs of
+  compute capability 9.0 and up, where they were measured (docs/kernels.md), the skinny
+  kernel below that, cuBLAS without triton;
+- `triton`: the decode projection kernels on any GPU, failing loudly where Triton is
+  missing;
 - `skinny`: the earlier skinny kernel (kernels/skinny.py: one row, or up to four into
   narrow outputs), the default before 2026-12-06;
 - `torch`: F.linear (cuBLAS) for every call.
@@ -16,8 +16,7 @@ rows or more run their product on cuBLAS, the ops fused around it as kernels of 
 
 XGRAPH_CUDA_FUSED (`Kernels.fused_linear`: RMSNorm / SiLU-mul prologues, residual and
 per-head norm + rotary epilogues in the projection's kernel):
-- `auto` (default): on when the plain kernel is the decode projection kernel (`auto`,
-  `triton`);
+- `auto` (default): on when the plain kernel is the decode projection kernel;
 - `on`: on wherever triton imports (with any plain choice);
 - `off`: the fusion's reference ops around the plain projection.
 """
@@ -28,6 +27,8 @@ import importlib.util
 import os
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from xgraph.adapter import XGraphError
 
@@ -55,12 +56,29 @@ def _has_triton(asked: str, env: str) -> bool:
     return False
 
 
-def linear_kernel() -> Callable[..., Any] | None:
-    """The plain projection kernel XGRAPH_CUDA_LINEAR picks, or None (cuBLAS)."""
+MEASURED_MAJOR = 9  # compute capability where the decode kernels were measured (Hopper)
+
+
+def _plain_choice(device: torch.device | None) -> tuple[str, bool]:
+    """(XGRAPH_CUDA_LINEAR's choice for `device`, whether it was named). `auto` resolves to
+    the decode kernels (`triton`) where they were measured, compute capability 9.0 and up
+    (or no GPU named: Triton's interpreter), else to the earlier default, `skinny`."""
     asked = _asked(LINEAR_ENV, CHOICES, "auto: the decode kernels when triton imports")
-    if asked == "torch" or not _has_triton(asked, LINEAR_ENV):
+    if asked != "auto":
+        return asked, True
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return "triton", False
+    major = torch.cuda.get_device_capability(device)[0]
+    return ("triton" if major >= MEASURED_MAJOR else "skinny"), False
+
+
+def linear_kernel(device: torch.device | None = None) -> Callable[..., Any] | None:
+    """The plain projection kernel XGRAPH_CUDA_LINEAR picks for `device`, or None
+    (cuBLAS)."""
+    choice, named = _plain_choice(device)
+    if choice == "torch" or not _has_triton(choice if named else "auto", LINEAR_ENV):
         return None
-    if asked == "skinny":
+    if choice == "skinny":
         from .kernels.skinny import linear
 
         return linear
@@ -69,15 +87,14 @@ def linear_kernel() -> Callable[..., Any] | None:
     return plain
 
 
-def fused_kernel() -> Callable[..., Any] | None:
-    """The fused projection kernel XGRAPH_CUDA_FUSED picks, or None (the reference ops)."""
+def fused_kernel(device: torch.device | None = None) -> Callable[..., Any] | None:
+    """The fused projection kernel XGRAPH_CUDA_FUSED picks for `device`, or None (the
+    reference ops)."""
     asked = _asked(FUSED_ENV, FUSED_CHOICES, "auto: on with the decode projection kernel")
     if asked == "off":
         return None
-    if asked == "auto":
-        plain = _asked(LINEAR_ENV, CHOICES, "")
-        if plain not in ("auto", "triton"):
-            return None
+    if asked == "auto" and _plain_choice(device)[0] != "triton":
+        return None
     if not _has_triton(asked, FUSED_ENV):
         return None
     from .projection import fused

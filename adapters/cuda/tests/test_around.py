@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from xgraph_cuda import linear as cuda_linear
 from xgraph_cuda import projection, rows
 from xgraph_cuda.kernels import around
 
@@ -117,7 +118,7 @@ def test_the_plain_projection_leaves_cublas_rows_to_f_linear(
     assert projection.plain(_t(g, 65, K), w) is None  # past the decode kernels' rows
 
 
-@pytest.mark.parametrize("raw", ["0", "66", "many", "-1"])
+@pytest.mark.parametrize("raw", ["0", "66", "many", "-1", "\u00b2"])
 def test_a_row_count_out_of_range_is_one_clear_error(
     raw: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -126,3 +127,48 @@ def test_a_row_count_out_of_range_is_one_clear_error(
         XGraphError, match=r"XGRAPH_CUDA_CUBLAS_ROWS=.*give a row count from 1 to 65"
     ):
         rows.cublas_rows()
+    monkeypatch.delenv(cuda_linear.LINEAR_ENV, raising=False)
+    with pytest.raises(XGraphError, match="XGRAPH_CUDA_CUBLAS_ROWS="):  # when the kernels
+        cuda_linear.fused_kernel()  # are chosen, not at a forward's first projection
+
+
+def test_strided_rows_uneven_widths_and_wider_heads_match_the_reference_ops() -> None:
+    """What decode's calls never pass but a prefill piece may: an input with a row stride
+    (a slice of a wider buffer), a K that is no power of two, a gate wider than one
+    program's columns, heads of 64."""
+    g = torch.Generator().manual_seed(11)
+    m, k, d, hq, hkv = 37, 100, 64, 2, 1
+    wide = _t(g, m, k + 28)
+    x = wide[:, :k]  # row stride k + 28
+    w, norm = _t(g, (hq + 2 * hkv) * d, k, scale=0.1), 1 + _t(g, k, scale=0.1)
+    h = HeadNorm(1 + _t(g, d, scale=0.1), 1 + _t(g, d, scale=0.1), 1e-6, _t(g, m, 2, d), hq, hkv)
+    f = Fusion(norm, heads=h)
+    assert _err(projection.fused(x, w, f), reference(x, w, f, F.linear)) < 1e-5
+    gate_k = around.GATE_BLOCK + 76  # two programs a row
+    x = _t(g, m, 2 * gate_k)
+    w, r = _t(g, N, gate_k, scale=0.1), _t(g, m, N)
+    f = Fusion(gated=True, residual=r)
+    assert _err(projection.fused(x, w, f), reference(x, w, f, F.linear)) < 1e-5
+
+
+def test_bf16_heads_within_bf16_rounding_of_the_reference_ops() -> None:
+    bf = torch.bfloat16
+    x, w, f = _call("qkv", 40, seed=13)
+    h = f.heads
+    f = Fusion(
+        f.norm.to(bf),
+        heads=HeadNorm(h.q_weight.to(bf), h.k_weight.to(bf), h.eps, h.cos_sin, HQ, HKV),
+    )
+    got = projection.fused(x.to(bf), w.to(bf), f)
+    assert got.dtype == bf and _err(got, reference(x.to(bf), w.to(bf), f, F.linear)) < 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles for a GPU only")
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_kernels_around_compile_ahead_without_running(kind: str) -> None:
+    """What the family's pre-compile asks of them (projection._compile_one past the rows)."""
+    x, w, f = _call(kind, 40, seed=17)
+    y = around.run(x, w, f)  # warm: the binaries exist after a run
+    around.compile_kernels(x, w, f)
+    torch.cuda.synchronize()
+    assert torch.equal(around.run(x, w, f), y)

@@ -32,6 +32,8 @@ import torch
 
 from xgraph.adapter import XGraphError
 
+from .rows import cublas_rows
+
 LINEAR_ENV = "XGRAPH_CUDA_LINEAR"
 FUSED_ENV = "XGRAPH_CUDA_FUSED"
 CHOICES = ("auto", "triton", "skinny", "torch")
@@ -97,6 +99,7 @@ def fused_kernel(device: torch.device | None = None) -> Callable[..., Any] | Non
         return None
     if not _has_triton(asked, FUSED_ENV):
         return None
+    cublas_rows()  # a bad XGRAPH_CUDA_CUBLAS_ROWS fails here, when the kernels are chosen
     from .projection import fused
 
     return fused

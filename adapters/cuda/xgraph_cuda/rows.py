@@ -9,6 +9,7 @@ for cuBLAS"): past 32 rows at Qwen3-0.6B, past 16 at Qwen3-8B.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from xgraph.adapter import XGraphError
@@ -21,12 +22,20 @@ CUBLAS_ROWS = 33
 
 def cublas_rows() -> int:
     """The row count from which projections run on cuBLAS (XGRAPH_CUDA_CUBLAS_ROWS)."""
-    raw = os.environ.get(CUBLAS_ROWS_ENV, "").strip()
+    return _parse(os.environ.get(CUBLAS_ROWS_ENV, "").strip())
+
+
+@functools.lru_cache(maxsize=8)  # read at every projection call: parse each value once
+def _parse(raw: str) -> int:
     if not raw:
         return CUBLAS_ROWS
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_ROWS + 1:
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = 0
+    if not 1 <= rows <= MAX_ROWS + 1:
         raise XGraphError(
             f"{CUBLAS_ROWS_ENV}={raw!r}; give a row count from 1 to {MAX_ROWS + 1} (calls of "
             f"that many rows or more run on cuBLAS; {MAX_ROWS + 1}: none up to {MAX_ROWS})."
         )
-    return int(raw)
+    return rows

@@ -4,10 +4,13 @@ Past a few dozen rows the decode projection kernels (`gemv`, `qkv`) lose to cuBL
 stream the weights well, but their programs reload the input rows for every column tile
 and recompute its prologue there (docs/kernels.md, "Rows for cuBLAS"). For those rows
 `projection` runs the fusion as three launches instead of one: the prologue here (RMSNorm,
-or SiLU(gate) * up, rounded once to the weights' dtype, as the fused kernels round it), the
+or SiLU(gate) * up, computed in float32 and rounded once to the weights' dtype), the
 product on cuBLAS, then the epilogue: the residual add (`residual`: the 16-bit product
 summed into the float32 stream), or the per-head norm and rotary of a qkv product (`heads`:
-the qkv kernel's own epilogue, run in place over the product).
+the qkv kernel's own epilogue, run in place over the product). The arithmetic is the
+reference ops' order (the norm's scale before the product, the epilogue over the rounded
+product), not the decode kernels' (the scale and the epilogue over the float32
+accumulator), so the two agree within 16-bit rounding, not bit for bit.
 
 Every launch here goes without PDL's attribute: each keeps a full edge to its predecessor.
 """
@@ -70,12 +73,17 @@ def _residual_kernel(Y, R, Out, N, s_ym, s_rm, s_om, BLOCK: tl.constexpr):
 def _heads_kernel(Y, QW, KW, CS, M, s_ym, s_cs, head_eps,
                   HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                   BLOCK_M: tl.constexpr):
-    """A q or k head of BLOCK_M tokens normed and rotated in place (v heads are left)."""
-    head = tl.program_id(0)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = rm < M
+    """A q or k head of BLOCK_M tokens normed and rotated in place (v heads are left). The
+    block's first row offsets Y and CS in 64 bits: the epilogue's own row offsets are 32-bit
+    (decode's rows are few), and a prefill's rows times the row stride need not be."""
+    first = tl.program_id(0).to(tl.int64) * BLOCK_M
+    head = tl.program_id(1)
+    Y += first * s_ym
+    CS += first * s_cs
+    rm = tl.arange(0, BLOCK_M)
+    m_ok = rm < M - first
     c = tl.arange(0, HALF)
-    at = Y + rm[None, :].to(tl.int64) * s_ym + head * (2 * HALF) + c[:, None]
+    at = Y + rm[None, :] * s_ym + head * (2 * HALF) + c[:, None]
     lo = tl.load(at, mask=m_ok[None, :], other=0.0).to(tl.float32)
     hi = tl.load(at + HALF, mask=m_ok[None, :], other=0.0).to(tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
@@ -161,7 +169,7 @@ def heads(
     place. `spec`: (q norm weight, k norm weight, eps, cos_sin [m, 2, d] float32, hq, hkv)."""
     qw, kw, head_eps, cos_sin, hq, hkv = spec
     m, d = y.shape[0], qw.shape[0]
-    grid = (hq + hkv, triton.cdiv(m, HEAD_ROWS))
+    grid = (triton.cdiv(m, HEAD_ROWS), hq + hkv)  # rows on x: a grid's y stops at 65,535
     launcher(_heads_kernel, grid, compile_only)(
         y,
         qw,

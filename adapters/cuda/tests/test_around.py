@@ -97,8 +97,7 @@ def test_the_heads_epilogue_runs_in_place_and_leaves_the_v_heads() -> None:
     m, h = 20, _heads(g, 20)
     y = _t(g, m, (HQ + 2 * HKV) * D)
     want = epilogue(y.clone(), Fusion(heads=h))
-    spec = (h.q_weight, h.k_weight, h.eps, h.cos_sin, HQ, HKV)
-    got = around.heads(y, spec)
+    got = around.heads(y, h)
     assert got.data_ptr() == y.data_ptr()
     qk = (HQ + HKV) * D
     assert torch.equal(got[:, qk:], want[:, qk:])  # v: untouched

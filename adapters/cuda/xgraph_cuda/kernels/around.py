@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from xgraph.adapter import Fusion
+from xgraph.adapter import Fusion, HeadNorm
 
 from . import launcher
 from .qkv import _head_epilogue
@@ -104,10 +104,7 @@ def run(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> torch.Tensor:
     y = F.linear(a, w)
     if f.residual is not None:
         return residual(y, f.residual)
-    h = f.heads
-    if h is None:
-        return y
-    return heads(y, (h.q_weight, h.k_weight, h.eps, h.cos_sin, h.heads, h.kv_heads))
+    return y if f.heads is None else heads(y, f.heads)
 
 
 def compile_kernels(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> None:
@@ -116,12 +113,13 @@ def compile_kernels(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> None:
         norm(x, f.norm, f.eps, w.dtype, compile_only=True)
     elif f.gated:
         gate(x, compile_only=True)
-    h = f.heads
+    if f.residual is None and f.heads is None:
+        return
     y = torch.empty((x.shape[0], w.shape[0]), dtype=w.dtype, device=x.device)
     if f.residual is not None:
         residual(y, f.residual, compile_only=True)
-    if h is not None:
-        heads(y, (h.q_weight, h.k_weight, h.eps, h.cos_sin, h.heads, h.kv_heads), True)
+    else:
+        heads(y, f.heads, compile_only=True)
 
 
 def norm(
@@ -160,28 +158,23 @@ def residual(y: torch.Tensor, r: torch.Tensor, compile_only: bool = False) -> to
     return out
 
 
-def heads(
-    y: torch.Tensor,
-    spec: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor, int, int],
-    compile_only: bool = False,
-) -> torch.Tensor:
-    """The qkv product y [m, (hq + 2 hkv) * d] with its q and k heads normed and rotated, in
-    place. `spec`: (q norm weight, k norm weight, eps, cos_sin [m, 2, d] float32, hq, hkv)."""
-    qw, kw, head_eps, cos_sin, hq, hkv = spec
-    m, d = y.shape[0], qw.shape[0]
-    grid = (triton.cdiv(m, HEAD_ROWS), hq + hkv)  # rows on x: a grid's y stops at 65,535
+def heads(y: torch.Tensor, h: HeadNorm, compile_only: bool = False) -> torch.Tensor:
+    """The qkv product y [m, (heads + 2 kv_heads) * head_dim] with its q and k heads normed
+    and rotated by `h`, in place."""
+    m = y.shape[0]
+    grid = (triton.cdiv(m, HEAD_ROWS), h.heads + h.kv_heads)  # rows on x: y stops at 65,535
     launcher(_heads_kernel, grid, compile_only)(
         y,
-        qw,
-        kw,
-        cos_sin,
+        h.q_weight,
+        h.k_weight,
+        h.cos_sin,
         m,
         y.stride(0),
-        cos_sin.stride(0),
-        head_eps,
-        HQ=hq,
-        HKV=hkv,
-        HALF=d // 2,
+        h.cos_sin.stride(0),
+        h.eps,
+        HQ=h.heads,
+        HKV=h.kv_heads,
+        HALF=h.head_dim // 2,
         BLOCK_M=HEAD_ROWS,
         num_warps=4,
     )

@@ -53,7 +53,7 @@ _COMMON.update(UPCAST=False, PRECISION="tf32", PDL=True, LINE=64)
 _BF16 = "*bf16"
 
 
-def _variant(pre: bool, early: bool, preload: bool = False) -> tuple[dict, dict]:
+def _variant(pre: bool, early: bool, preload: int = 0) -> tuple[dict, dict]:
     const = _COMMON | {"BLOCK_N": 64, "SPLIT": 2, "GATED": False, "RESIDUAL": True}
     const.update(PREFETCH=pre, TRIGGER=int(early), PRELOAD=preload)
     types = {n: _BF16 for n in ("X", "W", "Y", "R", "G")}
@@ -67,7 +67,8 @@ def ptx_order():
         "ask": _variant(True, False),
         "early": _variant(True, True),
         "none": _variant(False, False),
-        "preload": _variant(False, False, True),
+        "preload": _variant(False, False, 1),
+        "preload2": _variant(False, False, 2),
     }
     ptx = ptx_of("xgraph_cuda.kernels.gemv", "_gemv_kernel", variants)
     marks = {
@@ -112,7 +113,11 @@ def test_preload_loads_the_first_weight_tile_before_the_wait(ptx_order):
     assert ptx_order["preload"]["loads"] > 0 and ptx_order["preload"]["ask"] == -1
 
 
-def _qkv_variant(preload: bool) -> tuple[dict, dict]:
+def test_preload_of_two_tiles_loads_twice_as_much_before_the_wait(ptx_order):
+    assert ptx_order["preload2"]["loads"] == 2 * ptx_order["preload"]["loads"]
+
+
+def _qkv_variant(preload: int) -> tuple[dict, dict]:
     const = _COMMON | {"HQ": 16, "HKV": 8, "HALF": 64, "SPLIT": 4}
     const.update(PREFETCH=False, TRIGGER=0, PRELOAD=preload)
     types = {n: _BF16 for n in ("X", "W", "Y", "G", "QW", "KW")}
@@ -124,21 +129,27 @@ def test_qkv_preload_loads_both_halves_first_tiles_before_the_wait():
     ptx = ptx_of(
         "xgraph_cuda.kernels.qkv",
         "_qkv_kernel",
-        {"off": _qkv_variant(False), "on": _qkv_variant(True)},
+        {"off": _qkv_variant(0), "on": _qkv_variant(1), "two": _qkv_variant(2)},
     )
     before = {k: p[: p.find("griddepcontrol.wait")].count("ld.global") for k, p in ptx.items()}
-    assert before["off"] == 0 and before["on"] > 0
+    assert before["off"] == 0 and before["on"] > 0 and before["two"] == 2 * before["on"]
 
 
-def test_preload_is_on_unless_switched_off(monkeypatch):
+def test_preload_is_one_tile_unless_switched(monkeypatch):
     monkeypatch.delenv("XGRAPH_CUDA_PRELOAD", raising=False)
-    assert prefetch.preload() is True
+    assert prefetch.preload() == 1
     w = torch.zeros(64, 256, dtype=torch.bfloat16)
-    assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] is True
-    assert prefetch.options(w, 256, 128, waits=False)[1]["PRELOAD"] is False  # no wait
+    assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] == 1
+    assert prefetch.options(w, 256, 128, waits=False)[1]["PRELOAD"] == 0  # no wait
     monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", "off")
-    assert prefetch.preload() is False
-    assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] is False
+    assert prefetch.preload() == 0
+    assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] == 0
+    monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", "2")
+    assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] == 2
+    # never more tiles than the program walks, nor more than PRELOAD_TILES
+    assert prefetch.options(w, 128, 128, waits=True)[1]["PRELOAD"] == 1
+    monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", "7")
+    assert prefetch.options(w, 1024, 128, waits=True)[1]["PRELOAD"] == prefetch.PRELOAD_TILES
 
 
 def _decode_variant(preload: bool) -> tuple[dict, dict]:

@@ -43,25 +43,37 @@ def _finish(Y, R, rn, rm, n_ok, m_ok, acc, ss, K, eps, s_ym, s_rm,
 
 
 @triton.jit
-def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
+def _step(acc, ss, w, X, G, rm, k, m_ok, K, s_xm, BLOCK_M: tl.constexpr, NORM: tl.constexpr,
+          GATED: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr,
+          PRECISION: tl.constexpr):
+    """One K tile of the product: the input tile at k against weight tile w."""
+    x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
+    return accumulate(acc, w, x, MMA, UPCAST, PRECISION), ss + sq
+
+
+@triton.jit
+def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first, w_second,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, GATED: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
             UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr):
     """One program's share of the product: acc [BLOCK_N, BLOCK_M] over k_per columns of K
     from k (weight rows `rows`), and the input rows' sum of squares over them. PRELOAD: the
-    first weight tile is `w_first`, loaded before the program waited."""
+    first (w_first) or two first (and w_second) weight tiles were loaded before the program
+    waited."""
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
-    if PRELOAD:
-        x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
-        ss += sq
-        acc = accumulate(acc, w_first, x, MMA, UPCAST, PRECISION)
+    if PRELOAD >= 1:
+        acc, ss = _step(acc, ss, w_first, X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED,
+                        MMA, EVEN, UPCAST, PRECISION)
         k += BLOCK_K
-    for _ in range(BLOCK_K if PRELOAD else 0, k_per, BLOCK_K):
+    if PRELOAD >= 2:
+        acc, ss = _step(acc, ss, w_second, X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED,
+                        MMA, EVEN, UPCAST, PRECISION)
+        k += BLOCK_K
+    for _ in range(PRELOAD * BLOCK_K, k_per, BLOCK_K):
         w = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
-        x, sq = input_tile(X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, EVEN)
-        ss += sq
-        acc = accumulate(acc, w, x, MMA, UPCAST, PRECISION)
+        acc, ss = _step(acc, ss, w, X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED, MMA,
+                        EVEN, UPCAST, PRECISION)
         k += BLOCK_K
     return acc, ss
 
@@ -80,11 +92,12 @@ def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, 
     rm = tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
     rows, k = rn.to(tl.int64), split * k_per + tl.arange(0, BLOCK_K)
-    w_first = prefetch.first_tile(W, rows, k, n_ok, K, s_wn, EVEN, PRELOAD)
+    w_first = prefetch.tile_ahead(W, rows, k, n_ok, K, s_wn, EVEN, PRELOAD >= 1)
+    w_second = prefetch.tile_ahead(W, rows, k + BLOCK_K, n_ok, K, s_wn, EVEN, PRELOAD >= 2)
     # nothing the previous kernel writes is read, nor anything written, before this
     prefetch.enter(W, rows, n_ok, split * k_per, k_pre, K, s_wn, BLOCK_K, LINE, PREFETCH, PDL,
                    TRIGGER)
-    acc, ss = product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first,
+    acc, ss = product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first, w_second,
                       BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST, PRECISION,
                       PRELOAD)
     prefetch.leave(PDL, TRIGGER)

@@ -54,9 +54,9 @@ def weight_slice(W, rows, n_ok, k0, k_len, K, s_wn, BLOCK_K: tl.constexpr, LINE:
 
 
 @triton.jit
-def first_tile(W, rows, k, n_ok, K, s_wn, EVEN: tl.constexpr, PRELOAD: tl.constexpr):
-    """With PRELOAD, the program's first weight tile, loaded into registers before it waits
-    (weights are never written in a step); without, a placeholder (the loop loads it)."""
+def tile_ahead(W, rows, k, n_ok, K, s_wn, EVEN: tl.constexpr, PRELOAD: tl.constexpr):
+    """With PRELOAD, the weight tile at columns k, loaded into registers before the program
+    waits (weights are never written in a step); without, a placeholder (the loop loads it)."""
     if PRELOAD:
         w = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
     else:
@@ -143,18 +143,26 @@ def trigger() -> int:
     return TRIGGERS.get(os.environ.get("XGRAPH_CUDA_PDL_TRIGGER", "late").strip().lower(), 0)
 
 
-def preload() -> bool:
-    """XGRAPH_CUDA_PRELOAD (on by default; off): under PDL a projection loads its first
-    weight tile before it waits (measured 3-7% off a decode step, docs/kernels.md)."""
-    return os.environ.get("XGRAPH_CUDA_PRELOAD", "on").strip().lower() != "off"
+PRELOAD_TILES = 2  # the most weight tiles a program loads before it waits
+
+
+def preload() -> int:
+    """XGRAPH_CUDA_PRELOAD: weight tiles a projection program loads before its PDL wait, `on`
+    (the default: its first tile, measured 3-7% off a decode step, docs/kernels.md), `off`
+    (none) or a count up to PRELOAD_TILES (its first tiles: more of its slice in flight
+    while the previous kernel finishes, at the registers' cost)."""
+    v = os.environ.get("XGRAPH_CUDA_PRELOAD", "on").strip().lower()
+    if v == "off":
+        return 0
+    return min(int(v), PRELOAD_TILES) if v.isdigit() else 1
 
 
 def options(w: torch.Tensor, per: int, block_k: int, waits: bool) -> tuple[int, dict]:
     """(columns each program asks L2 for, the launch's PREFETCH, LINE, TRIGGER and PRELOAD
     constexprs). `waits`: the kernel waits for its predecessor (PDL compiled in); only then
-    is the first tile loaded ahead (without a wait it would only reorder the loop, which
-    was not measured)."""
+    are tiles loaded ahead (without a wait it would only reorder the loop, which was not
+    measured), and never more than the `per` columns a program walks."""
     cols = columns(w, per, block_k)
     line = min(block_k, max(1, LINE_BYTES // w.element_size()))
-    first = preload() and waits
-    return cols, {"PREFETCH": cols > 0, "LINE": line, "TRIGGER": trigger(), "PRELOAD": first}
+    ahead = min(preload(), per // block_k) if waits else 0
+    return cols, {"PREFETCH": cols > 0, "LINE": line, "TRIGGER": trigger(), "PRELOAD": ahead}

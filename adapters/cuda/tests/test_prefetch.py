@@ -135,21 +135,21 @@ def test_qkv_preload_loads_both_halves_first_tiles_before_the_wait():
     assert before["off"] == 0 and before["on"] > 0 and before["two"] == 2 * before["on"]
 
 
-def test_preload_is_one_tile_unless_switched(monkeypatch):
+def test_preload_is_two_tiles_for_a_short_slice_unless_switched(monkeypatch):
     monkeypatch.delenv("XGRAPH_CUDA_PRELOAD", raising=False)
-    assert prefetch.preload() == 1
-    w = torch.zeros(64, 256, dtype=torch.bfloat16)
-    assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] == 1
-    assert prefetch.options(w, 256, 128, waits=False)[1]["PRELOAD"] == 0  # no wait
-    monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", "off")
-    assert prefetch.preload() == 0
-    assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] == 0
-    monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", "2")
+    assert prefetch.preload() is None  # auto: by the slice
+    w = torch.zeros(64, 4096, dtype=torch.bfloat16)
     assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] == 2
-    # never more tiles than the program walks, nor more than PRELOAD_TILES
+    assert prefetch.options(w, 512, 128, waits=True)[1]["PRELOAD"] == 2  # four tiles
+    assert prefetch.options(w, 640, 128, waits=True)[1]["PRELOAD"] == 1  # five
+    assert prefetch.options(w, 128, 128, waits=True)[1]["PRELOAD"] == 1  # all it walks
+    assert prefetch.options(w, 256, 128, waits=False)[1]["PRELOAD"] == 0  # no wait
+    for mode, short, long in [("off", 0, 0), ("on", 1, 1), ("2", 2, 2), ("7", 2, 2)]:
+        monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", mode)
+        assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] == short, mode
+        assert prefetch.options(w, 4096, 128, waits=True)[1]["PRELOAD"] == long, mode
+    monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", "2")  # never more tiles than it walks
     assert prefetch.options(w, 128, 128, waits=True)[1]["PRELOAD"] == 1
-    monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", "7")
-    assert prefetch.options(w, 1024, 128, waits=True)[1]["PRELOAD"] == prefetch.PRELOAD_TILES
 
 
 def _decode_variant(preload: bool) -> tuple[dict, dict]:

@@ -144,17 +144,31 @@ def trigger() -> int:
 
 
 PRELOAD_TILES = 2  # the most weight tiles a program loads before it waits
+# `auto` loads two where a program walks at most this many K tiles (all or half its slice);
+# measured on an H100 (docs/kernels.md): Qwen3-0.6B's projections (2-4 tiles a program) 5%
+# and 8% faster at batch 1 and 8, Qwen3-8B's long loops (16-48 tiles) 14% slower with two
+SHORT_SLICE_TILES = 4
 
 
-def preload() -> int:
-    """XGRAPH_CUDA_PRELOAD: weight tiles a projection program loads before its PDL wait, `on`
-    (the default: its first tile, measured 3-7% off a decode step, docs/kernels.md), `off`
-    (none) or a count up to PRELOAD_TILES (its first tiles: more of its slice in flight
-    while the previous kernel finishes, at the registers' cost)."""
-    v = os.environ.get("XGRAPH_CUDA_PRELOAD", "on").strip().lower()
+def preload() -> int | None:
+    """XGRAPH_CUDA_PRELOAD: weight tiles a projection program loads before its PDL wait:
+    `auto` (the default, None here: `ahead` decides per launch), `on` (its first tile),
+    `off` (none) or a count up to PRELOAD_TILES."""
+    v = os.environ.get("XGRAPH_CUDA_PRELOAD", "auto").strip().lower()
     if v == "off":
         return 0
-    return min(int(v), PRELOAD_TILES) if v.isdigit() else 1
+    if v.isdigit():
+        return min(int(v), PRELOAD_TILES)
+    return 1 if v == "on" else None
+
+
+def ahead(tiles: int) -> int:
+    """Weight tiles loaded before the wait by a program that walks `tiles` K tiles: as asked
+    (`preload`), else two for a short slice and one otherwise; never more than it walks."""
+    asked = preload()
+    if asked is None:
+        asked = PRELOAD_TILES if tiles <= SHORT_SLICE_TILES else 1
+    return min(asked, tiles)
 
 
 def options(w: torch.Tensor, per: int, block_k: int, waits: bool) -> tuple[int, dict]:
@@ -164,5 +178,5 @@ def options(w: torch.Tensor, per: int, block_k: int, waits: bool) -> tuple[int, 
     measured), and never more than the `per` columns a program walks."""
     cols = columns(w, per, block_k)
     line = min(block_k, max(1, LINE_BYTES // w.element_size()))
-    ahead = min(preload(), per // block_k) if waits else 0
-    return cols, {"PREFETCH": cols > 0, "LINE": line, "TRIGGER": trigger(), "PRELOAD": ahead}
+    first = ahead(per // block_k) if waits else 0
+    return cols, {"PREFETCH": cols > 0, "LINE": line, "TRIGGER": trigger(), "PRELOAD": first}

@@ -69,6 +69,7 @@ def ptx_order():
         "none": _variant(False, False),
         "preload": _variant(False, False, 1),
         "preload2": _variant(False, False, 2),
+        "preload4": _variant(False, False, 4),
     }
     ptx = ptx_of("xgraph_cuda.kernels.gemv", "_gemv_kernel", variants)
     marks = {
@@ -113,8 +114,9 @@ def test_preload_loads_the_first_weight_tile_before_the_wait(ptx_order):
     assert ptx_order["preload"]["loads"] > 0 and ptx_order["preload"]["ask"] == -1
 
 
-def test_preload_of_two_tiles_loads_twice_as_much_before_the_wait(ptx_order):
+def test_preload_of_n_tiles_loads_n_times_as_much_before_the_wait(ptx_order):
     assert ptx_order["preload2"]["loads"] == 2 * ptx_order["preload"]["loads"]
+    assert ptx_order["preload4"]["loads"] == 4 * ptx_order["preload"]["loads"]
 
 
 def _qkv_variant(preload: int) -> tuple[dict, dict]:
@@ -144,7 +146,8 @@ def test_preload_is_two_tiles_for_a_short_slice_unless_switched(monkeypatch):
     assert prefetch.options(w, 640, 128, waits=True)[1]["PRELOAD"] == 1  # five
     assert prefetch.options(w, 128, 128, waits=True)[1]["PRELOAD"] == 1  # all it walks
     assert prefetch.options(w, 256, 128, waits=False)[1]["PRELOAD"] == 0  # no wait
-    for mode, short, long in [("off", 0, 0), ("on", 1, 1), ("2", 2, 2), ("7", 2, 2)]:
+    top = prefetch.PRELOAD_TILES
+    for mode, short, long in [("off", 0, 0), ("on", 1, 1), ("2", 2, 2), ("3", 2, 3), ("7", 2, top)]:
         monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", mode)
         assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] == short, mode
         assert prefetch.options(w, 4096, 128, waits=True)[1]["PRELOAD"] == long, mode

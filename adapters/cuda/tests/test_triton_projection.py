@@ -251,9 +251,9 @@ def test_the_first_tile_before_the_wait_changes_no_bit(
     monkeypatch: pytest.MonkeyPatch, split: int
 ) -> None:
     """XGRAPH_CUDA_PRELOAD moves where the first weight tiles are loaded, not what is done
-    with them: both kernels give the same bits with none, one or two ahead. The tile is loaded ahead
-    only where the PDL wait is compiled in, which the interpreter cannot run, so the test
-    asks for it without the wait: the same kernel body, less the wait."""
+    with them: both kernels give the same bits with none or one to four ahead. Tiles are
+    loaded ahead only where the PDL wait is compiled in, which the interpreter cannot run, so
+    the test asks for them without the wait: the same kernel body, less the wait."""
     g = _gen(50 + split)
     t, hq, hkv, d, k = 3, 4, 2, 32, 128
     x, w = _t(g, t, k), _t(g, (hq + 2 * hkv) * d, k, scale=0.1)
@@ -264,13 +264,13 @@ def test_the_first_tile_before_the_wait_changes_no_bit(
     options = prefetch.options
     monkeypatch.setattr(prefetch, "options", lambda w, per, bk, waits: options(w, per, bk, True))
     outs = {}
-    for mode in ("on", "off", "2"):
+    for mode in ("on", "off", "2", "3", "4"):
         monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", mode)
         outs[mode] = (
             gemv.launch(x, w, c, counts, norm=norm, eps=1e-5, residual=res),
             qkv.launch(x, w, c, counts, spec, norm=norm, eps=1e-6),
         )
-    for mode in ("on", "2"):
+    for mode in ("on", "2", "3", "4"):
         for ahead, off in zip(outs[mode], outs["off"]):
             assert torch.equal(ahead, off), mode
 

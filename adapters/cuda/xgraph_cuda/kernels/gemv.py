@@ -52,22 +52,17 @@ def _step(acc, ss, w, X, G, rm, k, m_ok, K, s_xm, BLOCK_M: tl.constexpr, NORM: t
 
 
 @triton.jit
-def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first, w_second,
+def product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, ahead,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, GATED: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
             UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr):
     """One program's share of the product: acc [BLOCK_N, BLOCK_M] over k_per columns of K
     from k (weight rows `rows`), and the input rows' sum of squares over them. PRELOAD: the
-    first (w_first) or two first (and w_second) weight tiles were loaded before the program
-    waited."""
+    first PRELOAD weight tiles are `ahead`'s, loaded before the program waited."""
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
-    if PRELOAD >= 1:
-        acc, ss = _step(acc, ss, w_first, X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED,
-                        MMA, EVEN, UPCAST, PRECISION)
-        k += BLOCK_K
-    if PRELOAD >= 2:
-        acc, ss = _step(acc, ss, w_second, X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED,
+    for i in tl.static_range(PRELOAD):
+        acc, ss = _step(acc, ss, ahead[i], X, G, rm, k, m_ok, K, s_xm, BLOCK_M, NORM, GATED,
                         MMA, EVEN, UPCAST, PRECISION)
         k += BLOCK_K
     for _ in range(PRELOAD * BLOCK_K, k_per, BLOCK_K):
@@ -92,12 +87,11 @@ def _gemv_kernel(X, W, Y, R, G, Part, Count, M, N, K, k_per, k_pre, s_xm, s_wn, 
     rm = tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
     rows, k = rn.to(tl.int64), split * k_per + tl.arange(0, BLOCK_K)
-    w_first = prefetch.tile_ahead(W, rows, k, n_ok, K, s_wn, EVEN, PRELOAD >= 1)
-    w_second = prefetch.tile_ahead(W, rows, k + BLOCK_K, n_ok, K, s_wn, EVEN, PRELOAD >= 2)
+    ahead = prefetch.tiles_ahead(W, rows, k, n_ok, K, s_wn, BLOCK_K, EVEN, PRELOAD)
     # nothing the previous kernel writes is read, nor anything written, before this
     prefetch.enter(W, rows, n_ok, split * k_per, k_pre, K, s_wn, BLOCK_K, LINE, PREFETCH, PDL,
                    TRIGGER)
-    acc, ss = product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, w_first, w_second,
+    acc, ss = product(X, W, G, rows, rm, n_ok, m_ok, k, K, k_per, s_xm, s_wn, ahead,
                       BLOCK_M, BLOCK_N, BLOCK_K, NORM, GATED, MMA, EVEN, UPCAST, PRECISION,
                       PRELOAD)
     prefetch.leave(PDL, TRIGGER)

@@ -65,6 +65,20 @@ def tile_ahead(W, rows, k, n_ok, K, s_wn, EVEN: tl.constexpr, PRELOAD: tl.conste
 
 
 @triton.jit
+def tiles_ahead(
+    W, rows, k, n_ok, K, s_wn, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PRELOAD: tl.constexpr
+):
+    """The program's first PRELOAD weight tiles from columns k, a tuple of PRELOAD_TILES
+    (placeholders past PRELOAD)."""
+    return (
+        tile_ahead(W, rows, k, n_ok, K, s_wn, EVEN, PRELOAD >= 1),
+        tile_ahead(W, rows, k + BLOCK_K, n_ok, K, s_wn, EVEN, PRELOAD >= 2),
+        tile_ahead(W, rows, k + 2 * BLOCK_K, n_ok, K, s_wn, EVEN, PRELOAD >= 3),
+        tile_ahead(W, rows, k + 3 * BLOCK_K, n_ok, K, s_wn, EVEN, PRELOAD >= 4),
+    )
+
+
+@triton.jit
 def enter(
     W,
     rows,
@@ -143,11 +157,11 @@ def trigger() -> int:
     return TRIGGERS.get(os.environ.get("XGRAPH_CUDA_PDL_TRIGGER", "late").strip().lower(), 0)
 
 
-PRELOAD_TILES = 2  # the most weight tiles a program loads before it waits
+PRELOAD_TILES = 4  # the most weight tiles a program loads before it waits
 # `auto` loads two where a program walks at most this many K tiles (all or half its slice);
 # measured on an H100 (docs/kernels.md): Qwen3-0.6B's projections (2-4 tiles a program) 5%
 # and 8% faster at batch 1 and 8, Qwen3-8B's long loops (16-48 tiles) 14% slower with two
-SHORT_SLICE_TILES = 4
+SHORT_SLICE_TILES, SHORT_SLICE_AHEAD = 4, 2
 
 
 def preload() -> int | None:
@@ -167,7 +181,7 @@ def ahead(tiles: int) -> int:
     (`preload`), else two for a short slice and one otherwise; never more than it walks."""
     asked = preload()
     if asked is None:
-        asked = PRELOAD_TILES if tiles <= SHORT_SLICE_TILES else 1
+        asked = SHORT_SLICE_AHEAD if tiles <= SHORT_SLICE_TILES else 1
     return min(asked, tiles)
 
 

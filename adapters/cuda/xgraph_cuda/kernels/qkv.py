@@ -68,25 +68,21 @@ def _pair(lo, hi, ss, w_lo, w_hi, X, G, rm, k, m_ok, K, s_xm, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, ahead,
+def _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, ahead_lo, ahead_hi,
             BLOCK_M: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr,
             UPCAST: tl.constexpr, PRECISION: tl.constexpr, PRELOAD: tl.constexpr):
     """One program's share of a head: the products of its two halves of weight rows (`rows`,
     `rows + HALF`) over k_per columns of K from k, and the input's sum of squares (PRELOAD:
-    `ahead` holds the halves' first PRELOAD tiles, (lo, hi, lo, hi), loaded before the
-    program waited)."""
+    the halves' first PRELOAD tiles are ahead_lo's and ahead_hi's, loaded before the program
+    waited)."""
     n_ok = tl.full([HALF], True, tl.int1)
     lo = tl.zeros([HALF, BLOCK_M], tl.float32)
     hi = tl.zeros([HALF, BLOCK_M], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
-    if PRELOAD >= 1:
-        lo, hi, ss = _pair(lo, hi, ss, ahead[0], ahead[1], X, G, rm, k, m_ok, K, s_xm, BLOCK_M,
-                           NORM, MMA, EVEN, UPCAST, PRECISION)
-        k += BLOCK_K
-    if PRELOAD >= 2:
-        lo, hi, ss = _pair(lo, hi, ss, ahead[2], ahead[3], X, G, rm, k, m_ok, K, s_xm, BLOCK_M,
-                           NORM, MMA, EVEN, UPCAST, PRECISION)
+    for i in tl.static_range(PRELOAD):
+        lo, hi, ss = _pair(lo, hi, ss, ahead_lo[i], ahead_hi[i], X, G, rm, k, m_ok, K, s_xm,
+                           BLOCK_M, NORM, MMA, EVEN, UPCAST, PRECISION)
         k += BLOCK_K
     for _ in range(PRELOAD * BLOCK_K, k_per, BLOCK_K):
         w_lo = weight_tile(W, rows, k, n_ok, K, s_wn, EVEN)
@@ -113,16 +109,14 @@ def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, k_pre, s_xm, s
     rows = head.to(tl.int64) * (2 * HALF) + tl.arange(0, HALF)
     k = split * k_per + tl.arange(0, BLOCK_K)
     n_ok = tl.full([HALF], True, tl.int1)
-    ahead = (prefetch.tile_ahead(W, rows, k, n_ok, K, s_wn, EVEN, PRELOAD >= 1),
-             prefetch.tile_ahead(W, rows + HALF, k, n_ok, K, s_wn, EVEN, PRELOAD >= 1),
-             prefetch.tile_ahead(W, rows, k + BLOCK_K, n_ok, K, s_wn, EVEN, PRELOAD >= 2),
-             prefetch.tile_ahead(W, rows + HALF, k + BLOCK_K, n_ok, K, s_wn, EVEN, PRELOAD >= 2))
+    ahead_lo = prefetch.tiles_ahead(W, rows, k, n_ok, K, s_wn, BLOCK_K, EVEN, PRELOAD)
+    ahead_hi = prefetch.tiles_ahead(W, rows + HALF, k, n_ok, K, s_wn, BLOCK_K, EVEN, PRELOAD)
     # nothing the previous kernel writes is read, nor anything written, before this
     prefetch.enter(W, head.to(tl.int64) * (2 * HALF) + tl.arange(0, 2 * HALF),
                    tl.full([2 * HALF], True, tl.int1), split * k_per, k_pre, K, s_wn, BLOCK_K,
                    LINE, PREFETCH, PDL, TRIGGER)
-    lo, hi, ss = _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, ahead, BLOCK_M,
-                         HALF, BLOCK_K, NORM, MMA, EVEN, UPCAST, PRECISION, PRELOAD)
+    lo, hi, ss = _halves(X, W, G, rows, rm, m_ok, k, K, k_per, s_xm, s_wn, ahead_lo, ahead_hi,
+                         BLOCK_M, HALF, BLOCK_K, NORM, MMA, EVEN, UPCAST, PRECISION, PRELOAD)
     prefetch.leave(PDL, TRIGGER)
     if SPLIT == 1:
         _head_epilogue(Y, QW, KW, CS, head, rm, m_ok, lo, hi, ss, K, eps, head_eps, s_ym, s_cs,

@@ -9,9 +9,10 @@ A variant is a set of switches: `pdl` (the backend's PDL capture option), `prefe
 projections ask L2 for their weights before they wait: XGRAPH_CUDA_PREFETCH), `early` (they
 release their successor before they wait: XGRAPH_CUDA_PDL_TRIGGER; `end`: after their
 product), `preload` (they load their first weight tile before they wait:
-XGRAPH_CUDA_PRELOAD; `preload2`: their first two; `preloadauto`: the default, two where
-a program walks at most four), `keys` (the decode attention loads its first key tile
-before it waits: XGRAPH_CUDA_DECODE_PRELOAD), `pipelined` (the float32
+XGRAPH_CUDA_PRELOAD; `preload2`, `preload3`, `preload4`: their first two to four;
+`preloadauto`: the default, two where a program walks at most four), `keys` (the decode
+attention loads its first key tile before it waits: XGRAPH_CUDA_DECODE_PRELOAD),
+`pipelined` (the float32
 stream's launches at their configuration's stage count instead of `stages_for`'s one),
 `qkvsplitN` (the qkv projection split N ways along K), `gemvsplitxN` (the other projections'
 split N times the default), `warpsN` / `qkvwarpsN` (the projections' warps), `pdlmaxN`
@@ -55,6 +56,8 @@ ENV = {
     "end": ("XGRAPH_CUDA_PDL_TRIGGER", "end", "late"),
     "preload": ("XGRAPH_CUDA_PRELOAD", "on", "off"),
     "preload2": ("XGRAPH_CUDA_PRELOAD", "2", "off"),
+    "preload3": ("XGRAPH_CUDA_PRELOAD", "3", "off"),
+    "preload4": ("XGRAPH_CUDA_PRELOAD", "4", "off"),
     "preloadauto": ("XGRAPH_CUDA_PRELOAD", "auto", "off"),
     "keys": ("XGRAPH_CUDA_DECODE_PRELOAD", "on", "off"),
 }

@@ -4,7 +4,7 @@
 # STAGES: comma list of host, conformance, attention, decode, prefill, memory (default
 # "all": every one, in that order; "host-copy", "skinny", "decode-cublas", "decode-forward",
 # "pipeline", "check", "hf-tests", "hf-compile", "hf-generate", "soak", "sleep", "multistep",
-# "startup", "dist", "kernels", "decode-limit" and "hf-fused" run only when named; "kernels":
+# "startup", "dist", "kernels", "decode-limit", "preload" and "hf-fused" run only when named; "kernels":
 # the decode kernels' sweep, "decode-limit": issue 35's run, both in one call: `bash scripts/device.sh
 # kernels,decode-limit`; "dist": graphs across ranks, one process per GPU (DIST_NPROC, default
 # every GPU; DIST_MODELS, default qwen3-0.6b,qwen3-8b; docs/distributed.md);
@@ -199,5 +199,13 @@ has decode-limit && stage pdl-race 60 8 "${limit_env[@]}" python3 adapters/cuda/
 has decode-limit && stage decode-limit 15 20 "${limit_env[@]}" python3 -m xgraph.bench.limit --decode \
   "$OUT/decode-0.6b.json" "$OUT/decode-8b.json" --race "$OUT/pdl-race.json" \
   --json "$OUT/decode-limit.json"
+# preload (only when named): the weight tiles a projection loads before its PDL wait, the
+# default (two for short slices) against three and four, the reference decode step captured
+# by hand with its race check (experiments/decode_variants.py; docs/kernels.md)
+variants=pdl+preloadauto+keys,pdl+preload3+keys,pdl+preload4+keys,pdl+preloadauto+keys
+has preload && stage preload-0.6b 90 12 python3 experiments/decode_variants.py \
+  --model qwen3-0.6b --buckets 1,8 --variants "$variants" --replays 200
+has preload && stage preload-8b 100 12 python3 experiments/decode_variants.py \
+  --model qwen3-8b --buckets 1 --variants pdl+preloadauto+keys,pdl+preload3+keys --replays 50
 echo "=== all stages: $((SECONDS - started)) s, exit $rc" | tee -a "$log"
 exit $rc

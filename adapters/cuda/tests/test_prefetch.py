@@ -10,6 +10,8 @@ pytest.importorskip("triton")
 from sm90 import ptx_of
 from xgraph_cuda.kernels import prefetch
 
+from xgraph.adapter import XGraphError
+
 
 def test_share_is_the_whole_slice_where_the_matrix_fits():
     assert prefetch.share(total=8 << 20, per=512, block_k=128, budget=16 << 20) == 512
@@ -131,10 +133,16 @@ def test_qkv_preload_loads_both_halves_first_tiles_before_the_wait():
     ptx = ptx_of(
         "xgraph_cuda.kernels.qkv",
         "_qkv_kernel",
-        {"off": _qkv_variant(0), "on": _qkv_variant(1), "two": _qkv_variant(2)},
+        {
+            "off": _qkv_variant(0),
+            "on": _qkv_variant(1),
+            "two": _qkv_variant(2),
+            "four": _qkv_variant(4),
+        },
     )
     before = {k: p[: p.find("griddepcontrol.wait")].count("ld.global") for k, p in ptx.items()}
     assert before["off"] == 0 and before["on"] > 0 and before["two"] == 2 * before["on"]
+    assert before["four"] == 4 * before["on"]
 
 
 def test_preload_is_two_tiles_for_a_short_slice_unless_switched(monkeypatch):
@@ -147,12 +155,20 @@ def test_preload_is_two_tiles_for_a_short_slice_unless_switched(monkeypatch):
     assert prefetch.options(w, 128, 128, waits=True)[1]["PRELOAD"] == 1  # all it walks
     assert prefetch.options(w, 256, 128, waits=False)[1]["PRELOAD"] == 0  # no wait
     top = prefetch.PRELOAD_TILES
-    for mode, short, long in [("off", 0, 0), ("on", 1, 1), ("2", 2, 2), ("3", 2, 3), ("7", 2, top)]:
+    cases = [("off", 0, 0), ("0", 0, 0), ("on", 1, 1), ("2", 2, 2), ("3", 2, 3), (str(top), 2, top)]
+    for mode, short, long in cases:
         monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", mode)
         assert prefetch.options(w, 256, 128, waits=True)[1]["PRELOAD"] == short, mode
         assert prefetch.options(w, 4096, 128, waits=True)[1]["PRELOAD"] == long, mode
     monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", "2")  # never more tiles than it walks
     assert prefetch.options(w, 128, 128, waits=True)[1]["PRELOAD"] == 1
+
+
+@pytest.mark.parametrize("value", ["5", "true", "of", "-1", "two"])
+def test_a_preload_value_it_does_not_know_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", value)
+    with pytest.raises(XGraphError, match=r"XGRAPH_CUDA_PRELOAD=.*auto.*off.*from 0 to 4"):
+        prefetch.preload()
 
 
 def _decode_variant(preload: bool) -> tuple[dict, dict]:

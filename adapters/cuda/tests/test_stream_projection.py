@@ -89,7 +89,7 @@ def test_other_pairings_of_dtypes_are_declined() -> None:
 def _gemv(x: str, stages: int) -> tuple[dict, dict, dict]:
     const = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 1, "NORM": True}
     const.update(GATED=False, RESIDUAL=False, MMA=True, EVEN=True, UPCAST=False)
-    const.update(PRECISION="tf32", PDL=True, PREFETCH=False, LINE=64, TRIGGER=0, PRELOAD=True)
+    const.update(PRECISION="tf32", PDL=True, PREFETCH=False, LINE=64, TRIGGER=0, PRELOAD=1)
     types = {n: "*bf16" for n in ("W", "Y", "R", "G")}
     types.update(X=x, Part="*fp32", Count="*i32", eps="fp32")
     return const, types, {"num_stages": stages, "num_warps": 4}

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xgraph.adapter import XGraphError
+
 from . import interpreting
 from .operand import weight_tile
 
@@ -167,13 +169,22 @@ SHORT_SLICE_TILES, SHORT_SLICE_AHEAD = 4, 2
 def preload() -> int | None:
     """XGRAPH_CUDA_PRELOAD: weight tiles a projection program loads before its PDL wait:
     `auto` (the default, None here: `ahead` decides per launch), `on` (its first tile),
-    `off` (none) or a count up to PRELOAD_TILES."""
-    v = os.environ.get("XGRAPH_CUDA_PRELOAD", "auto").strip().lower()
-    if v == "off":
-        return 0
-    if v.isdigit():
-        return min(int(v), PRELOAD_TILES)
-    return 1 if v == "on" else None
+    `off` (none) or a count from 0 to PRELOAD_TILES; anything else is refused."""
+    return _preload(os.environ.get("XGRAPH_CUDA_PRELOAD", "auto").strip().lower())
+
+
+@functools.lru_cache(maxsize=8)  # read at every projection launch: parse each value once
+def _preload(v: str) -> int | None:
+    named = {"auto": None, "on": 1, "off": 0}
+    if v in named:
+        return named[v]
+    if v.isdigit() and int(v) <= PRELOAD_TILES:
+        return int(v)
+    raise XGraphError(
+        f"XGRAPH_CUDA_PRELOAD={v!r}; give auto (the default), on, off or a count of weight "
+        f"tiles from 0 to {PRELOAD_TILES} (docs/kernels.md, 'The first weight tiles before the "
+        "wait')."
+    )
 
 
 def ahead(tiles: int) -> int:

@@ -164,11 +164,18 @@ def test_preload_is_two_tiles_for_a_short_slice_unless_switched(monkeypatch):
     assert prefetch.options(w, 128, 128, waits=True)[1]["PRELOAD"] == 1
 
 
-@pytest.mark.parametrize("value", ["5", "true", "of", "-1", "two"])
+@pytest.mark.parametrize("value", ["5", "true", "of", "-1", "two", "\u00b2"])
 def test_a_preload_value_it_does_not_know_is_refused_by_name(monkeypatch, value):
+    from xgraph_cuda import linear as cuda_linear
+
     monkeypatch.setenv("XGRAPH_CUDA_PRELOAD", value)
     with pytest.raises(XGraphError, match=r"XGRAPH_CUDA_PRELOAD=.*auto.*off.*from 0 to 4"):
         prefetch.preload()
+    monkeypatch.delenv(cuda_linear.LINEAR_ENV, raising=False)
+    monkeypatch.delenv(cuda_linear.FUSED_ENV, raising=False)
+    for choose in (cuda_linear.linear_kernel, cuda_linear.fused_kernel):  # when the kernels
+        with pytest.raises(XGraphError, match="XGRAPH_CUDA_PRELOAD="):  # are chosen
+            choose()
 
 
 def _decode_variant(preload: bool) -> tuple[dict, dict]:

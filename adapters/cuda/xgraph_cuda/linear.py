@@ -74,6 +74,15 @@ def _plain_choice(device: torch.device | None) -> tuple[str, bool]:
     return ("triton" if major >= MEASURED_MAJOR else "skinny"), False
 
 
+def _check_switches() -> None:
+    """A bad XGRAPH_CUDA_CUBLAS_ROWS or XGRAPH_CUDA_PRELOAD fails here, when the decode
+    kernels are chosen, not at a forward's first projection."""
+    from .kernels import prefetch
+
+    cublas_rows()
+    prefetch.preload()
+
+
 def linear_kernel(device: torch.device | None = None) -> Callable[..., Any] | None:
     """The plain projection kernel XGRAPH_CUDA_LINEAR picks for `device`, or None
     (cuBLAS)."""
@@ -84,6 +93,7 @@ def linear_kernel(device: torch.device | None = None) -> Callable[..., Any] | No
         from .kernels.skinny import linear
 
         return linear
+    _check_switches()
     from .projection import plain
 
     return plain
@@ -99,7 +109,7 @@ def fused_kernel(device: torch.device | None = None) -> Callable[..., Any] | Non
         return None
     if not _has_triton(asked, FUSED_ENV):
         return None
-    cublas_rows()  # a bad XGRAPH_CUDA_CUBLAS_ROWS fails here, when the kernels are chosen
+    _check_switches()
     from .projection import fused
 
     return fused

@@ -178,7 +178,7 @@ def _preload(v: str) -> int | None:
     named = {"auto": None, "on": 1, "off": 0}
     if v in named:
         return named[v]
-    if v.isdigit() and int(v) <= PRELOAD_TILES:
+    if v.isascii() and v.isdigit() and int(v) <= PRELOAD_TILES:
         return int(v)
     raise XGraphError(
         f"XGRAPH_CUDA_PRELOAD={v!r}; give auto (the default), on, off or a count of weight "

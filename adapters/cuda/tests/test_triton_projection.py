@@ -246,16 +246,17 @@ def test_a_bf16_decode_step_through_the_kernels_in_a_graph(backend, batch: int) 
     _close(got, want, tol=2e-2)
 
 
-@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("split,k", [(1, 128), (2, 128), (2, 100), (3, 136)])
 def test_the_first_tile_before_the_wait_changes_no_bit(
-    monkeypatch: pytest.MonkeyPatch, split: int
+    monkeypatch: pytest.MonkeyPatch, split: int, k: int
 ) -> None:
     """XGRAPH_CUDA_PRELOAD moves where the first weight tiles are loaded, not what is done
-    with them: both kernels give the same bits with none or one to four ahead. Tiles are
+    with them: both kernels give the same bits with none or one to four ahead, K a multiple
+    of the split's share or not (the last program's tiles then masked past K). Tiles are
     loaded ahead only where the PDL wait is compiled in, which the interpreter cannot run, so
     the test asks for them without the wait: the same kernel body, less the wait."""
-    g = _gen(50 + split)
-    t, hq, hkv, d, k = 3, 4, 2, 32, 128
+    g = _gen(50 + split + k)
+    t, hq, hkv, d = 3, 4, 2, 32
     x, w = _t(g, t, k), _t(g, (hq + 2 * hkv) * d, k, scale=0.1)
     norm, res = 1 + _t(g, k, scale=0.1), _t(g, t, (hq + 2 * hkv) * d)
     h = _heads(g, t, hq, hkv, d)

@@ -159,7 +159,7 @@ def trigger() -> int:
     return TRIGGERS.get(os.environ.get("XGRAPH_CUDA_PDL_TRIGGER", "late").strip().lower(), 0)
 
 
-PRELOAD_TILES = 4  # the most weight tiles a program loads before it waits
+PRELOAD_TILES = 4  # the most weight tiles a program loads before it waits (`tiles_ahead`'s)
 # `auto` loads two where a program walks at most this many K tiles (all or half its slice);
 # measured on an H100 (docs/kernels.md): Qwen3-0.6B's projections (2-4 tiles a program) 5%
 # and 8% faster at batch 1 and 8, Qwen3-8B's long loops (16-48 tiles) 14% slower with two
@@ -203,5 +203,5 @@ def options(w: torch.Tensor, per: int, block_k: int, waits: bool) -> tuple[int, 
     measured), and never more than the `per` columns a program walks."""
     cols = columns(w, per, block_k)
     line = min(block_k, max(1, LINE_BYTES // w.element_size()))
-    first = ahead(per // block_k) if waits else 0
-    return cols, {"PREFETCH": cols > 0, "LINE": line, "TRIGGER": trigger(), "PRELOAD": first}
+    tiles = ahead(per // block_k) if waits else 0
+    return cols, {"PREFETCH": cols > 0, "LINE": line, "TRIGGER": trigger(), "PRELOAD": tiles}

@@ -81,7 +81,6 @@ def _measure(
     timer: Timer,
     iters: int,
     row: dict[str, Any],
-    probes: Probes,
 ) -> None:
     """Eager, executor and native-graph times of one batch, each isolated from the others."""
     ex, eager = executors
@@ -101,8 +100,6 @@ def _measure(
             "xgraph_host_s": host_time(backend, lambda: ex(**step.kwargs()), iters),
         },
     )
-    if "xgraph_s" in row:
-        probes.observe(row, "xgraph", step, lambda: ex(**step.kwargs()))
     attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters))
     if "xgraph_host_s" in row and "raw_replay_host_s" in row:
         row["host_overhead_s"] = row["xgraph_host_s"] - row["raw_replay_host_s"]
@@ -366,8 +363,13 @@ def _eager_rows(
     ex = w.executor(w.model.forward, backend=backend, buckets=batches, on_capture_error="raise")
     eager = w.executor(w.model.forward, backend=backend, buckets=batches, mode="eager")
     for b in batches:
-        _measure(backend, w, steps[b], (ex, eager), timer, iters, rows[b], probes)
+        _measure(backend, w, steps[b], (ex, eager), timer, iters, rows[b])
         _progress(rows[b])
         save()
+    # traced only once every batch's host time is taken: a trace can leave the host slower
+    # at issuing work for the rest of the process
+    for b in batches:
+        if "xgraph_s" in rows[b]:
+            probes.observe(rows[b], "xgraph", steps[b], lambda s=steps[b]: ex(**s.kwargs()))
     ex.close()
     eager.close()

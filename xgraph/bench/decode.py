@@ -58,6 +58,14 @@ from .timing import Timer, host_time, wall_time
 DEFAULT_COMPILE = [1, 8, 64]  # --compile's default on accelerators
 COMPILE_BUCKETS = ("one", "per-size", "both", "none")  # --compile-buckets
 ANCHOR_KERNELS = ("torch", "xgraph")  # the reduce-overhead anchor's kernels
+# an accelerator's host times are medians of at least this many calls: one costs a
+# synchronize and a step's queueing, and the lent hosts' speed wanders, so thirty left the
+# overhead to chance (on the CPU a call is the whole step: `iters` as asked)
+HOST_ITERS = 200
+
+
+def host_iters(backend: Backend, iters: int) -> int:
+    return iters if backend.device.type == "cpu" else max(iters, HOST_ITERS)
 
 
 def _raw_graph(backend: Backend, w: Workload, step: Step, timer: Timer, iters: int) -> dict:
@@ -69,7 +77,7 @@ def _raw_graph(backend: Backend, w: Workload, step: Step, timer: Timer, iters: i
     return {
         "raw_graph_s": timer(replay, iters),
         "raw_graph_inputs_s": timer(as_step(send, replay), iters),
-        "raw_replay_host_s": host_time(backend, replay, iters),
+        "raw_replay_host_s": host_time(backend, replay, host_iters(backend, iters)),
     }
 
 
@@ -97,7 +105,9 @@ def _measure(
         "xgraph",
         lambda: {
             "xgraph_s": timer(lambda: ex(**step.kwargs()), iters),
-            "xgraph_host_s": host_time(backend, lambda: ex(**step.kwargs()), iters),
+            "xgraph_host_s": host_time(
+                backend, lambda: ex(**step.kwargs()), host_iters(backend, iters)
+            ),
         },
     )
     attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters))

@@ -360,3 +360,15 @@ def test_sleep_wakes_every_graph_and_matches_close_and_recapture(tmp_path):
     held = data["graph_bytes"] + data["kv_cache_bytes"]
     assert x["given_back_bytes"] >= 0.5 * held and x["offloaded_bytes"] > 0
     assert "close + recapture" in r.stdout
+
+
+def test_decode_host_times_take_at_least_200_calls_on_an_accelerator() -> None:
+    class _Accel:
+        device = torch.device("cuda", 0)
+
+    class _Cpu:
+        device = torch.device("cpu")
+
+    assert decode.host_iters(_Accel(), 30) == decode.HOST_ITERS == 200  # type: ignore[arg-type]
+    assert decode.host_iters(_Accel(), 500) == 500  # type: ignore[arg-type]
+    assert decode.host_iters(_Cpu(), 3) == 3  # type: ignore[arg-type]

@@ -226,8 +226,9 @@ def bucket(backend, w, b: int, variants: list[str], replays: int) -> dict[str, A
                     "mismatches": rep.mismatches,
                     "verdict": rep.describe(),
                 }
-        rows[v] = row
-        print(b, v, {k: row[k] for k in row if k != "kernels"}, flush=True)
+        name = v if v not in rows else f"{v} (again)"  # a repeat keeps the first's row
+        rows[name] = row
+        print(b, name, {k: row[k] for k in row if k != "kernels"}, flush=True)
     return rows
 
 

@@ -18,6 +18,7 @@ import json
 import os
 import random
 
+from xgraph.bench.host import _calls
 from xgraph.bench.kernel_trace import profile_steps
 from xgraph.bench.report import workload
 from xgraph.bench.timing import host_times
@@ -27,11 +28,8 @@ from xgraph.plugins import get_backend
 def _times(backend, ex, steps, iters):  # type: ignore[no-untyped-def]
     out = {}
     for b, step in steps.items():
-        planned = ex.planner.plan(
-            {"input_ids": step.input_ids, "positions": step.positions}, step.attn
-        )
-        raw = ex.cache.entries[planned.key].graph.graph._replay
-        t = host_times(backend, {"raw": raw, "step": lambda s=step: ex(**s.kwargs())}, iters)
+        calls = _calls(ex, step)  # `bench host`'s: the raw replay of the step's own graph
+        t = host_times(backend, {"raw": calls["raw_replay"], "step": calls["step"]}, iters)
         out[b] = {k: v * 1e6 for k, v in t.items()} | {"overhead": (t["step"] - t["raw"]) * 1e6}
         print(b, {k: round(v, 1) for k, v in out[b].items()}, flush=True)
     return out

@@ -23,7 +23,9 @@ Each step time is also set against the memory roofline (`roofline`): the weight 
 reads over the bandwidth of the device measured in the same run. Per batch, the best
 executor row (eager or compiled forward) is divided by each anchor (reduce-overhead, raw
 graph). Host overhead: host wall time of one executor step minus that of the native
-graph's replay call, each with an idle device (synchronized before the call).
+graph's replay call, each with an idle device (synchronized before the call), the median of
+at least `HOST_ITERS` calls on an accelerator, every batch's taken before any kernel trace
+(a trace leaves every later launch of the process slower).
 `--table-check BATCH` adds the context-width check (`table_check`).
 """
 

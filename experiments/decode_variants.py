@@ -16,7 +16,8 @@ attention loads its first key tile before it waits: XGRAPH_CUDA_DECODE_PRELOAD),
 stream's launches at their configuration's stage count instead of `stages_for`'s one),
 `qkvsplitN` (the qkv projection split N ways along K), `gemvsplitxN` (the other projections'
 split N times the default), `warpsN` / `qkvwarpsN` (the projections' warps), `pdlmaxN`
-(projections past N MiB of weights launch without PDL: XGRAPH_CUDA_PDL_MAX_MIB), `cublasN`
+(projections past N MiB of weights launch without PDL: XGRAPH_CUDA_PDL_MAX_MIB), `stagesN`
+(the projections' pipeline stages), `cublasN`
 (calls of N rows or more on cuBLAS with the fused ops around it: XGRAPH_CUDA_CUBLAS_ROWS;
 65 unless named).
 Each is captured into its own graph (the switches are read at launch); per bucket and
@@ -92,17 +93,19 @@ def configs(parts: set[str]):
     `qkvsplitN`, the qkv projection's K split set to N (a split need not be a power of two:
     the kernel masks an uneven K); `gemvsplitxN`, the other projections' split N times the
     default (up to 16, each program keeping two K tiles): more programs, more weight bytes in
-    flight per SM; `warpsN` / `qkvwarpsN`, every projection's (the qkv kernel's) warps."""
+    flight per SM; `warpsN` / `qkvwarpsN`, every projection's (the qkv kernel's) warps;
+    `stagesN`, every projection's pipeline stages (a 16-bit input's: see `pipelined`)."""
     from xgraph_cuda import projection
     from xgraph_cuda.kernels.tuning import MAX_SPLIT
 
     qkv, times = _asked(parts, "qkvsplit"), _asked(parts, "gemvsplitx")
     warps, qkv_warps = _asked(parts, "warps"), _asked(parts, "qkvwarps")
+    stages = _asked(parts, "stages")
     kept = projection.pick
 
     def pick(m, n, k, sms, head_dim=None):
         c = kept(m, n, k, sms, head_dim)
-        c = c._replace(warps=warps or c.warps)
+        c = c._replace(warps=warps or c.warps, stages=stages or c.stages)
         if head_dim is not None:
             return c._replace(split=qkv or c.split, warps=qkv_warps or c.warps)
         split = c.split

@@ -123,14 +123,16 @@ def stages_for(c: Config, x: torch.dtype, w: torch.dtype) -> int:
 
 def candidates(m: int, n: int, k: int, sms: int, head_dim: int | None = None) -> list[Config]:
     """Configurations the device sweep compares for one shape: the default, a deeper and a
-    shallower split, a wider K step, (not qkv) narrower and, past 16 rows, wider column
-    tiles, and (rows <= 2, not qkv) the multiply-add form."""
+    shallower split, a wider K step, a fourth stage and eight warps (more weight bytes in
+    flight per program, for a GPU whose memory outruns the default), (not qkv) narrower
+    and, past 16 rows, wider column tiles, and (rows <= 2, not qkv) the multiply-add form."""
     base = pick(m, n, k, sms, head_dim)
     out = [base]
     for split in (base.split * 2, base.split // 2):
         if 1 <= split <= MAX_SPLIT and k >= split * base.block_k:
             out.append(base._replace(split=split))
     out.append(base._replace(block_k=base.block_k * 2, stages=2))
+    out.extend((base._replace(stages=4), base._replace(warps=8)))
     if head_dim is None:
         out.append(base._replace(block_n=32, split=min(MAX_SPLIT, base.split * 2)))
     if head_dim is None and m > 16:

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from ...attention import attention as xgraph_attention
+from ...compiled_layers import outside_graph
 from ...errors import XGraphError
 from .cache import PagedCache
 from .probe import AttentionCall
@@ -65,6 +66,7 @@ class Binding:
         self.spec, self.cache, self.calls = spec, cache, tuple(calls)
         self.count = 0  # attention calls so far in this forward
         self._mask_noted = False
+        self.outside_graph = False  # its calls out of Dynamo's graphs (compiled layers)
 
     def begin(self) -> None:
         self.count = 0
@@ -175,4 +177,14 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention function signature, answered by `xgraph.attention`."""
     answer = _current(module)
-    return answer.attend(module, query, key, value, attention_mask, scaling, kwargs), None
+    attend = _outside if getattr(answer, "outside_graph", False) else _attend
+    return attend(answer, module, query, key, value, attention_mask, scaling, kwargs), None
+
+
+def _attend(answer: Answer, module: Any, *args: Any) -> torch.Tensor:
+    return answer.attend(module, *args)
+
+
+# the call where a GraphModel compiles its layers one by one (xgraph.compiled_layers): a
+# graph break, so the layer's cache, picked by the answer's Python state, is never guarded on
+_outside = outside_graph(_attend)

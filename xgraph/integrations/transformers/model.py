@@ -30,8 +30,6 @@ from typing import Any
 import torch
 
 from ...buckets import Buckets, Input, default_sizes
-from ...compile_cache import CompileCache
-from ...compiled import DYNAMIC_INDUCTOR_CONFIG, TokenCompiled
 from ...decode_loop import DecodeLoop
 from ...errors import XGraphError
 from ...executor import GraphExecutor
@@ -46,6 +44,7 @@ from ...pool import SharedPhysicalPool
 from . import fusions, registration
 from .attention import Binding, bound
 from .cache import PagedCache
+from .compiling import check_scope, compile_backend, compile_decoder
 from .engine import LOOP_STOP_IDS, Engine, TokenEvent
 from .forward import ModelForward
 from .generate import GenerationResult, generate, stream
@@ -59,7 +58,9 @@ from .spec import ModelSpec, inspect_model
 logger = logging.getLogger("xgraph")
 
 
-def _release(executor: GraphExecutor, loops: dict[int, DecodeLoop], model: Any, name: str) -> None:
+def _release(
+    executor: GraphExecutor, loops: dict[int, DecodeLoop], model: Any, name: str, compiled: Any
+) -> None:
     """Close in order: the multi-step loops (their graphs share the executor's memory), the
     executor (waits for queued work, resets its graphs, frees graph memory), then the
     model's attention. Runs once, from close() or from the garbage collector, so it
@@ -72,6 +73,8 @@ def _release(executor: GraphExecutor, loops: dict[int, DecodeLoop], model: Any, 
     except Exception:
         logger.exception("%s: closing its executor failed", name)
     try:
+        if compiled is not None and hasattr(compiled, "release"):
+            compiled.release()  # the layers' own forwards back (compiled layers)
         _release_model(model)
     except Exception:
         logger.exception("%s: giving the model back its attention failed", name)
@@ -93,32 +96,6 @@ def _split_head(
             return forward.hidden(decoder, i, p)
 
     return split_head(full, hidden, model, ids, positions)
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return str(transformers.__version__)
-
-
-def _compile_backend(compile: Any) -> Any:
-    """None (not compiled), or the torch.compile backend (True: Inductor; a name, or a
-    backend callable)."""
-    if compile is True:
-        return "inductor"
-    if compile is False or compile is None:
-        return None
-    if callable(compile):
-        return compile
-    from torch._dynamo import list_backends
-
-    if not isinstance(compile, str) or compile not in list_backends(exclude_tags=()):
-        raise XGraphError(
-            f"GraphModel: compile={compile!r}; give True (Inductor), False, or a "
-            "torch.compile backend name such as 'inductor', 'aot_eager' or 'eager' "
-            "(torch._dynamo.list_backends(exclude_tags=()) lists them all)."
-        )
-    return compile
 
 
 def _limits(spec: ModelSpec, limits: Limits | None, fields: dict[str, int]) -> Limits:
@@ -164,6 +141,11 @@ class GraphModel:
             graphs of its own), or a torch.compile backend name ("aot_eager", "eager": CPU
             tests). One compile serves every bucket (the token count dynamic), one more the
             single-token bucket; `compile_dynamic=False` compiles once per bucket instead.
+        compile_scope: what one compile covers: "forward" (the whole decoder, one graph) or
+            "layers" (one decoder layer, which every layer then runs: a fraction of the
+            compile time, fusion across the layers' edges given up; the attention runs
+            between compiled pieces; xgraph.compiled_layers, docs/startup.md). None
+            (default): $XGRAPH_COMPILE_SCOPE, unset "forward".
         compile_cache: where the compiled decoder is kept for the next process on this
             machine (xgraph.compile_cache): None (default: $XGRAPH_COMPILE_CACHE, else
             ~/.cache/xgraph/compile), a folder, or False (off). Keyed by the model's class and
@@ -190,6 +172,7 @@ class GraphModel:
         name: str = "transformers",
         compile: Any = False,
         compile_dynamic: bool = True,
+        compile_scope: str | None = None,
         compile_cache: str | os.PathLike[str] | bool | None = None,
         linear: bool | None = None,
         fuse_layers: bool | None = None,
@@ -198,7 +181,8 @@ class GraphModel:
     ) -> None:
         self.spec = inspect_model(model)
         self.limits = _limits(self.spec, limits, limit_fields)
-        compiler = _compile_backend(compile)
+        compiler = compile_backend(compile)
+        compile_scope = check_scope(compile_scope, model, compiler is not None, compile_dynamic)
         self.backend = get_backend(backend)
         self.device = self.backend.device
         self.model = model.to(self.device).eval()
@@ -208,17 +192,7 @@ class GraphModel:
         assert lim.num_blocks is not None and lim.max_model_len is not None
         registration.acquire(model)
         try:
-            # the backend's kernels serve the core's ops from now on (the probe runs them)
-            kernels = self.backend.activate()
-            kernel = kernels.linear is not None
-            if linear or (linear is None and kernel):
-                swap_linears(self.model, merge=kernel)
-            self._forward = ModelForward(self.model, self.spec)
-            # a Qwen3 model's layers over the fused projections, where asked (fusions.py)
-            if fusions.requested(fuse_layers) and kernels.fused_linear is not None:
-                self.fused = fusions.fuse_checked(
-                    self._forward, self.spec, self.model, lim.max_model_len
-                )
+            self._forward = self._kernels(linear, fuse_layers)
             self.calls = probe(self._forward.run, self.spec, model, lim.max_model_len, self.device)
             self._forward.head = _split_head(
                 self._forward, self.spec, model, lim.max_model_len, self.device
@@ -233,11 +207,31 @@ class GraphModel:
         except BaseException:  # refused: the model keeps its own attention
             _release_model(model)
             raise
-        self.compiled = self._compile(compiler, compile_dynamic, name, compile_cache)
+        self.compiled = compile_decoder(
+            self, compiler, compile_dynamic, name, compile_cache, compile_scope
+        )
         self._compiler = compiler  # the multi-step loops' choice and feedback run under it
         self._tail: StepTail | None = None
         self._loops: dict[int, DecodeLoop] = {}
-        self._finalizer = weakref.finalize(self, _release, self.executor, self._loops, model, name)
+        self._finalizer = weakref.finalize(
+            self, _release, self.executor, self._loops, model, name, self.compiled
+        )
+
+    def _kernels(self, linear: bool | None, fuse_layers: bool | None) -> ModelForward:
+        """The model's forward over the backend's kernels, which serve the core's ops from
+        now on (the probe runs them): its projections through them where asked, and a Qwen3
+        model's layers over the fused projections (fusions.py)."""
+        kernels = self.backend.activate()
+        kernel = kernels.linear is not None
+        if linear or (linear is None and kernel):
+            swap_linears(self.model, merge=kernel)
+        forward = ModelForward(self.model, self.spec)
+        if fusions.requested(fuse_layers) and kernels.fused_linear is not None:
+            assert self.limits.max_model_len is not None
+            self.fused = fusions.fuse_checked(
+                forward, self.spec, self.model, self.limits.max_model_len
+            )
+        return forward
 
     def _executor(
         self,
@@ -262,44 +256,6 @@ class GraphModel:
             name=name,
             compiled=compiled,
         )
-
-    def _compile(
-        self, compiler: Any, dynamic: bool, name: str, where: str | os.PathLike[str] | bool | None
-    ) -> TokenCompiled | None:
-        """The decoder under torch.compile, one compile for every bucket (or per bucket)."""
-        if compiler is None:
-            return None
-        inductor = DYNAMIC_INDUCTOR_CONFIG if dynamic else None
-        settings = {
-            "backend": compiler if isinstance(compiler, str) else getattr(compiler, "__name__", ""),
-            "dynamic": dynamic,
-            "max_tokens": self.executor.buckets.max,
-            "inductor": inductor,
-            "linears": sorted({type(m).__name__ for m in self.model.modules()}),
-            "fused_layers": self.fused,  # another traced forward (fusions.py)
-            "limits": dataclasses.asdict(self.limits),
-            "transformers": _transformers_version(),
-        }
-        cache = CompileCache.for_model(
-            model_class=f"{type(self.model).__module__}.{type(self.model).__qualname__}",
-            config=self.model.config.to_dict(),
-            dtype=self.model.dtype,
-            device=self.device,
-            settings=settings,
-            directory=where,
-        )
-        compiled = TokenCompiled(
-            self._forward.body,
-            self.executor.buckets.max,
-            backend=compiler,
-            dynamic=dynamic,
-            name=name,
-            inductor_config=inductor,
-            cache=cache,
-            static=list(self.cache.tensors()),  # fixed sizes: never unified with the token count
-        )
-        self._forward.compiled = compiled
-        return compiled
 
     @classmethod
     def from_pretrained(

@@ -138,3 +138,14 @@ def test_the_scope_comes_from_the_environment_when_not_given(monkeypatch):
     monkeypatch.setenv("XGRAPH_COMPILE_SCOPE", "whole")
     with pytest.raises(XGraphError, match="XGRAPH_COMPILE_SCOPE='whole'"):
         GraphModel(model, backend="cpu", compile=COMPILER, **LIMITS)
+
+
+def test_several_steps_a_launch_over_compiled_layers_give_one_step_a_launch_tokens():
+    model = tiny("qwen3", seed=7)
+    ps = prompts(8, (6, 11))
+    with layered(model) as gm:
+        want = gm.generate(ps, NEW)
+        got = gm.generate(ps, NEW, steps_per_launch=3)
+        stats = gm.stats()["compile"]
+    assert got.tokens == want.tokens == hf_greedy(model, ps, NEW)
+    assert stats["fallback"] is None

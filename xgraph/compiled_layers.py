@@ -175,8 +175,8 @@ class LayerCompiled:
                 out = self.fn(*args, **kwargs)
         finally:
             _local.on, _local.tokens = was
-        if n and self.fallback is None:
-            self.sizes.add(n)
+        if 0 < n <= self.max_tokens and self.fallback is None:
+            self.sizes.add(n)  # counts the compiled layers ran
         if self.cache is not None and self.backend.graphs != self._saved_at:
             self._saved_at = self.backend.graphs  # a new graph: the next process loads it
             self.cache.save()

@@ -20,6 +20,7 @@ calls it, so its checks cost nothing per step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -177,7 +178,7 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention function signature, answered by `xgraph.attention`."""
     answer = _current(module)
-    attend = _outside if getattr(answer, "outside_graph", False) else _attend
+    attend = _outside() if getattr(answer, "outside_graph", False) else _attend
     return attend(answer, module, query, key, value, attention_mask, scaling, kwargs), None
 
 
@@ -185,6 +186,9 @@ def _attend(answer: Answer, module: Any, *args: Any) -> torch.Tensor:
     return answer.attend(module, *args)
 
 
-# the call where a GraphModel compiles its layers one by one (xgraph.compiled_layers): a
-# graph break, so the layer's cache, picked by the answer's Python state, is never guarded on
-_outside = outside_graph(_attend)
+@functools.cache
+def _outside() -> Any:
+    """The call where a GraphModel compiles its layers one by one (xgraph.compiled_layers):
+    a graph break, so the layer's cache, picked by the answer's Python state, is never
+    guarded on. Made at first use: it imports the compiler, which nothing else here needs."""
+    return outside_graph(_attend)

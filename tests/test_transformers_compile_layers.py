@@ -21,8 +21,9 @@ import torch
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
 from hf_tiny import FAMILIES, LIMITS, tiny  # noqa: E402
-from test_transformers_compile import hf_greedy, prompts  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
+
+# fresh_dynamo: its autouse fixture (Dynamo reset and its counters cleared around each test)
+from test_transformers_compile import fresh_dynamo, hf_greedy, prompts  # noqa: E402, F401
 
 from xgraph.compiled_layers import LayerCompiled  # noqa: E402
 from xgraph.errors import XGraphError  # noqa: E402
@@ -30,14 +31,6 @@ from xgraph.integrations.transformers import GraphModel  # noqa: E402
 
 NEW = 6
 COMPILER = "aot_eager"
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def layered(model: torch.nn.Module, **kwargs: object) -> GraphModel:

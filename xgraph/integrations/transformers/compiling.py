@@ -119,32 +119,20 @@ def compile_decoder(
         settings=settings,
         directory=where,
     )
-    static = list(gm.cache.tensors())  # fixed sizes: never unified with the token count
-    body = gm._forward.body
+    options = dict(
+        backend=compiler,
+        dynamic=dynamic,
+        name=name,
+        inductor_config=inductor,
+        cache=cache,
+        static=list(gm.cache.tensors()),  # fixed sizes: never unified with the token count
+    )
+    body, top = gm._forward.body, gm.executor.buckets.max
     compiled: TokenCompiled | LayerCompiled
     if scope == "layers":
         gm.binding.outside_graph = True  # its attention calls leave the layers' graphs
-        compiled = LayerCompiled(
-            body,
-            decoder_layers(gm.model),
-            gm.executor.buckets.max,
-            backend=compiler,
-            dynamic=dynamic,
-            name=name,
-            inductor_config=inductor,
-            cache=cache,
-            static=static,
-        )
+        compiled = LayerCompiled(body, decoder_layers(gm.model), top, **options)
     else:
-        compiled = TokenCompiled(
-            body,
-            gm.executor.buckets.max,
-            backend=compiler,
-            dynamic=dynamic,
-            name=name,
-            inductor_config=inductor,
-            cache=cache,
-            static=static,
-        )
+        compiled = TokenCompiled(body, top, **options)
     gm._forward.compiled = compiled
     return compiled

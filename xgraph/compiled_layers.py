@@ -24,7 +24,11 @@ other call of the model (a probe, an eager check) runs them as they are. One com
 the token counts from 2 up (`dynamic=True`) and one more the single token, which Dynamo
 specialises. Under a dispatch mode (the capture checks) the layers run uncompiled, as
 TokenCompiled's forward does; a compiler failure makes them run uncompiled from then on,
-warned once. `release()` gives the layers their own forwards back.
+warned once, the failing layer's call run again uncompiled. Unlike the whole forward's, a
+layer's compile can fail after some of its pieces ran: before its attention call that is
+harmless (the pieces computed tensors and wrote nothing), after it the layer's attention
+would run twice, which the GraphModel's count of attention calls refuses with an error
+naming it rather than a result. `release()` gives the layers their own forwards back.
 """
 
 from __future__ import annotations

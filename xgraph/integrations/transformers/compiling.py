@@ -25,6 +25,7 @@ from ...compile_cache import CompileCache
 from ...compiled import DYNAMIC_INDUCTOR_CONFIG, TokenCompiled
 from ...compiled_layers import LayerCompiled
 from ...errors import XGraphError
+from .fusions import decoder_layers
 
 SCOPES = ("forward", "layers")
 ENV = "XGRAPH_COMPILE_SCOPE"  # GraphModel(compile_scope=None) reads it; unset: "forward"
@@ -75,15 +76,6 @@ def check_scope(scope: str | None, model: Any, compiled: bool, dynamic: bool = T
             "compile_scope='forward'."
         )
     return scope
-
-
-def decoder_layers(model: Any) -> list[Any]:
-    """The decoder's layers (its `layers` ModuleList), or [] where it has none."""
-    try:
-        dec = model.get_decoder()
-    except Exception:
-        dec = getattr(model, "model", None)
-    return list(getattr(dec, "layers", None) or [])
 
 
 def _transformers_version() -> str:

@@ -162,13 +162,17 @@ def _decoder(model: Any) -> Any:
         return getattr(model, "model", None)
 
 
+def decoder_layers(model: Any) -> list[Any]:
+    """The decoder's layers (its `layers` ModuleList), or [] where it has none."""
+    return list(getattr(_decoder(model), "layers", None) or [])
+
+
 def fuse_layers(model: Any) -> bool:
     """Give every decoder layer of a Qwen3 model the fused form (module doc), in place;
     False (nothing changed) where the model is not one, or its projections are not merged
     (GraphModel merges them where the backend has a kernel)."""
-    dec = _decoder(model)
-    layers = list(getattr(dec, "layers", None) or [])
-    rotary = getattr(dec, "rotary_emb", None)
+    layers = decoder_layers(model)
+    rotary = getattr(_decoder(model), "rotary_emb", None)
     if not layers or rotary is None or not all(_fits(layer) for layer in layers):
         return False
     for i, layer in enumerate(layers):
@@ -195,8 +199,7 @@ def _fused(module: Any) -> bool:
 
 def unfuse_layers(model: Any) -> None:
     """Undo fuse_layers (the modules' own forwards again)."""
-    dec = _decoder(model)
-    for m in [*(getattr(dec, "layers", None) or []), getattr(dec, "rotary_emb", None)]:
+    for m in [*decoder_layers(model), getattr(_decoder(model), "rotary_emb", None)]:
         if m is not None and _fused(m):
             for name in ("forward", "_xgraph_last"):
                 m.__dict__.pop(name, None)

@@ -15,6 +15,8 @@ What must hold:
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -144,3 +146,20 @@ def test_several_steps_a_launch_over_compiled_layers_give_one_step_a_launch_toke
         stats = gm.stats()["compile"]
     assert got.tokens == want.tokens == hf_greedy(model, ps, NEW)
     assert stats["fallback"] is None
+
+
+def test_compiled_layers_under_inference_mode_and_from_another_thread():
+    """What engines do: steps under torch.inference_mode(), and from a thread of their own
+    (the layers run compiled in whichever thread calls the forward)."""
+    model = tiny("qwen3", seed=9)
+    ps = prompts(9, (5, 8))
+    with layered(model) as gm:
+        want = gm.generate(ps, 4).tokens
+        with torch.inference_mode():
+            assert gm.generate(ps, 4).tokens == want
+        got: dict[str, object] = {}
+        t = threading.Thread(target=lambda: got.setdefault("tokens", gm.generate(ps, 4).tokens))
+        t.start()
+        t.join(120)
+        assert not t.is_alive() and got["tokens"] == want
+        assert gm.stats()["compile"]["fallback"] is None

@@ -20,7 +20,6 @@ calls it, so its checks cost nothing per step.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -67,7 +66,8 @@ class Binding:
         self.spec, self.cache, self.calls = spec, cache, tuple(calls)
         self.count = 0  # attention calls so far in this forward
         self._mask_noted = False
-        self.outside_graph = False  # its calls out of Dynamo's graphs (compiled layers)
+        # its calls out of Dynamo's graphs (compiled layers: `leave_graphs`), else None
+        self.outside: Any = None
 
     def begin(self) -> None:
         self.count = 0
@@ -178,7 +178,7 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention function signature, answered by `xgraph.attention`."""
     answer = _current(module)
-    attend = _outside() if getattr(answer, "outside_graph", False) else _attend
+    attend = getattr(answer, "outside", None) or _attend
     return attend(answer, module, query, key, value, attention_mask, scaling, kwargs), None
 
 
@@ -186,9 +186,9 @@ def _attend(answer: Answer, module: Any, *args: Any) -> torch.Tensor:
     return answer.attend(module, *args)
 
 
-@functools.cache
-def _outside() -> Any:
-    """The call where a GraphModel compiles its layers one by one (xgraph.compiled_layers):
-    a graph break, so the layer's cache, picked by the answer's Python state, is never
-    guarded on. Made at first use: it imports the compiler, which nothing else here needs."""
-    return outside_graph(_attend)
+def leave_graphs(binding: Binding) -> None:
+    """Make the binding's attention calls graph breaks wherever Dynamo traces them (a
+    GraphModel compiling its layers one by one, xgraph.compiled_layers): the layer's cache,
+    picked by the binding's Python state, is then never guarded on. Made here, not at
+    import: it loads the compiler."""
+    binding.outside = outside_graph(_attend)

@@ -25,6 +25,7 @@ from ...compile_cache import CompileCache
 from ...compiled import DYNAMIC_INDUCTOR_CONFIG, TokenCompiled
 from ...compiled_layers import LayerCompiled
 from ...errors import XGraphError
+from .attention import leave_graphs
 from .fusions import decoder_layers
 
 SCOPES = ("forward", "layers")
@@ -122,7 +123,7 @@ def compile_decoder(
     body, top = gm._forward.body, gm.executor.buckets.max
     compiled: TokenCompiled | LayerCompiled
     if scope == "layers":
-        gm.binding.outside_graph = True  # its attention calls leave the layers' graphs
+        leave_graphs(gm.binding)  # its attention calls leave the layers' graphs
         compiled = LayerCompiled(body, decoder_layers(gm.model), top, **options)
     else:
         compiled = TokenCompiled(body, top, **options)

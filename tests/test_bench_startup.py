@@ -25,6 +25,9 @@ def test_bench_startup_reference_cold_and_warm(tmp_path, capsys):
     data = json.loads(out.read_text())
     graphs = 3 + len(sglang_piecewise_sizes(8))
     assert data["capture"]["graphs"] == graphs and data["capture"]["seconds"] > 0
+    # both processes read one checkpoint the bench wrote before them (float32 on the CPU)
+    weights = data["weights"]
+    assert weights["checkpoint"] and weights["bytes"] > 0 and weights["dtype"] == "torch.float32"
     assert data["capture"]["per_graph_s"] == pytest.approx(data["capture"]["seconds"] / graphs)
     for phase in ("cold", "warm"):
         run = data["targets"]["reference"][phase]
@@ -125,3 +128,8 @@ def test_bench_startup_hf_warm_process_loads_the_compiled_forward():
     assert cold["parts"]["warmup"] > 0 and cold["plan"]["total_bytes"] == cold["predicted_bytes"]
     assert data["tokens_equal"] == {"hf": True}
     assert data["cold"]["parts"]["compile"] > 0 and data["warm"]["seconds"] > 0
+    for run in (cold, warm):  # the modeling module's import apart from the checkpoint's read
+        parts = run["parts"]
+        assert parts["import"] >= 0 and parts["weights"] > 0
+        mine = run["seconds"] - parts["start"] - parts["import"] - parts["weights"]
+        assert run["xgraph_seconds"] == pytest.approx(mine)

@@ -11,15 +11,22 @@ what the cold one wrote, as a second process on the same machine does. Targets:
   (default vLLM's 51 up to 512 on accelerators) and piecewise graphs at SGLang-style sizes
   (`--piecewise-max`, default 2048: 42 sizes), both over one shared-physical graph memory;
 - hf (registered by the transformers integration): transformers' Qwen3 of the `--model`
-  shape (random weights from its config) through `GraphModel(compile=True)`, decode and
-  piecewise graphs at the same decode sizes; skipped without transformers.
+  shape through `GraphModel(compile=True)`, decode and piecewise graphs at the same decode
+  sizes; skipped without transformers.
 
-The JSON: `capture` (the reference's graphs and seconds with kernels warm, in the warm
-process, and per graph), `cold` and `warm` (`seconds` and `parts` of the hf target where it
-ran, else the reference; every target's under `targets`), `memory_prediction` (the
-reference's graph memory predicted before its KV cache against the reading after every
-bucket is captured, cold process), `tokens_equal` (each target's first-step tokens, cold
-against warm) and `commit`.
+Both read their weights from one checkpoint the bench writes before the processes (seeded
+random weights of the `--model` shape as a safetensors folder, xgraph.models.checkpoint;
+`weights` in the JSON), as an engine reads its checkpoint: drawing them in each process
+would time the host's random number generator instead (6.5 s of the reference's 0.6B
+shape on an H200's host). The folder is read from the page cache, as on a machine that
+has read it before; without safetensors each process draws the weights.
+
+The JSON: `weights` (the checkpoint: written or not, its bytes), `capture` (the reference's
+graphs and seconds with kernels warm, in the warm process, and per graph), `cold` and `warm`
+(`seconds` and `parts` of the hf target where it ran, else the reference; every target's
+under `targets`), `memory_prediction` (the reference's graph memory predicted before its KV
+cache against the reading after every bucket is captured, cold process), `tokens_equal`
+(each target's first-step tokens, cold against warm) and `commit`.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..interfaces import Backend
 from . import startup_targets
 from .report import Checkpoint, note, table
-from .startup_run import MARKER
+from .startup_run import MARKER, WEIGHTS_ENV
 
 CACHE_ENV = {
     "XGRAPH_COMPILE_CACHE": "xgraph-compile",
@@ -66,10 +73,32 @@ def _commit() -> str:
         return "unknown"
 
 
-def _process(target: str, argv: list[str], caches: str, timeout: float) -> dict[str, Any]:
-    """One fresh interpreter of `target` over the caches in `caches`: its JSON line. It runs
-    through the command line, which imports the integrations and so registers their targets."""
+def _weights(backend: Backend, model: str, folder: str) -> dict[str, Any]:
+    """The model's seeded random weights written to `folder` as a safetensors checkpoint, in
+    the dtype the processes run (xgraph.models.checkpoint): every process then reads them as
+    an engine reads its checkpoint. Without safetensors, each process draws them."""
+    import torch
+
+    from ..models.checkpoint import write_checkpoint
+
+    dtype = torch.float32 if backend.device.type == "cpu" else torch.bfloat16
+    try:
+        nbytes = write_checkpoint(model, folder, dtype)
+    except ImportError as exc:
+        return {"checkpoint": False, "why": f"{type(exc).__name__}: {exc}"}
+    return {"checkpoint": True, "bytes": nbytes, "dtype": str(dtype)}
+
+
+def _process(
+    target: str, argv: list[str], caches: str, timeout: float, weights: str | None = None
+) -> dict[str, Any]:
+    """One fresh interpreter of `target` over the caches in `caches` (and the checkpoint in
+    `weights`): its JSON line. It runs through the command line, which imports the
+    integrations and so registers their targets."""
     env = {**os.environ, **{k: os.path.join(caches, v) for k, v in CACHE_ENV.items()}}
+    env.pop(WEIGHTS_ENV, None)
+    if weights is not None:
+        env[WEIGHTS_ENV] = weights
     t0 = time.time()
     cmd = [sys.executable, "-m", "xgraph.cli", "bench", "startup", "--process", target, *argv]
     proc = subprocess.run(
@@ -173,21 +202,37 @@ def run(
         "targets": {},
     }
     argv = _argv(backend, model, decode, pieces)
-    for target in targets or startup_targets():
-        with tempfile.TemporaryDirectory(prefix="xgraph-startup-") as caches:
-            for phase in ("cold", "warm"):
-                note(f"bench startup: {target}, {phase} process")
-                got = _process(target, argv, caches, timeout)
-                data["targets"].setdefault(target, {})[phase] = got
-                _headline(data)
-                if checkpoint is not None:
-                    checkpoint(data)
+    with tempfile.TemporaryDirectory(prefix="xgraph-startup-weights-") as folder:
+        note(f"bench startup: {model}'s checkpoint")
+        data["weights"] = _weights(backend, model, folder)
+        weights = folder if data["weights"]["checkpoint"] else None
+        for target in targets or startup_targets():
+            _target(data, target, argv, timeout, weights, checkpoint)
     _headline(data)
     return data
 
 
+def _target(
+    data: dict[str, Any],
+    target: str,
+    argv: list[str],
+    timeout: float,
+    weights: str | None,
+    checkpoint: Checkpoint | None,
+) -> None:
+    """A target's cold then warm process over one fresh folder of caches."""
+    with tempfile.TemporaryDirectory(prefix="xgraph-startup-") as caches:
+        for phase in ("cold", "warm"):
+            note(f"bench startup: {target}, {phase} process")
+            got = _process(target, argv, caches, timeout, weights)
+            data["targets"].setdefault(target, {})[phase] = got
+            _headline(data)
+            if checkpoint is not None:
+                checkpoint(data)
+
+
 # the table's part columns (a target without one leaves it empty)
-PARTS = ("start", "weights", "profile", "load", "compile", "plan", "warmup", "capture")
+PARTS = ("start", "import", "weights", "profile", "load", "compile", "plan", "warmup", "capture")
 
 
 def summarize(data: dict[str, Any]) -> str:

@@ -11,13 +11,14 @@ tokens of the first step, which the two processes must agree on. `start` is the
 interpreter, the imports and the command line, from `--t0`.
 
 The bench's own target, `reference` (xgraph/models/qwen3.py over its eager forward):
-`weights` (the model with random weights, over a placeholder cache: what an engine's
-checkpoint read would take), `profile` (an engine's profile run: the largest step of each
-kind eagerly, over placeholder executors), `plan` (their `predict_graph_memory`, before the
-KV cache), `kv_cache` (the cache and the executors over it),
-`warmup` (every size run eagerly: the kernels' own compilation and loading, reported
-apart; each as its capture's warm-up, which the capture then skips), `capture` (every
-size captured, kernels warm; `capture_parts`: its host seconds in warm-ups, recordings and
+`weights` (the model's checkpoint read, over a placeholder cache: the parent writes the
+seeded random weights as a safetensors folder before the processes, `WEIGHTS_ENV` names it;
+drawn in the process where the parent could not write one), `profile` (an engine's profile
+run: the largest step of each kind eagerly, over placeholder executors), `plan` (their
+`predict_graph_memory`, before the KV cache), `kv_cache` (the cache and the executors over
+it), `warmup` (every size run eagerly: the kernels' own compilation and loading, reported
+apart; each as its capture's warm-up, which the capture then skips), `capture` (every size
+captured, kernels warm; `capture_parts`: its host seconds in warm-ups, recordings and
 replays), `first_step` (a prefill of two prompts and its greedy tokens). The transformers
 integration registers `hf` (xgraph/integrations/transformers/bench_startup.py).
 """
@@ -25,6 +26,7 @@ integration registers `hf` (xgraph/integrations/transformers/bench_startup.py).
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +34,9 @@ from typing import Any
 from .readings import driver_reading, settle
 
 MARKER = "XGRAPH_STARTUP "
+WEIGHTS_ENV = "XGRAPH_STARTUP_WEIGHTS"  # the checkpoint folder the parent wrote, if any
 BLOCK = 16
+NOT_XGRAPH = ("start", "import", "weights")  # a process's parts that are not xgraph's work
 CONTEXT = 64  # decode layout: tokens per sequence (captures touch the dummy block only)
 PIECEWISE_SEQS = 16
 
@@ -85,6 +89,11 @@ class Clock:
         if before is None or after is None or self.apart_bytes is None:
             return None
         return after - before - self.apart_bytes
+
+
+def checkpoint() -> str | None:
+    """The checkpoint folder the parent wrote for this process, None: draw the weights."""
+    return os.environ.get(WEIGHTS_ENV) or None
 
 
 def prompts(vocab: int, lens: list[int]) -> list[list[int]]:
@@ -186,7 +195,9 @@ def reference(backend: Any, model_name: str, decode: list[int], pieces: list[int
     dtype = torch.float32 if backend.device.type == "cpu" else torch.bfloat16
 
     def load() -> Any:
-        return Qwen3Model.build(model_name, num_blocks=1, dtype=dtype, device=backend.device)
+        return Qwen3Model.build(
+            model_name, num_blocks=1, dtype=dtype, device=backend.device, weights=checkpoint()
+        )
 
     model = clock("weights", load)
 
@@ -247,7 +258,9 @@ def one_process(
     else:
         out["parts"] = {"start": start, **out["parts"]}
         out["seconds"] = sum(out["parts"].values())
-        # xgraph's own share: everything but the interpreter's start and the weights
-        out["xgraph_seconds"] = out["seconds"] - start - out["parts"].get("weights", 0.0)
+        # xgraph's own share: everything but the interpreter's start, the model's imports
+        # and its weights
+        parts = out["parts"]
+        out["xgraph_seconds"] = out["seconds"] - sum(parts.get(k, 0.0) for k in NOT_XGRAPH)
     print(MARKER + json.dumps(out), flush=True)
     return out

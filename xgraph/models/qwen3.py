@@ -179,12 +179,9 @@ class Qwen3Model(nn.Module):
     def init_random(self, seed: int) -> None:
         """Seeded weights: drawn per checkpoint parameter in checkpoint order (norm weights
         1 + 0.1 N(0, 1), the rest 0.02 N(0, 1)), then loaded like a checkpoint."""
-        g = torch.Generator().manual_seed(seed)
-        state = {}
-        for name, shape in hf_parameters(self.config):
-            r = torch.randn(shape, generator=g, device="cpu")  # host draws, any default device
-            state[name] = 1.0 + 0.1 * r if name.endswith("norm.weight") else 0.02 * r
-        self.load_hf_state(state, f"init_random({seed})")
+        from .checkpoint import draws  # (it imports this module)
+
+        self.load_hf_state(dict(draws(self.config, seed)), f"init_random({seed})")
 
     @torch.no_grad()
     def init_on_device(self, seed: int) -> None:

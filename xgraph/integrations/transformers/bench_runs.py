@@ -87,6 +87,17 @@ NAMED = {  # config name -> (config class, fields): random weights in the shape 
 }
 
 
+def model_class(name: str) -> Any:
+    """The causal-LM class of a NAMED shape (importing its modeling module)."""
+    return getattr(require(), NAMED[name][0].removesuffix("Config") + "ForCausalLM")
+
+
+def load_folder(folder: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """A checkpoint folder's causal LM in `dtype`, in eval mode on `device`."""
+    model = require().AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model.to(device).eval().requires_grad_(False)
+
+
 def build_named(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Any:
     """A randomly initialised causal LM of a NAMED shape, in eval mode on `device`."""
     transformers = require()

@@ -1,9 +1,10 @@
 """The transformers integration's target of `xgraph bench startup`: `hf`.
 
-transformers' Qwen3 of the reference shape (random weights from its config, as
-`bench_runs.build_named` builds it) through `GraphModel(compile=True)`, decode and piecewise
-graphs at the decode sizes. Parts (xgraph.bench.startup_run runs it in a fresh process):
-`weights` (the model with random weights from its config), `load` (the GraphModel:
+transformers' Qwen3 of the reference shape through `GraphModel(compile=True)`, decode and
+piecewise graphs at the decode sizes. Parts (xgraph.bench.startup_run runs it in a fresh
+process): `import` (transformers' modeling module of the model: seconds no xgraph change
+can save), `weights` (`from_pretrained` of the checkpoint the bench wrote, or, without one,
+random weights from the config as `bench_runs.build_named` draws them), `load` (the GraphModel:
 probe, cache, executor), `compile` (the compiled
 forward's first runs: Dynamo and Inductor, or the compile cache's artifacts), `plan` (its
 graph memory), `warmup` (every size run eagerly: the kernels' own compilation and loading),
@@ -19,9 +20,9 @@ from typing import Any
 import torch
 
 from ...bench import register_startup
-from ...bench.startup_run import BLOCK, Clock, device_side, prompts
+from ...bench.startup_run import BLOCK, Clock, checkpoint, device_side, prompts
 from ...memory_plan import measured_graph_memory
-from .bench_runs import build_named
+from .bench_runs import build_named, load_folder, model_class
 from .model import GraphModel
 
 TARGET = "hf"
@@ -50,7 +51,12 @@ def run(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> 
     clock = Clock(backend)
     dtype = torch.float32 if backend.device.type == "cpu" else torch.bfloat16
 
-    model = clock("weights", lambda: build_named(model_name, dtype, backend.device))
+    clock("import", lambda: model_class(model_name))
+    folder = checkpoint()
+    if folder is None:
+        model = clock("weights", lambda: build_named(model_name, dtype, backend.device))
+    else:
+        model = clock("weights", lambda: load_folder(folder, dtype, backend.device))
     gm = clock("load", lambda: _graph_model(model, backend, decode))
     ex = gm.executor
     top = max(decode)

@@ -1,0 +1,72 @@
+"""A Qwen3-shaped model's seeded random weights, drawn or written as a Hugging Face checkpoint.
+
+`draws` gives the weights `Qwen3Model.init_random` loads: per checkpoint parameter, in
+checkpoint order, from one host generator (norm weights 1 + 0.1 N(0, 1), the rest
+0.02 N(0, 1)). `write_checkpoint` writes the same weights, in a dtype, as a folder of
+`model.safetensors` and a `config.json` in Hugging Face's fields (`model_type` "qwen3"), so
+`Qwen3Model.build(weights=folder)` and transformers' `from_pretrained(folder)` both read
+it: what `xgraph bench startup` times as an engine's checkpoint read, where drawing the
+weights in each process would time a host's random number generator instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
+from .qwen3 import hf_parameters
+from .qwen3_config import Qwen3Config
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def draws(config: Qwen3Config, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 host tensor) per parameter, in checkpoint order."""
+    g = torch.Generator().manual_seed(seed)
+    for name, shape in hf_parameters(config):
+        r = torch.randn(shape, generator=g, device="cpu")  # host draws, any default device
+        yield name, (1.0 + 0.1 * r if name.endswith("norm.weight") else 0.02 * r)
+
+
+def hf_config(config: Qwen3Config, dtype: torch.dtype) -> dict:
+    """config.json of the shape, in Hugging Face's Qwen3 fields."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def write_checkpoint(
+    config: Qwen3Config | str, folder: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> int:
+    """`draws(config, seed)` in `dtype` written to `folder` (made if missing) as
+    model.safetensors and config.json; returns the weight file's bytes. Needs safetensors
+    (the `transformers` extra)."""
+    from safetensors.torch import save_file  # optional dependency
+
+    if isinstance(config, str):
+        config = Qwen3Config.named(config)
+    os.makedirs(folder, exist_ok=True)
+    state = {name: t.to(dtype) for name, t in draws(config, seed)}
+    path = os.path.join(folder, WEIGHTS_FILE)
+    save_file(state, path)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config(config, dtype), f, indent=1)
+    return os.path.getsize(path)

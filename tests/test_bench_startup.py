@@ -133,3 +133,14 @@ def test_bench_startup_hf_warm_process_loads_the_compiled_forward():
         assert parts["import"] >= 0 and parts["weights"] > 0
         mine = run["seconds"] - parts["start"] - parts["import"] - parts["weights"]
         assert run["xgraph_seconds"] == pytest.approx(mine)
+
+
+def test_bench_startup_hf_eager_is_the_same_process_without_the_compile():
+    pytest.importorskip("transformers")
+    data = startup.run(xgraph.get_backend("cpu"), "tiny", [1, 2, 4], [4, 8], targets=("hf-eager",))
+    cold, warm = data["targets"]["hf-eager"]["cold"], data["targets"]["hf-eager"]["warm"]
+    assert "error" not in cold and "error" not in warm, (cold.get("error"), warm.get("error"))
+    assert cold["compile"] is None and warm["compile"] is None  # nothing compiled
+    assert cold["graphs"] == warm["graphs"] == 2 * 3  # decode and piecewise at each size
+    assert data["tokens_equal"] == {"hf-eager": True}
+    assert {"import", "weights", "load", "compile", "capture"} <= set(cold["parts"])

@@ -9,8 +9,10 @@ probe, cache, executor), `compile` (the compiled
 forward's first runs: Dynamo and Inductor, or the compile cache's artifacts), `plan` (its
 graph memory), `warmup` (every size run eagerly: the kernels' own compilation and loading),
 `capture` (every decode size and every piecewise bucket, kernels warm), `first_step` (the
-first token of two prompts through `generate`). `register()` offers it to the bench; the
-package calls it when imported.
+first token of two prompts through `generate`). `hf-eager` is the same with the forward not
+compiled (`compile=False`; its `compile` part the first eager runs): the compile's share of
+the start-up, to set against what it buys per step (the transformers bench's `--compiler
+none`). `register()` offers both to the bench; the package calls it when imported.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from .bench_runs import build_named, load_folder, model_class
 from .model import GraphModel
 
 TARGET = "hf"
+EAGER_TARGET = "hf-eager"  # the same without the compile: what it costs and buys
 PROMPT_LENS = [37, 91]
 NEW_TOKENS = 8  # greedy tokens compared between the cold and the warm process
 
 
-def _graph_model(model: Any, backend: Any, decode: list[int]) -> GraphModel:
+def _graph_model(model: Any, backend: Any, decode: list[int], compiled: bool) -> GraphModel:
     return GraphModel(
         model,
         backend=backend,
@@ -39,15 +42,17 @@ def _graph_model(model: Any, backend: Any, decode: list[int]) -> GraphModel:
         max_model_len=max(PROMPT_LENS) + NEW_TOKENS,
         max_seqs=max(decode),
         max_num_tokens=max(decode),
-        compile=True,
+        compile=compiled,
         on_capture_error="raise",
         name="startup-hf",
     )
 
 
-def run(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> dict:
+def run(
+    backend: Any, model_name: str, decode: list[int], pieces: list[int], compiled: bool = True
+) -> dict:
     """One process (see the module docstring); `pieces` unused: piecewise graphs come at the
-    decode sizes, the GraphModel's buckets."""
+    decode sizes, the GraphModel's buckets. `compiled`: False for `hf-eager`."""
     clock = Clock(backend)
     dtype = torch.float32 if backend.device.type == "cpu" else torch.bfloat16
 
@@ -57,7 +62,7 @@ def run(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> 
         model = clock("weights", lambda: build_named(model_name, dtype, backend.device))
     else:
         model = clock("weights", lambda: load_folder(folder, dtype, backend.device))
-    gm = clock("load", lambda: _graph_model(model, backend, decode))
+    gm = clock("load", lambda: _graph_model(model, backend, decode, compiled))
     ex = gm.executor
     top = max(decode)
     clock("compile", lambda: (ex.warm_up([top, 1]), ex.warm_up([top], kind="piecewise")))
@@ -88,5 +93,11 @@ def run(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> 
     return out
 
 
+def run_eager(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> dict:
+    """`hf-eager`: the same process with the forward not compiled (`compile=False`)."""
+    return run(backend, model_name, decode, pieces, compiled=False)
+
+
 def register() -> None:
     register_startup(TARGET, run)
+    register_startup(EAGER_TARGET, run_eager)

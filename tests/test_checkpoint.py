@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from xgraph.models import Qwen3Config, Qwen3Model
-from xgraph.models.checkpoint import draws, write_checkpoint
-from xgraph.models.qwen3 import hf_parameters
+from xgraph.models.checkpoint import write_checkpoint
+from xgraph.models.qwen3 import draws, hf_parameters
 
 pytest.importorskip("safetensors")
 

@@ -1,10 +1,9 @@
-"""A Qwen3-shaped model's seeded random weights, drawn or written as a Hugging Face checkpoint.
+"""A Qwen3-shaped model's seeded random weights written as a Hugging Face checkpoint.
 
-`draws` gives the weights `Qwen3Model.init_random` loads: per checkpoint parameter, in
-checkpoint order, from one host generator (norm weights 1 + 0.1 N(0, 1), the rest
-0.02 N(0, 1)). `write_checkpoint` writes the same weights, in a dtype, as a folder of
-`model.safetensors` and a `config.json` in Hugging Face's fields (`model_type` "qwen3"), so
-`Qwen3Model.build(weights=folder)` and transformers' `from_pretrained(folder)` both read
+`write_checkpoint` writes the weights `Qwen3Model.init_random` loads (`qwen3.draws`: per
+checkpoint parameter, in checkpoint order, from one host generator), in a dtype, as a folder
+of `model.safetensors` and a `config.json` in Hugging Face's fields (`model_type` "qwen3"),
+so `Qwen3Model.build(weights=folder)` and transformers' `from_pretrained(folder)` both read
 it: what `xgraph bench startup` times as an engine's checkpoint read, where drawing the
 weights in each process would time a host's random number generator instead.
 """
@@ -13,22 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 
 import torch
 
-from .qwen3 import hf_parameters
+from .qwen3 import draws
 from .qwen3_config import Qwen3Config
 
 WEIGHTS_FILE = "model.safetensors"
-
-
-def draws(config: Qwen3Config, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 host tensor) per parameter, in checkpoint order."""
-    g = torch.Generator().manual_seed(seed)
-    for name, shape in hf_parameters(config):
-        r = torch.randn(shape, generator=g, device="cpu")  # host draws, any default device
-        yield name, (1.0 + 0.1 * r if name.endswith("norm.weight") else 0.02 * r)
 
 
 def hf_config(config: Qwen3Config, dtype: torch.dtype) -> dict:

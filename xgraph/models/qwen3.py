@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -56,6 +57,16 @@ def hf_parameters(c: Qwen3Config) -> list[tuple[str, tuple[int, ...]]]:
     if not c.tie_word_embeddings:
         out.append(("lm_head.weight", (c.vocab_size, h)))
     return out
+
+
+def draws(config: Qwen3Config, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded random weights, (Hugging Face name, float32 host tensor) per parameter in
+    checkpoint order from one host generator: norm weights 1 + 0.1 N(0, 1), the rest
+    0.02 N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, shape in hf_parameters(config):
+        r = torch.randn(shape, generator=g, device="cpu")  # host draws, any default device
+        yield name, (1.0 + 0.1 * r if name.endswith("norm.weight") else 0.02 * r)
 
 
 def parameter_count(c: Qwen3Config) -> int:
@@ -179,8 +190,6 @@ class Qwen3Model(nn.Module):
     def init_random(self, seed: int) -> None:
         """Seeded weights: drawn per checkpoint parameter in checkpoint order (norm weights
         1 + 0.1 N(0, 1), the rest 0.02 N(0, 1)), then loaded like a checkpoint."""
-        from .checkpoint import draws  # (it imports this module)
-
         self.load_hf_state(dict(draws(self.config, seed)), f"init_random({seed})")
 
     @torch.no_grad()

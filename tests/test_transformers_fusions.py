@@ -63,7 +63,9 @@ def test_qwen3_layers_fuse_and_give_transformers_logits(fused_cpu, compile):
     model = tiny("qwen3")
     ref = _sdpa(model)
     ps = _prompts()
+    # compiled whole on request (the default scope leaves fused layers uncompiled)
     kw = dict(on_capture_error="raise", compile=compile, compile_cache=False)
+    kw["compile_scope"] = "forward"
     with GraphModel(model, backend=fused_cpu, **kw, **LIMITS) as gm:
         assert gm.fused
         layers = model.model.layers
@@ -186,6 +188,7 @@ def test_the_compile_cache_keys_the_fused_layers_apart(fused_cpu, tmp_path):
     for fuse in (False, True):
         qwen = tiny("qwen3")
         kw = dict(compile="inductor", compile_cache=tmp_path, fuse_layers=fuse)
+        kw["compile_scope"] = "forward"
         with GraphModel(qwen, backend=fused_cpu, **kw, **LIMITS) as gm:  # no step: no compile
             assert gm.fused is fuse
             keys.append(gm.compiled.cache.key)
@@ -220,7 +223,7 @@ def test_a_later_graph_model_loads_the_fused_forward_compiled_ahead(fused_cpu, t
     got = []
     for _ in range(2):
         qwen = tiny("qwen3")
-        kw = dict(compile="inductor", compile_cache=tmp_path)
+        kw = dict(compile="inductor", compile_cache=tmp_path, compile_scope="forward")
         with GraphModel(qwen, backend=fused_cpu, **kw, **LIMITS) as gm:
             assert gm.fused
             got.append(gm.generate([[1, 2, 3, 4]], max_new_tokens=3).tokens)
@@ -228,3 +231,24 @@ def test_a_later_graph_model_loads_the_fused_forward_compiled_ahead(fused_cpu, t
     assert got[0] == got[1]
     assert stats["cache"]["ignored"] is None
     assert stats["ahead"]["loaded"] == ["many", "one"] and stats["ahead"]["compiled"] == []
+
+
+def test_the_default_scope_leaves_fused_layers_uncompiled(fused_cpu, monkeypatch):
+    """compile=True over fused layers: nothing compiled (the fused kernels leave Inductor
+    nothing worth its time), the stats say why, the tokens those of compile=False; the same
+    model with its own layers compiles its forward whole."""
+    from xgraph.compiled import TokenCompiled
+    from xgraph.integrations.transformers.compiling import FUSED
+
+    monkeypatch.delenv("XGRAPH_COMPILE_SCOPE", raising=False)
+    ps, tokens = _prompts(), []
+    for compile in (False, "aot_eager"):
+        with GraphModel(tiny("qwen3"), backend=fused_cpu, compile=compile, **LIMITS) as gm:
+            assert gm.fused and gm.compiled is None
+            tokens.append(gm.generate(ps, max_new_tokens=NEW).tokens)
+            stats = gm.stats()["compile"]
+            assert stats == ({"skipped": FUSED} if compile else None)
+    assert tokens[0] == tokens[1]
+    own = dict(compile="aot_eager", fuse_layers=False)
+    with GraphModel(tiny("qwen3"), backend=fused_cpu, **own, **LIMITS) as gm:
+        assert not gm.fused and isinstance(gm.compiled, TokenCompiled)  # the whole forward

@@ -209,10 +209,12 @@ class Qwen3Model(nn.Module):
     def load_safetensors(self, folder: str) -> None:
         from safetensors.torch import load_file  # optional dependency
 
+        # read onto the parameters' device: the merges into fused projections run there
+        device = str(self.model.embed_tokens.weight.device)
         state: dict[str, torch.Tensor] = {}
         for fn in sorted(os.listdir(folder)):
             if fn.endswith(".safetensors"):
-                state.update(load_file(os.path.join(folder, fn)))
+                state.update(load_file(os.path.join(folder, fn), device=device))
         self.load_hf_state(state, folder)
 
     def load_hf_state(self, state: dict[str, torch.Tensor], source: str = "state") -> None:

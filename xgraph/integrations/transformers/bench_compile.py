@@ -152,6 +152,7 @@ def hf_maker(
             num_blocks=w.cache.num_blocks,
             compile=compiler or False,
             compile_dynamic=dynamic,
+            compile_scope="forward",  # compiled whole, fused layers too: what this part times
             on_capture_error="raise",
             name="bench-hf",
         )

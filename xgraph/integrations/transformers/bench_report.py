@@ -87,11 +87,19 @@ def _compile(c: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _compiler(data: dict[str, Any]) -> str:
+    """What xgraph's forward ran under: the compiler asked, or why the GraphModel left it
+    uncompiled (the default scope over fused layers)."""
+    compiled = (data.get("graph_model") or {}).get("compile") or {}
+    skipped = compiled.get("skipped")
+    return f"none ({skipped})" if skipped else str(data.get("compiler"))
+
+
 def report(data: dict[str, Any]) -> str:
     lines = [
         f"{data.get('model')} ({data.get('model_class')}, {data.get('dtype')}) on "
         f"{data.get('backend')} ({data.get('device')}); xgraph compiles with "
-        f"{data.get('compiler')}; transformers compiled: {data.get('transformers_compile')}"
+        f"{_compiler(data)}; transformers compiled: {data.get('transformers_compile')}"
     ]
     if "check" in data:
         lines += _check(data["check"])

@@ -44,7 +44,7 @@ from ...pool import SharedPhysicalPool
 from . import fusions, registration
 from .attention import Binding, bound
 from .cache import PagedCache
-from .compiling import check_scope, compile_backend, compile_decoder
+from .compiling import check_scope, compile_backend, compile_decoder, settle
 from .engine import LOOP_STOP_IDS, Engine, TokenEvent
 from .forward import ModelForward
 from .generate import GenerationResult, generate, stream
@@ -141,11 +141,13 @@ class GraphModel:
             graphs of its own), or a torch.compile backend name ("aot_eager", "eager": CPU
             tests). One compile serves every bucket (the token count dynamic), one more the
             single-token bucket; `compile_dynamic=False` compiles once per bucket instead.
-        compile_scope: what one compile covers: "forward" (the whole decoder, one graph) or
-            "layers" (one decoder layer, which every layer then runs: a fraction of the
-            compile time, fusion across the layers' edges given up; the attention runs
-            between compiled pieces; xgraph.compiled_layers, docs/startup.md). None
-            (default): $XGRAPH_COMPILE_SCOPE, unset "forward".
+        compile_scope: what one compile covers: "auto" ("forward", except over fused layers,
+            which run uncompiled: measured faster, and no compile time; `stats()` says so),
+            "forward" (the whole decoder, one graph) or "layers" (one decoder layer, which
+            every layer then runs: a fraction of the compile time, fusion across the layers'
+            edges given up; the attention runs between compiled pieces;
+            xgraph.compiled_layers, docs/startup.md). None (default): $XGRAPH_COMPILE_SCOPE,
+            unset "auto".
         compile_cache: where the compiled decoder is kept for the next process on this
             machine (xgraph.compile_cache): None (default: $XGRAPH_COMPILE_CACHE, else
             ~/.cache/xgraph/compile), a folder, or False (off). Keyed by the model's class and
@@ -188,11 +190,15 @@ class GraphModel:
         self.model = model.to(self.device).eval()
         self.tokenizer: Any = None  # set by from_pretrained when the folder has one
         self.fused = False  # whether its layers run over fused projections (fusions.py)
+        self.compile_skipped: str | None = None  # why compile=... left it uncompiled
         lim = self.limits
         assert lim.num_blocks is not None and lim.max_model_len is not None
         registration.acquire(model)
         try:
             self._forward = self._kernels(linear, fuse_layers)
+            compiler, compile_scope, self.compile_skipped = settle(
+                compiler, compile_scope, self.fused
+            )
             self.calls = probe(self._forward.run, self.spec, model, lim.max_model_len, self.device)
             self._forward.head = _split_head(
                 self._forward, self.spec, model, lim.max_model_len, self.device
@@ -398,9 +404,13 @@ class GraphModel:
         return Engine(self, **kwargs)
 
     def stats(self) -> dict[str, Any]:
-        """The executor's stats, and how the decoder is compiled ("compile": None when not)."""
+        """The executor's stats, and how the decoder is compiled ("compile": None when not
+        asked, {"skipped": why} where the default scope left it uncompiled)."""
         out = self.executor.stats()
-        out["compile"] = self.compiled.stats() if self.compiled is not None else None
+        if self.compiled is not None:
+            out["compile"] = self.compiled.stats()
+        else:
+            out["compile"] = {"skipped": self.compile_skipped} if self.compile_skipped else None
         out["head"] = "outside the graphs" if self.head is not None else "inside the graphs"
         return out
 

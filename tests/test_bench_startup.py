@@ -144,3 +144,13 @@ def test_bench_startup_hf_eager_is_the_same_process_without_the_compile():
     assert cold["graphs"] == warm["graphs"] == 2 * 3  # decode and piecewise at each size
     assert data["tokens_equal"] == {"hf-eager": True}
     assert {"import", "weights", "load", "compile", "capture"} <= set(cold["parts"])
+
+
+def test_hf_eager_runs_only_when_named():
+    pytest.importorskip("transformers")
+    import xgraph.integrations.transformers  # noqa: F401  (registers its targets)
+    from xgraph.bench import startup_runner, startup_targets
+
+    assert startup_targets()[0] == "reference" and "hf" in startup_targets()
+    assert "hf-eager" not in startup_targets()
+    assert callable(startup_runner("hf-eager"))

@@ -91,17 +91,23 @@ register_target("reference", _reference)
 # "parts" (seconds), "graphs", "predicted_bytes", "measured_bytes" and "tokens"
 StartupRun = Callable[[Any, str, list[int], list[int]], dict]
 _startup: dict[str, StartupRun] = {}
+_startup_asked: set[str] = set()  # registered, run only when named (`--targets`)
 
 
-def register_startup(target: str, run: StartupRun) -> None:
+def register_startup(target: str, run: StartupRun, default: bool = True) -> None:
     """Offer `target` to `xgraph bench startup`: `run` is one process of it, from building
-    the model to its first token (xgraph.bench.startup_run). Registering again replaces it."""
+    the model to its first token (xgraph.bench.startup_run); `default` False: it runs only
+    when named. Registering again replaces it."""
     _startup[target] = run
+    if default:
+        _startup_asked.discard(target)
+    else:
+        _startup_asked.add(target)
 
 
 def startup_targets() -> tuple[str, ...]:
-    """The registered start-up targets, the bench's own first."""
-    return tuple(_startup)
+    """The start-up targets a run without `--targets` starts, the bench's own first."""
+    return tuple(t for t in _startup if t not in _startup_asked)
 
 
 def startup_runner(target: str) -> StartupRun:

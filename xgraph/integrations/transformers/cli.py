@@ -5,9 +5,9 @@
 Prints each sequence's generated token ids (or text, when the folder has a tokenizer; with
 --stream as they are chosen), the tokens per second, and the time to first token and
 per-token latency, p50 and p99. `--compile` runs the decoder torch.compile'd inside the
-graphs (one compile for every bucket; a decoder whose layers run over xgraph's fused
-kernels stays uncompiled, GraphModel's default scope), kept for the next process in
-`--compile-cache DIR` (default: xgraph.compile_cache's folder; "off": none). This module imports neither
+graphs (one compile for every bucket; a decoder whose layers run over xgraph's fused kernels
+stays uncompiled, GraphModel's default scope), kept for the next process in `--compile-cache
+DIR` (default: xgraph.compile_cache's folder; "off": none). This module imports neither
 transformers nor torch at import time: the `xgraph` command line builds its parser from it
 whether or not the extra is installed.
 """

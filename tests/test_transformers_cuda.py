@@ -39,8 +39,13 @@ CONFIG = dict(
     max_position_embeddings=512,
 )
 LIMITS = dict(block_size=16, max_model_len=128, max_seqs=4, max_num_tokens=64)
-# the decoder compiled whole, its layers fused or not: these tests are about the compile
-SCOPE = "forward"
+
+
+def compiled(model: torch.nn.Module, backend: object, **kwargs: object) -> GraphModel:
+    """A GraphModel over `model` with its decoder compiled whole, its layers fused or not
+    (these tests are about the compile; the default scope leaves fused layers uncompiled)."""
+    options = dict(compile=True, compile_scope="forward", on_capture_error="raise")
+    return GraphModel(model, backend=backend, **options, **{**LIMITS, **kwargs})
 
 
 @pytest.fixture
@@ -87,14 +92,7 @@ def test_inductor_compiled_decoder_in_cuda_graphs_gives_transformers_tokens(back
     model = tiny(torch.float32)
     ps = prompts()
     want = hf_greedy(model, ps, 12)
-    with GraphModel(
-        model,
-        backend=backend,
-        compile=True,
-        compile_scope=SCOPE,
-        on_capture_error="raise",
-        **LIMITS,
-    ) as gm:
+    with compiled(model, backend) as gm:
         assert any(type(m) is XLinear for m in model.modules())  # the projection kernel serves
         result = gm.generate(ps, 12)
         stats = gm.stats()
@@ -113,14 +111,7 @@ def test_bf16_compiled_logits_are_as_close_to_float32_as_transformers(backend):
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("sdpa")
     ps = prompts()
-    with GraphModel(
-        model,
-        backend=backend,
-        compile=True,
-        compile_scope=SCOPE,
-        on_capture_error="raise",
-        **LIMITS,
-    ) as gm:
+    with compiled(model, backend) as gm:
         result = gm.generate(ps, 8, record_logits=True, max_num_tokens=32)
     assert result.logits is not None
     for p, tokens, got in zip(ps, result.tokens, result.logits):
@@ -136,16 +127,8 @@ def test_every_vllm_decode_size_captures_over_two_compiles(backend):
     torch._dynamo.reset()
     model = tiny(torch.bfloat16)
     sizes = vllm_capture_sizes(64)
-    limits = dict(LIMITS, max_seqs=64, num_blocks=64)
-    with GraphModel(
-        model,
-        backend=backend,
-        compile=True,
-        compile_scope=SCOPE,
-        buckets=sizes,
-        on_capture_error="raise",
-        **limits,
-    ) as gm:
+    limits = dict(max_seqs=64, num_blocks=64)
+    with compiled(model, backend, buckets=sizes, **limits) as gm:
         gm.executor.capture(sorted(sizes, reverse=True), kind="full", progress=False)
         stats = gm.stats()
     assert stats["captures"] == len(sizes)
@@ -160,14 +143,7 @@ def test_the_decode_kernels_fuse_the_layers_and_stay_close_to_float32(backend, m
     model = tiny(torch.bfloat16)
     exact = copy.deepcopy(model).float()
     ps = prompts()
-    with GraphModel(
-        model,
-        backend=backend,
-        compile=True,
-        compile_scope=SCOPE,
-        on_capture_error="raise",
-        **LIMITS,
-    ) as gm:
+    with compiled(model, backend) as gm:
         assert gm.fused  # every layer over the fused projections (fusions.py)
         result = gm.generate(ps, 8, record_logits=True, max_num_tokens=32)
     assert dict(counters["graph_break"]) == {}

@@ -154,3 +154,27 @@ def test_hf_eager_runs_only_when_named():
     assert startup_targets()[0] == "reference" and "hf" in startup_targets()
     assert "hf-eager" not in startup_targets()
     assert callable(startup_runner("hf-eager"))
+
+
+def test_without_safetensors_each_process_draws_its_weights(monkeypatch, tmp_path):
+    """No checkpoint written (safetensors missing): the record says why and the processes
+    get no folder, so they draw the weights themselves."""
+    from xgraph.bench.startup_run import WEIGHTS_ENV
+    from xgraph.models import checkpoint
+
+    def missing(*args, **kwargs):
+        raise ImportError("No module named 'safetensors'")
+
+    monkeypatch.setattr(checkpoint, "write_checkpoint", missing)
+    got = startup._weights(xgraph.get_backend("cpu"), "tiny", str(tmp_path))
+    assert got == {"checkpoint": False, "why": "ImportError: No module named 'safetensors'"}
+    seen = {}
+
+    def run(cmd, env, **kwargs):
+        seen.update(env)
+        return SimpleNamespace(returncode=1, stdout="", stderr="stopped here")
+
+    monkeypatch.setenv(WEIGHTS_ENV, "/a/folder/from/the/caller")
+    monkeypatch.setattr(startup.subprocess, "run", run)
+    out = startup._process("reference", [], str(tmp_path), 10.0, None)
+    assert "stopped here" in out["error"] and WEIGHTS_ENV not in seen

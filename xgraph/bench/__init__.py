@@ -90,28 +90,23 @@ register_target("reference", _reference)
 # (backend, the shape's name, decode sizes, piecewise sizes) -> one process's results: its
 # "parts" (seconds), "graphs", "predicted_bytes", "measured_bytes" and "tokens"
 StartupRun = Callable[[Any, str, list[int], list[int]], dict]
-_startup: dict[str, StartupRun] = {}
-_startup_asked: set[str] = set()  # registered, run only when named (`--targets`)
+_startup: dict[str, tuple[StartupRun, bool]] = {}  # target -> (run, run without --targets)
 
 
 def register_startup(target: str, run: StartupRun, default: bool = True) -> None:
     """Offer `target` to `xgraph bench startup`: `run` is one process of it, from building
     the model to its first token (xgraph.bench.startup_run); `default` False: it runs only
     when named. Registering again replaces it."""
-    _startup[target] = run
-    if default:
-        _startup_asked.discard(target)
-    else:
-        _startup_asked.add(target)
+    _startup[target] = (run, default)
 
 
 def startup_targets() -> tuple[str, ...]:
     """The start-up targets a run without `--targets` starts, the bench's own first."""
-    return tuple(t for t in _startup if t not in _startup_asked)
+    return tuple(t for t, (_, default) in _startup.items() if default)
 
 
 def startup_runner(target: str) -> StartupRun:
-    found = _startup.get(target)
+    found = _startup.get(target, (None, False))[0]
     if found is None:
         raise ValueError(
             f"unknown start-up target {target!r}; registered: {', '.join(_startup)} (an "

@@ -43,7 +43,7 @@ from ..buckets import sglang_piecewise_sizes, vllm_capture_sizes
 from ..interfaces import Backend
 from . import startup_targets
 from .report import Checkpoint, note, table
-from .startup_run import MARKER, WEIGHTS_ENV
+from .startup_run import MARKER, WEIGHTS_ENV, dtype_of
 
 CACHE_ENV = {
     "XGRAPH_COMPILE_CACHE": "xgraph-compile",
@@ -77,11 +77,9 @@ def _weights(backend: Backend, model: str, folder: str) -> dict[str, Any]:
     """The model's seeded random weights written to `folder` as a safetensors checkpoint, in
     the dtype the processes run (xgraph.models.checkpoint): every process then reads them as
     an engine reads its checkpoint. Without safetensors, each process draws them."""
-    import torch
-
     from ..models.checkpoint import write_checkpoint
 
-    dtype = torch.float32 if backend.device.type == "cpu" else torch.bfloat16
+    dtype = dtype_of(backend)
     try:
         nbytes = write_checkpoint(model, folder, dtype)
     except ImportError as exc:

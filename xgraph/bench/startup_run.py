@@ -91,6 +91,14 @@ class Clock:
         return after - before - self.apart_bytes
 
 
+def dtype_of(backend: Any) -> Any:
+    """The dtype every start-up process runs in, and the bench's checkpoint is written in:
+    float32 on the CPU backend, bf16 on accelerators."""
+    import torch
+
+    return torch.float32 if backend.device.type == "cpu" else torch.bfloat16
+
+
 def checkpoint() -> str | None:
     """The checkpoint folder the parent wrote for this process, None: draw the weights."""
     return os.environ.get(WEIGHTS_ENV) or None
@@ -186,13 +194,12 @@ def device_side(clock: Clock) -> dict:
 
 
 def reference(backend: Any, model_name: str, decode: list[int], pieces: list[int]) -> dict:
-    import torch
 
     from ..memory_plan import measured_graph_memory, predict_graph_memory
     from ..models import Qwen3Model
 
     clock = Clock(backend)
-    dtype = torch.float32 if backend.device.type == "cpu" else torch.bfloat16
+    dtype = dtype_of(backend)
 
     def load() -> Any:
         return Qwen3Model.build(

@@ -22,21 +22,11 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def hf_config(config: Qwen3Config, dtype: torch.dtype) -> dict:
-    """config.json of the shape, in Hugging Face's Qwen3 fields."""
+    """config.json of the shape: its fields in Hugging Face's names, as a Qwen3 model."""
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position,
-        "tie_word_embeddings": config.tie_word_embeddings,
+        **config.to_hf(),
         "hidden_act": "silu",
         "attention_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),

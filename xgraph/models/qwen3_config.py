@@ -120,6 +120,10 @@ class Qwen3Config:
             tie_word_embeddings=c.get("tie_word_embeddings", True),
         )
 
+    def to_hf(self) -> dict:
+        """The shape in a Hugging Face config.json's fields (what `from_hf` reads back)."""
+        return {HF_NAMES.get(f.name, f.name): getattr(self, f.name) for f in fields(self)}
+
 
 NAMED = {"tiny": "tiny", "qwen3-0.6b": "qwen3_0_6b", "qwen3-8b": "qwen3_8b"}  # name -> method
 

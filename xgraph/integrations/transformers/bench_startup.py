@@ -21,10 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ...bench import register_startup
-from ...bench.startup_run import BLOCK, Clock, checkpoint, device_side, prompts
+from ...bench.startup_run import BLOCK, Clock, checkpoint, device_side, dtype_of, prompts
 from ...memory_plan import measured_graph_memory
 from .bench_runs import build_named, load_folder, model_class
 from .model import GraphModel
@@ -56,7 +54,7 @@ def run(
     """One process (see the module docstring); `pieces` unused: piecewise graphs come at the
     decode sizes, the GraphModel's buckets. `compiled`: False for `hf-eager`."""
     clock = Clock(backend)
-    dtype = torch.float32 if backend.device.type == "cpu" else torch.bfloat16
+    dtype = dtype_of(backend)
 
     clock("import", lambda: model_class(model_name))
     folder = checkpoint()

@@ -233,22 +233,28 @@ def test_a_later_graph_model_loads_the_fused_forward_compiled_ahead(fused_cpu, t
     assert stats["ahead"]["loaded"] == ["many", "one"] and stats["ahead"]["compiled"] == []
 
 
-def test_the_default_scope_leaves_fused_layers_uncompiled(fused_cpu, monkeypatch):
-    """compile=True over fused layers: nothing compiled (the fused kernels leave Inductor
-    nothing worth its time), the stats say why, the tokens those of compile=False; the same
-    model with its own layers compiles its forward whole."""
+def test_the_auto_scope_leaves_fused_layers_uncompiled_and_the_default_compiles_them(
+    fused_cpu, monkeypatch
+):
+    """compile=True over fused layers under compile_scope="auto": nothing compiled, the stats
+    say why, the tokens those of compile=False; the default scope compiles the same model's
+    forward whole, and "auto" over the model's own layers does too."""
     from xgraph.compiled import TokenCompiled
     from xgraph.integrations.transformers.compiling import FUSED
 
     monkeypatch.delenv("XGRAPH_COMPILE_SCOPE", raising=False)
     ps, tokens = _prompts(), []
     for compile in (False, "aot_eager"):
-        with GraphModel(tiny("qwen3"), backend=fused_cpu, compile=compile, **LIMITS) as gm:
+        kw = dict(compile=compile, compile_scope="auto")
+        with GraphModel(tiny("qwen3"), backend=fused_cpu, **kw, **LIMITS) as gm:
             assert gm.fused and gm.compiled is None
             tokens.append(gm.generate(ps, max_new_tokens=NEW).tokens)
             stats = gm.stats()["compile"]
             assert stats == ({"skipped": FUSED} if compile else None)
     assert tokens[0] == tokens[1]
-    own = dict(compile="aot_eager", fuse_layers=False)
+    with GraphModel(tiny("qwen3"), backend=fused_cpu, compile="aot_eager", **LIMITS) as gm:
+        assert gm.fused and isinstance(gm.compiled, TokenCompiled)  # the default: compiled
+        assert gm.generate(ps, max_new_tokens=NEW).tokens == tokens[0]
+    own = dict(compile="aot_eager", fuse_layers=False, compile_scope="auto")
     with GraphModel(tiny("qwen3"), backend=fused_cpu, **own, **LIMITS) as gm:
         assert not gm.fused and isinstance(gm.compiled, TokenCompiled)  # the whole forward

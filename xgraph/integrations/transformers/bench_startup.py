@@ -12,9 +12,8 @@ graph memory), `warmup` (every size run eagerly: the kernels' own compilation an
 first token of two prompts through `generate`). `hf-eager` is the same with the forward not
 compiled (`compile=False`; its `compile` part the first eager runs): the compile's share of
 the start-up, to set against what it buys per step (the transformers bench's `--compiler
-none`); it runs when named (`--targets hf-eager`), since over fused layers `hf` is not
-compiled either. `register()` offers both to the bench; the package calls it when
-imported.
+none`); it runs when named (`--targets hf-eager`). `register()` offers both to the bench;
+the package calls it when imported.
 """
 
 from __future__ import annotations
@@ -100,5 +99,5 @@ def run_eager(backend: Any, model_name: str, decode: list[int], pieces: list[int
 
 def register() -> None:
     register_startup(TARGET, run)
-    # named only (`--targets hf-eager`): where the layers are fused, `hf` runs uncompiled too
+    # named only (`--targets hf-eager`): the compile's share, measured when asked for
     register_startup(EAGER_TARGET, run_eager, default=False)

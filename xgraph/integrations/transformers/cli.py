@@ -105,8 +105,8 @@ def _add_output_options(p: Any) -> None:
         choices=COMPILERS,
         metavar="BACKEND",
         help="run the decoder torch.compile'd inside the graphs, one compile for every "
-        f"bucket (BACKEND: {', '.join(COMPILERS)}; inductor when left out); a decoder over "
-        "fused layers stays uncompiled (XGRAPH_COMPILE_SCOPE=forward compiles it)",
+        f"bucket (BACKEND: {', '.join(COMPILERS)}; inductor when left out); "
+        "XGRAPH_COMPILE_SCOPE=auto leaves a decoder over fused layers uncompiled",
     )
     p.add_argument(
         "--compile-cache",

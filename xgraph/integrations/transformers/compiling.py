@@ -4,16 +4,16 @@ layers one by one.
 `compile=` names the compiler (True: Inductor; a torch.compile backend name or callable);
 `compile_scope=` what one compile covers:
 
-- "auto" (the default): "forward", unless the decoder's layers run over xgraph's fused
-  projections (fusions.py), which leave the compiler nothing worth its time: the layers are
-  the fused kernels and the attention, opaque to it, and the glue between them. Measured on
-  an H100 (the transformers Qwen3-0.6B, fused layers, PDL; docs/transformers.md), the
-  forward compiled whole decoded 762 / 5,646 tokens/s at batch 1 / 8 against 858 / 6,056
-  uncompiled, and its compile cost 35.8 s of a cold process's start and 2.1 s of a warm
-  one's. There the decoder runs uncompiled, and the GraphModel's stats say why;
-- "forward": the decoder's whole forward, one graph for every bucket of two
+- "forward" (the default): the decoder's whole forward, one graph for every bucket of two
   tokens or more and one for the single token (xgraph.compiled.TokenCompiled), kept whole
   ahead of time in the compile cache where torch can;
+- "auto": "forward", unless the decoder's layers run over xgraph's fused projections
+  (fusions.py); there the decoder runs uncompiled and the GraphModel's stats say why. It
+  saves a cold process the compile (35.8 s on an H100) at a cost per step: measured on one
+  H100 on 2026-12-07 (the transformers Qwen3-0.6B, fused layers, PDL; docs/transformers.md),
+  the forward compiled whole decoded 880 / 1,020 tokens/s at one / eight steps a launch
+  against 856-861 / 895 uncompiled (an earlier pair on another H100 had read the other way
+  at one step a launch, 762 against 858);
 - "layers": one decoder layer, whose compiled code every layer runs (xgraph.compiled_layers:
   regional compilation); the attention calls run between its compiled pieces. A fraction
   of the compile time (docs/startup.md), fusion across the layers' edges given up.
@@ -39,12 +39,11 @@ from .fusions import decoder_layers
 logger = logging.getLogger("xgraph")
 
 SCOPES = ("auto", "forward", "layers")
-ENV = "XGRAPH_COMPILE_SCOPE"  # GraphModel(compile_scope=None) reads it; unset: "auto"
+ENV = "XGRAPH_COMPILE_SCOPE"  # GraphModel(compile_scope=None) reads it; unset: "forward"
 # why "auto" leaves a decoder uncompiled (GraphModel.stats()["compile"]["skipped"])
 FUSED = (
-    "the decoder's layers run over xgraph's fused kernels, which leave the compiler nothing "
-    "worth its time (measured slower compiled); compile_scope='forward' or 'layers' compiles "
-    "them anyway"
+    "compile_scope='auto' leaves a decoder over xgraph's fused kernels uncompiled (no "
+    "compile time, slower steps); compile_scope='forward' or 'layers' compiles it"
 )
 
 
@@ -69,18 +68,17 @@ def compile_backend(compile: Any) -> Any:
 
 
 def check_scope(scope: str | None, model: Any, compiled: bool, dynamic: bool = True) -> str:
-    """`scope` (None: $XGRAPH_COMPILE_SCOPE, unset "auto") where it is one of SCOPES and
+    """`scope` (None: $XGRAPH_COMPILE_SCOPE, unset "forward") where it is one of SCOPES and
     the model has what it needs; else XGraphError (before the GraphModel builds anything)."""
     if scope is None:
-        scope = os.environ.get(ENV, "").strip().lower() or "auto"
+        scope = os.environ.get(ENV, "").strip().lower() or "forward"
         where = f"{ENV}={scope!r}"
     else:
         where = f"GraphModel: compile_scope={scope!r}"
     if scope not in SCOPES:
         raise XGraphError(
-            f"{where}; give 'auto' (the whole decoder as one graph, none over fused layers), "
-            "'forward' (the whole decoder as one graph) or 'layers' (one layer's compile "
-            "serving every layer)."
+            f"{where}; give 'forward' (the whole decoder as one graph), 'auto' (the same, none "
+            "over fused layers) or 'layers' (one layer's compile serving every layer)."
         )
     if compiled and scope == "layers" and not dynamic:
         raise XGraphError(

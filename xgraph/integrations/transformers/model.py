@@ -141,13 +141,13 @@ class GraphModel:
             graphs of its own), or a torch.compile backend name ("aot_eager", "eager": CPU
             tests). One compile serves every bucket (the token count dynamic), one more the
             single-token bucket; `compile_dynamic=False` compiles once per bucket instead.
-        compile_scope: what one compile covers: "auto" ("forward", except over fused layers,
-            which run uncompiled: measured faster, and no compile time; `stats()` says so),
-            "forward" (the whole decoder, one graph) or "layers" (one decoder layer, which
-            every layer then runs: a fraction of the compile time, fusion across the layers'
-            edges given up; the attention runs between compiled pieces;
+        compile_scope: what one compile covers: "forward" (the whole decoder, one graph),
+            "auto" ("forward", except over fused layers, which then run uncompiled: no
+            compile time, slower steps; `stats()` says so) or "layers" (one decoder layer,
+            which every layer then runs: a fraction of the compile time, fusion across the
+            layers' edges given up; the attention runs between compiled pieces;
             xgraph.compiled_layers, docs/startup.md). None (default): $XGRAPH_COMPILE_SCOPE,
-            unset "auto".
+            unset "forward".
         compile_cache: where the compiled decoder is kept for the next process on this
             machine (xgraph.compile_cache): None (default: $XGRAPH_COMPILE_CACHE, else
             ~/.cache/xgraph/compile), a folder, or False (off). Keyed by the model's class and

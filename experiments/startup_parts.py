@@ -8,19 +8,23 @@ kernel) through its compilation listener.
 
 Runs two fresh interpreters over one temporary folder of caches (xgraph's, Inductor's,
 Triton's), the first with them empty and the second with what the first left, as the bench
-does. Writes $OUT/startup-parts.json.
+does. Writes $OUT/startup-parts.json. `--profile` samples every part of the warm process's
+Python stack and keeps each part's heaviest functions (`profile`: inclusive and own
+seconds), to say where a warm start's seconds go.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 T0 = time.time()
 MARK = "STARTUP_PARTS "
@@ -60,8 +64,66 @@ class Compiles:
         } | {p: {"hits": h} for p, h in self.hits.items() if p not in self.misses}
 
 
-def child(model_name: str) -> dict:
-    """One process: every part timed with the device drained at its ends."""
+class Sampler:
+    """A wall-clock sampler of the main thread's Python stack (a thread reading
+    `sys._current_frames` every `interval` s): seconds per function, inclusive (on the stack)
+    and own (at its top). cProfile's own and cumulative times do not add up across the
+    dispatcher's C++ re-entries into Python (custom ops, Dynamo's frames); samples do."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval, self.main = interval, threading.main_thread().ident
+        self.inclusive: Counter = Counter()
+        self.own: Counter = Counter()
+        self.samples, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self.main)
+            if frame is None:
+                continue
+            self.samples += 1
+            seen = set()
+            top = True
+            while frame is not None:
+                c = frame.f_code
+                key = f"{c.co_filename.split('site-packages/')[-1]}:{c.co_firstlineno}({c.co_name})"
+                if top:
+                    self.own[key] += 1
+                    top = False
+                if key not in seen:
+                    seen.add(key)
+                    self.inclusive[key] += 1
+                frame = frame.f_back
+
+    def __enter__(self) -> Sampler:
+        # the sampler needs the GIL: the main thread hands it over every interval, not 5 ms
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(self.interval / 2)
+        self.t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        sys.setswitchinterval(self._switch)
+        self.seconds = time.perf_counter() - self.t0
+
+    def heaviest(self, top: int = 30) -> dict:
+        """The functions with the most inclusive and own seconds (samples scaled to the
+        part's wall time)."""
+        per = self.seconds / max(self.samples, 1)
+
+        def best(c: Counter) -> list:
+            return [{"fn": k, "s": round(n * per, 4)} for k, n in c.most_common(top)]
+
+        return {"samples": self.samples, "inclusive": best(self.inclusive), "own": best(self.own)}
+
+
+def child(model_name: str, profile: bool = False) -> dict:
+    """One process: every part timed with the device drained at its ends (sampled with
+    `profile`)."""
     start = time.time() - T0
     import torch
     import triton
@@ -76,14 +138,19 @@ def child(model_name: str) -> dict:
     triton.knobs.compilation.listener = compiles
     backend = xgraph.get_backend("cuda")
     parts: dict = {"start": start}
+    profiles: dict = {}
 
     def clock(name, fn):
         compiles.part = name
         backend.synchronize()
+        sampler = Sampler() if profile else contextlib.nullcontext()
         t0 = time.perf_counter()
-        out = fn()
-        backend.synchronize()
+        with sampler:
+            out = fn()
+            backend.synchronize()
         parts[name] = parts.get(name, 0.0) + time.perf_counter() - t0
+        if isinstance(sampler, Sampler):
+            profiles[name] = sampler.heaviest()
         return out
 
     clock("cuda_init", lambda: torch.empty(1, device="cuda"))
@@ -91,7 +158,7 @@ def child(model_name: str) -> dict:
     clock("build", lambda: build_named(model_name, torch.bfloat16, backend.device))
     model = clock("build_again", lambda: build_named(model_name, torch.bfloat16, backend.device))
     decode = vllm_capture_sizes(512)
-    gm = clock("load", lambda: _graph_model(model, backend, decode))
+    gm = clock("load", lambda: _graph_model(model, backend, decode, True))
     ex, top = gm.executor, max(decode)
     clock("compile", lambda: (ex.warm_up([top, 1]), ex.warm_up([top], kind="piecewise")))
     clock("plan", ex.plan_memory)
@@ -105,6 +172,7 @@ def child(model_name: str) -> dict:
         "triton": compiles.as_dict(),
         "compile": None if gm.compiled is None else gm.compiled.stats(),
         "tokens": gm.generate(asked, 8).tokens,
+        "profile": profiles,
     }
     gm.close()
     return out
@@ -114,15 +182,17 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--child", action="store_true")
+    p.add_argument("--profile", action="store_true", help="sample the warm process's stacks")
     a = p.parse_args()
     if a.child:
-        print(MARK + json.dumps(child(a.model)), flush=True)
+        print(MARK + json.dumps(child(a.model, a.profile)), flush=True)
         return
     data: dict = {"model": a.model}
     with tempfile.TemporaryDirectory(prefix="startup-parts-") as caches:
         env = {**os.environ, **{k: os.path.join(caches, v) for k, v in CACHES.items()}}
         for phase in ("cold", "warm"):
             cmd = [sys.executable, __file__, "--child", "--model", a.model]
+            cmd += ["--profile"] if a.profile and phase == "warm" else []
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
             lines = [x for x in proc.stdout.splitlines() if x.startswith(MARK)]
             if not lines:

@@ -180,7 +180,7 @@ def test_compiled_code_calls_the_op_and_piecewise_capture_cuts_there(compiled, m
     torch.testing.assert_close(out, ref, rtol=TOL, atol=TOL)
     ex(**prefill.kwargs())
     # warm-up and capture of both steps: every call came through the op
-    assert callers == ["attention_op"] * 4 * layers
+    assert callers == ["_attention_kernel"] * 4 * layers  # the op's kernel
     assert ex.graph(("piecewise", 16)).describe() == ["piece", "runner"] * layers + ["piece"]
     assert ex.graph(("full", 4)).describe() == ["graph"]
     ex.close()

@@ -32,6 +32,7 @@ import torch
 from .errors import XGraphError
 from .interfaces import AttentionRunner
 from .metadata import AttentionMetadata, KVCache
+from .opdef import define, refuse_grad
 
 # -- step contexts -------------------------------------------------------------------------
 
@@ -110,8 +111,7 @@ def _attend(
     return s[-1].attend(q, k, v, kv_cache, scale)
 
 
-@torch.library.custom_op("xgraph::attention", mutates_args=("k_cache", "v_cache"))
-def attention_op(
+def _attention_kernel(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -125,10 +125,10 @@ def attention_op(
     instead of rewriting them as whole-cache copies, and returns a fresh tensor laid out as
     `torch.empty_like(q)` (what every step context returns).
     """
+    refuse_grad("attention", q, k, v)
     return _attend(q, k, v, (k_cache, v_cache), scale)
 
 
-@attention_op.register_fake
 def _attention_fake(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -138,6 +138,9 @@ def _attention_fake(
     scale: float,
 ) -> torch.Tensor:
     return torch.empty_like(q)
+
+
+attention_op = define("attention", _attention_kernel, _attention_fake, ("k_cache", "v_cache"))
 
 
 def attention(

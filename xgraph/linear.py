@@ -14,11 +14,11 @@ it). It answers None for calls it does not serve; those run `fusion.reference`, 
 ops around `linear` (so the plain kernel still serves the projection itself).
 
 Compiled code reaches the kernels through the custom ops `xgraph::linear` and
-`xgraph::fused_linear`, opaque to the compiler like an extern GEMM, so the choice is made per
-call at run time (and recorded by a graph captured around it). Where no fused kernel is
-installed, compiled code traces the reference ops instead (the compiler fuses them itself).
-Under autograd with inputs that need gradients, F.linear and the reference run: the kernels
-are forward-only.
+`xgraph::fused_linear` (`xgraph.opdef`), opaque to the compiler like an extern GEMM, so the
+choice is made per call at run time (and recorded by a graph captured around it). Where no
+fused kernel is installed, compiled code traces the reference ops instead (the compiler
+fuses them itself). Under autograd with inputs that need gradients, F.linear and the
+reference run: the kernels are forward-only.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from .errors import IncompleteBackendError
 from .fusion import Fusion, HeadNorm, output_dtype, reference
+from .opdef import define, refuse_grad
 
 LinearKernel = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 FusedLinearKernel = Callable[[torch.Tensor, torch.Tensor, Fusion], "torch.Tensor | None"]
@@ -103,15 +104,17 @@ def _answer(kernel: LinearKernel | None, x: torch.Tensor, weight: torch.Tensor) 
     return F.linear(x, weight) if y is None else y
 
 
-@torch.library.custom_op("xgraph::linear", mutates_args=())
-def linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _linear_kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`xgraph::linear`: the projection as compiled code sees it, one opaque op."""
+    refuse_grad("linear", x, weight)
     return _answer(_kernels.get(x.device.type), x, weight)
 
 
-@linear_op.register_fake
 def _linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+linear_op = define("linear", _linear_kernel, _linear_fake)
 
 
 def _plain(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -149,8 +152,7 @@ def _fusion(
     return Fusion(norm, eps, gated, residual, head)
 
 
-@torch.library.custom_op("xgraph::fused_linear", mutates_args=())
-def fused_linear_op(
+def _fused_kernel(
     x: torch.Tensor,
     weight: torch.Tensor,
     norm: torch.Tensor | None,
@@ -165,14 +167,17 @@ def fused_linear_op(
     kv_heads: int,
 ) -> torch.Tensor:
     """`xgraph::fused_linear`: a fused projection as compiled code sees it, one opaque op."""
+    refuse_grad("fused_linear", x, weight, norm, residual, q_weight, k_weight)
     f = _fusion(norm, eps, gated, residual, q_weight, k_weight, head_eps, cos_sin, heads, kv_heads)
     return _fused_answer(x, weight, f)
 
 
-@fused_linear_op.register_fake
 def _fused_fake(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
     dtype = output_dtype(weight, _fusion(*args))  # type: ignore[arg-type]
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=dtype)
+
+
+fused_linear_op = define("fused_linear", _fused_kernel, _fused_fake)
 
 
 def _op_args(f: Fusion) -> tuple:

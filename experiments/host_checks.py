@@ -13,12 +13,11 @@ Writes `$OUT/host-checks.json`.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
-import timeit
 from collections.abc import Callable
 from typing import Any
+
+from probe_common import best_host_us, write
 
 import xgraph
 from xgraph.bench.host import _trivial, cpu_name
@@ -28,15 +27,7 @@ from xgraph.step_fields import host_fields
 
 def best_us(fn: Callable[[], Any], calls: int) -> float:
     """Host us per call: the best of 7 rounds of `calls` calls, after 50 to warm up."""
-    for _ in range(50):
-        fn()
-    rounds = []
-    for _ in range(7):
-        t0 = timeit.default_timer()
-        for _ in range(calls):
-            fn()
-        rounds.append((timeit.default_timer() - t0) / calls * 1e6)
-    return min(rounds)
+    return best_host_us(fn, calls, rounds=7, warm=50)
 
 
 def row(ex: Any, step: Any, calls: int) -> dict[str, Any]:
@@ -81,9 +72,7 @@ def main() -> None:
         print(rows[-1])
     ex.close()
     out = {"backend": args.backend, "cpu": cpu_name(), "calls": args.calls, "rows": rows}
-    path = os.path.join(os.environ.get("OUT", "."), "host-checks.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
+    write("host-checks.json", out)
 
 
 if __name__ == "__main__":

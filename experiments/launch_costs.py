@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import statistics
 import time
 import types
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from probe_common import best_host_us, write
 
 import xgraph
 
@@ -31,17 +31,9 @@ DEV = "cuda"
 SHAPES = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072))  # (n, k): qkv, o, gate_up, down
 
 
-def host_us(fn: Callable[[], Any], n: int = 200) -> float:
-    torch.cuda.synchronize()
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return round(us, 1)
+def host_us(fn: Callable[[], Any]) -> float:
+    """Host us per call: the mean of 200 calls after 10, the device drained around them."""
+    return round(best_host_us(fn, 200, rounds=1, warm=10, sync=torch.cuda.synchronize), 1)
 
 
 def bf16(*shape: int) -> torch.Tensor:
@@ -163,8 +155,7 @@ def main() -> None:
         "graph_model": in_graph_model(),
     }
     print(json.dumps(data, indent=1))
-    with open(os.path.join(os.environ.get("OUT", "."), "launch-costs.json"), "w") as f:
-        json.dump(data, f, indent=1)
+    write("launch-costs.json", data)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,11 @@ Writes `$OUT/op-dispatch.json`.
 
 from __future__ import annotations
 
-import json
-import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from probe_common import best_host_us, write
 from torch import Tensor
 
 import xgraph
@@ -49,20 +47,9 @@ def _custom_op(
     return core_linear._fused_answer(x, weight, f)
 
 
-def host_us(fn: Callable[[], Any], n: int = 300) -> float:
-    """Host us per call: the best of 5 rounds of `n`, the device drained between rounds."""
-    torch.cuda.synchronize()
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        rounds.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return round(min(rounds), 1)
+def host_us(fn: Callable[[], Any]) -> float:
+    """Host us per call: the best of 5 rounds of 300, the device drained between rounds."""
+    return round(best_host_us(fn, 300, sync=torch.cuda.synchronize), 1)
 
 
 def row(rows: int, w: Tensor, g: Tensor) -> dict[str, Any]:
@@ -95,9 +82,7 @@ def main() -> None:
     for r in rows:
         print(r)
     data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
-    path = os.path.join(os.environ.get("OUT", "."), "op-dispatch.json")
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+    write("op-dispatch.json", data)
 
 
 if __name__ == "__main__":

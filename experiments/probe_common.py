@@ -1,5 +1,6 @@
 """What the host-time probes share: the reference model's decode steps per bucket (as
-`xgraph bench decode` makes them) and writing a probe's JSON under $OUT."""
+`xgraph bench decode` makes them), a call's best host time over rounds, and writing a
+probe's JSON under $OUT."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import argparse
 import json
 import os
 import random
+import time
+from collections.abc import Callable
+from typing import Any
 
 import xgraph
 from xgraph.bench.report import workload
@@ -24,6 +28,31 @@ def decode_workload(model: str, buckets: list[int]):  # type: ignore[no-untyped-
         for b in buckets
     }
     return backend, w, steps
+
+
+def best_host_us(
+    fn: Callable[[], Any],
+    calls: int,
+    rounds: int = 5,
+    warm: int = 20,
+    sync: Callable[[], Any] | None = None,
+) -> float:
+    """Host us per call of `fn`: the best of `rounds` rounds of `calls` calls after `warm`
+    to warm up; `sync` (a device synchronize) drains the queue before the rounds and after
+    each, outside the timed window."""
+    drain = sync or (lambda: None)
+    drain()
+    for _ in range(warm):
+        fn()
+    drain()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        drain()
+    return best
 
 
 def write(name: str, data: dict) -> None:

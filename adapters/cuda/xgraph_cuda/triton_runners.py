@@ -245,9 +245,8 @@ class TritonVarlenPrefillRunner(PlannedRunner):
             )
         store_kv(k, v, kv_cache, md.slot_mapping, n)
         key = (k_cache.dtype, q.shape[-1], self._planned_m)
-        configs = prefill_configs(*key)
-        if key in self._chosen:
-            configs = [self._chosen[key]]
+        chosen = self._chosen.get(key)
+        configs = [chosen] if chosen is not None else prefill_configs(*key)
         for i, cfg in enumerate(configs):
             try:
                 varlen_prefill(

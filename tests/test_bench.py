@@ -248,6 +248,23 @@ def test_decode_with_device_hooks() -> None:
     assert "xgraph over compile" in text and "wide/narrow" in text
 
 
+def test_decode_takes_the_step_and_the_raw_replay_host_times_in_turn(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The overhead's two host times come from one loop that calls both in turn (a host
+    whose speed drifts then weighs on both alike), not from two phases apart."""
+    loops: list[set[str]] = []
+    real = decode.host_times
+
+    def recorded(backend, fns, iters, until_done=False):  # type: ignore[no-untyped-def]
+        loops.append(set(fns))
+        return real(backend, fns, iters, until_done)
+
+    monkeypatch.setattr(decode, "host_times", recorded)
+    data = decode.run(TimedCPU(), "tiny", [1, 2], iters=2, compile_batches=[])
+    assert loops == [{"xgraph", "raw"}, {"xgraph", "raw"}]
+    for r in data["rows"]:
+        assert r["host_overhead_s"] == pytest.approx(r["xgraph_host_s"] - r["raw_replay_host_s"])
+
+
 def test_decode_compiles_once_for_every_batch_and_per_batch_side_by_side() -> None:
     """compile_buckets="both": the one-compile row compiles two graphs for batches 1, 2
     and 4 (one for a single token), the per-size row one graph per batch."""

@@ -24,8 +24,10 @@ reads over the bandwidth of the device measured in the same run. Per batch, the 
 executor row (eager or compiled forward) is divided by each anchor (reduce-overhead, raw
 graph). Host overhead: host wall time of one executor step minus that of the native
 graph's replay call, each with an idle device (synchronized before the call), the median of
-at least `HOST_ITERS` calls on an accelerator, every batch's taken before any kernel trace
-(a trace leaves every later launch of the process slower).
+at least `HOST_ITERS` calls on an accelerator, the two calls taken in turn in one loop (a
+lent host's speed drifts between phases of a process: the same row measured apart read 59
+and 194 us on one H100), every batch's taken before any kernel trace (a trace leaves every
+later launch of the process slower).
 `--table-check BATCH` adds the context-width check (`table_check`).
 """
 
@@ -55,7 +57,7 @@ from .anchors import (
 from .decode_report import ANCHORS, VARIANTS, XGRAPH, summarize  # noqa: F401 (summarize)
 from .probes import Probes, fidelity_gate
 from .report import attempt, header, note, workload
-from .timing import Timer, host_time, wall_time
+from .timing import Timer, host_time, host_times, wall_time
 
 DEFAULT_COMPILE = [1, 8, 64]  # --compile's default on accelerators
 COMPILE_BUCKETS = ("one", "per-size", "both", "none")  # --compile-buckets
@@ -70,16 +72,28 @@ def host_iters(backend: Backend, iters: int) -> int:
     return iters if backend.device.type == "cpu" else max(iters, HOST_ITERS)
 
 
-def _raw_graph(backend: Backend, w: Workload, step: Step, timer: Timer, iters: int) -> dict:
+def _raw_graph(
+    backend: Backend,
+    w: Workload,
+    step: Step,
+    timer: Timer,
+    iters: int,
+    executor_step: Callable[[], Any],
+) -> dict:
+    """The native graph's times, and the host times of its replay and of the executor's
+    step taken in turn in one loop (the lent hosts' speed drifts by up to 3x between
+    phases of one process, so two medians taken apart may differ by the drift)."""
     anchor = native_anchor(backend, w, step)
     if anchor is None:  # the runtime has no graph API of its own
         return {}
     replay, send = anchor
     # the anchor's graph and its pool go when `replay` does, before the next batch's
+    host = host_times(backend, {"xgraph": executor_step, "raw": replay}, host_iters(backend, iters))
     return {
         "raw_graph_s": timer(replay, iters),
         "raw_graph_inputs_s": timer(as_step(send, replay), iters),
-        "raw_replay_host_s": host_time(backend, replay, host_iters(backend, iters)),
+        "raw_replay_host_s": host["raw"],
+        "xgraph_host_s": host["xgraph"],
     }
 
 
@@ -94,6 +108,10 @@ def _measure(
 ) -> None:
     """Eager, executor and native-graph times of one batch, each isolated from the others."""
     ex, eager = executors
+
+    def run() -> Any:
+        return ex(**step.kwargs())
+
     attempt(
         row,
         "eager",
@@ -106,13 +124,12 @@ def _measure(
         row,
         "xgraph",
         lambda: {
-            "xgraph_s": timer(lambda: ex(**step.kwargs()), iters),
-            "xgraph_host_s": host_time(
-                backend, lambda: ex(**step.kwargs()), host_iters(backend, iters)
-            ),
+            "xgraph_s": timer(run, iters),
+            "xgraph_host_s": host_time(backend, run, host_iters(backend, iters)),
         },
     )
-    attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters))
+    # with a native graph, its host time replaces the one above: both taken in turn
+    attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters, run))
     if "xgraph_host_s" in row and "raw_replay_host_s" in row:
         row["host_overhead_s"] = row["xgraph_host_s"] - row["raw_replay_host_s"]
 

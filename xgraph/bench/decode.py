@@ -78,23 +78,24 @@ def _raw_graph(
     step: Step,
     timer: Timer,
     iters: int,
-    executor_step: Callable[[], Any],
+    executor_step: Callable[[], Any] | None,
 ) -> dict:
     """The native graph's times, and the host times of its replay and of the executor's
-    step taken in turn in one loop (the lent hosts' speed drifts by up to 3x between
-    phases of one process, so two medians taken apart may differ by the drift)."""
+    step (None: the executor's row failed) taken in turn in one loop (the lent hosts' speed
+    drifts by up to 3x between phases of one process, so two medians taken apart may
+    differ by the drift)."""
     anchor = native_anchor(backend, w, step)
     if anchor is None:  # the runtime has no graph API of its own
         return {}
     replay, send = anchor
     # the anchor's graph and its pool go when `replay` does, before the next batch's
-    host = host_times(backend, {"xgraph": executor_step, "raw": replay}, host_iters(backend, iters))
+    calls = {"raw": replay} if executor_step is None else {"xgraph": executor_step, "raw": replay}
+    host = host_times(backend, calls, host_iters(backend, iters))
     return {
         "raw_graph_s": timer(replay, iters),
         "raw_graph_inputs_s": timer(as_step(send, replay), iters),
         "raw_replay_host_s": host["raw"],
-        "xgraph_host_s": host["xgraph"],
-    }
+    } | ({"xgraph_host_s": host["xgraph"]} if "xgraph" in host else {})
 
 
 def _measure(
@@ -120,16 +121,14 @@ def _measure(
             "eager_wall_s": wall_time(backend, lambda: eager(**step.kwargs()), iters),
         },
     )
-    attempt(
-        row,
-        "xgraph",
-        lambda: {
-            "xgraph_s": timer(run, iters),
-            "xgraph_host_s": host_time(backend, run, host_iters(backend, iters)),
-        },
-    )
-    # with a native graph, its host time replaces the one above: both taken in turn
-    attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters, run))
+    ran = run if attempt(row, "xgraph", lambda: {"xgraph_s": timer(run, iters)}) else None
+    attempt(row, "raw_graph", lambda: _raw_graph(backend, w, step, timer, iters, ran))
+    if ran is not None and "xgraph_host_s" not in row:  # no native graph to take it beside
+        attempt(
+            row,
+            "xgraph",
+            lambda: {"xgraph_host_s": host_time(backend, run, host_iters(backend, iters))},
+        )
     if "xgraph_host_s" in row and "raw_replay_host_s" in row:
         row["host_overhead_s"] = row["xgraph_host_s"] - row["raw_replay_host_s"]
 

@@ -19,7 +19,9 @@ split N times the default), `warpsN` / `qkvwarpsN` (the projections' warps), `pd
 (projections past N MiB of weights launch without PDL: XGRAPH_CUDA_PDL_MAX_MIB), `stagesN`
 (the projections' pipeline stages), `cublasN`
 (calls of N rows or more on cuBLAS with the fused ops around it: XGRAPH_CUDA_CUBLAS_ROWS;
-65 unless named).
+65 unless named), `fmaN` (the projections other than qkv at one or two rows as unsplit
+multiply-adds over N columns a program, `fmawarpsN` their warps; `wholeN` the same on the
+tensor cores up to 16 rows).
 Each is captured into its own graph (the switches are read at launch); per bucket and
 variant: device us per replay (pdl_race.py's events over 50 replays, median of 5 rounds),
 kernels of one replay by name (torch.profiler) for the first and last variant, and for PDL
@@ -94,13 +96,19 @@ def configs(parts: set[str]):
     the kernel masks an uneven K); `gemvsplitxN`, the other projections' split N times the
     default (up to 16, each program keeping two K tiles): more programs, more weight bytes in
     flight per SM; `warpsN` / `qkvwarpsN`, every projection's (the qkv kernel's) warps;
-    `stagesN`, every projection's pipeline stages (a 16-bit input's: see `pipelined`)."""
+    `stagesN`, every projection's pipeline stages (a 16-bit input's: see `pipelined`);
+    `fmaN`, the other projections at one or two rows as float32 multiply-adds over N
+    columns a program and K tiles of 1024, unsplit (with `preload4` a program's whole slice
+    is loaded before its wait: no partials to sum after it), `fmawarpsN` their warps;
+    `wholeN`, the same on the tensor cores up to 16 rows."""
     from xgraph_cuda import projection
-    from xgraph_cuda.kernels.tuning import MAX_SPLIT
+    from xgraph_cuda.kernels.tuning import MAX_SPLIT, Config, block_m_for
 
     qkv, times = _asked(parts, "qkvsplit"), _asked(parts, "gemvsplitx")
     warps, qkv_warps = _asked(parts, "warps"), _asked(parts, "qkvwarps")
     stages = _asked(parts, "stages")
+    fma, fma_warps = _asked(parts, "fma"), _asked(parts, "fmawarps")
+    whole = _asked(parts, "whole")
     kept = projection.pick
 
     def pick(m, n, k, sms, head_dim=None):
@@ -108,6 +116,10 @@ def configs(parts: set[str]):
         c = c._replace(warps=warps or c.warps, stages=stages or c.stages)
         if head_dim is not None:
             return c._replace(split=qkv or c.split, warps=qkv_warps or c.warps)
+        if fma and m <= 2:  # whole-K slices of `fma` columns, no split, multiply-adds
+            return Config(False, block_m_for(m, False), fma, 1024, 1, fma_warps or 4, 1)
+        if whole and m <= 16:  # the same on the tensor cores
+            return Config(True, block_m_for(m, True), whole, 1024, 1, fma_warps or 4, 1)
         split = c.split
         while (
             times and split < c.split * times and split < MAX_SPLIT and k >= 4 * c.block_k * split
@@ -194,7 +206,9 @@ def kernels_of(graph, steps: int = 3) -> dict[str, Any]:
     }
 
 
-def bucket(backend, w, b: int, variants: list[str], replays: int) -> dict[str, Any]:
+def bucket(
+    backend, w, b: int, variants: list[str], replays: int, profile_all: bool = False
+) -> dict[str, Any]:
     kernels = backend.activate()
     step = w.decode_step(random.Random(b), b, max_context=256).with_tensor_tables(
         w.max_blocks, w.cache.dummy_block
@@ -219,7 +233,7 @@ def bucket(backend, w, b: int, variants: list[str], replays: int) -> dict[str, A
         with switches(v) as pdl:
             graph, out, edges = pdl_race.capture(forward, kernels, "pdl" if pdl else "plain")
             row: dict[str, Any] = {"edges": edges, "us": replay_us(graph)}
-            if i in (0, len(variants) - 1):
+            if profile_all or i in (0, len(variants) - 1):
                 row["kernels"] = kernels_of(graph)
             if pdl and replays:
                 base, bout, _ = pdl_race.capture(forward, kernels, "waits")
@@ -241,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buckets", default="1,8,64")
     p.add_argument("--variants", default="plain,pdl,prefetch,pdl+prefetch,pdl+prefetch+early")
     p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--profile-all", action="store_true", help="kernels of every variant")
     a = p.parse_args(argv)
     backend = xgraph.get_backend("cuda")
     buckets = [int(x) for x in a.buckets.split(",")]
@@ -248,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "model": a.model,
         "device": torch.cuda.get_device_name(),
-        "buckets": {b: bucket(backend, w, b, a.variants.split(","), a.replays) for b in buckets},
+        "buckets": {
+            b: bucket(backend, w, b, a.variants.split(","), a.replays, a.profile_all)
+            for b in buckets
+        },
     }
     for b, rows in out["buckets"].items():
         for v, r in rows.items():

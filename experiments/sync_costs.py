@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import random
-import statistics
-import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from probe_common import best_host_us, write
 import xgraph
 from xgraph.bench.host import _trivial
 from xgraph.bench.report import workload
+from xgraph.bench.timing import host_times
 
 Calls = dict[str, Callable[[], Any]]
 
@@ -95,16 +95,10 @@ def executor_calls() -> Calls:
 
 
 def synced(calls: Calls, wait: Callable[[], Any], iters: int) -> dict[str, float]:
-    """Median host us of each call made right after `wait`, the calls taken in turn."""
-    ts: dict[str, list[float]] = {k: [] for k in calls}
-    for _ in range(iters):
-        for k, fn in calls.items():
-            wait()
-            t0 = time.perf_counter()
-            fn()
-            ts[k].append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return {k: round(statistics.median(v) * 1e6, 2) for k, v in ts.items()}
+    """Median host us of each call made right after `wait`, the calls taken in turn (the
+    bench's `host_times`, its synchronize replaced by `wait`)."""
+    times = host_times(SimpleNamespace(synchronize=wait), calls, iters)  # type: ignore[arg-type]
+    return {k: round(v * 1e6, 2) for k, v in times.items()}
 
 
 def main() -> None:

@@ -81,9 +81,8 @@ def _raw_graph(
     executor_step: Callable[[], Any] | None,
 ) -> dict:
     """The native graph's times, and the host times of its replay and of the executor's
-    step (None: the executor's row failed) taken in turn in one loop (the lent hosts' speed
-    drifts by up to 3x between phases of one process, so two medians taken apart may
-    differ by the drift)."""
+    step (None: the executor's row failed) taken in turn in one loop (the module doc says
+    why)."""
     anchor = native_anchor(backend, w, step)
     if anchor is None:  # the runtime has no graph API of its own
         return {}

@@ -16,12 +16,14 @@ attention loads its first key tile before it waits: XGRAPH_CUDA_DECODE_PRELOAD),
 stream's launches at their configuration's stage count instead of `stages_for`'s one),
 `qkvsplitN` (the qkv projection split N ways along K), `gemvsplitxN` (the other projections'
 split N times the default), `warpsN` / `qkvwarpsN` (the projections' warps), `pdlmaxN`
-(projections past N MiB of weights launch without PDL: XGRAPH_CUDA_PDL_MAX_MIB), `stagesN`
+(projections past N MiB of weights launch without PDL: XGRAPH_CUDA_PDL_MAX_MIB; `pdlmaxnone`
+every one with it; the adapter's 64 unless named), `stagesN`
 (the projections' pipeline stages), `cublasN`
 (calls of N rows or more on cuBLAS with the fused ops around it: XGRAPH_CUDA_CUBLAS_ROWS;
 65 unless named), `fmaN` (the projections other than qkv at one or two rows as unsplit
 multiply-adds over N columns a program, `fmawarpsN` their warps; `wholeN` the same on the
-tensor cores up to 16 rows).
+tensor cores up to 16 rows), `downsplitN` (the down projection's K split set to N),
+`upwarpsN` (the gate/up projection's warps).
 Each is captured into its own graph (the switches are read at launch); per bucket and
 variant: device us per replay (pdl_race.py's events over 50 replays, median of 5 rounds),
 kernels of one replay by name (torch.profiler) for the first and last variant, and for PDL
@@ -32,6 +34,7 @@ attribute). Writes `$OUT/decode-variants-<model>.json`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -100,7 +103,9 @@ def configs(parts: set[str]):
     `fmaN`, the other projections at one or two rows as float32 multiply-adds over N
     columns a program and K tiles of 1024, unsplit (with `preload4` a program's whole slice
     is loaded before its wait: no partials to sum after it), `fmawarpsN` their warps;
-    `wholeN`, the same on the tensor cores up to 16 rows."""
+    `wholeN`, the same on the tensor cores up to 16 rows; `downsplitN`, the down
+    projection's split (K wider than N: no other projection) set to N; `upwarpsN`, the
+    gate/up projection's warps."""
     from xgraph_cuda import projection
     from xgraph_cuda.kernels.tuning import MAX_SPLIT, Config, block_m_for
 
@@ -108,7 +113,8 @@ def configs(parts: set[str]):
     warps, qkv_warps = _asked(parts, "warps"), _asked(parts, "qkvwarps")
     stages = _asked(parts, "stages")
     fma, fma_warps = _asked(parts, "fma"), _asked(parts, "fmawarps")
-    whole = _asked(parts, "whole")
+    whole, down = _asked(parts, "whole"), _asked(parts, "downsplit")
+    up_warps = _asked(parts, "upwarps")
     kept = projection.pick
 
     def pick(m, n, k, sms, head_dim=None):
@@ -120,6 +126,10 @@ def configs(parts: set[str]):
             return Config(False, block_m_for(m, False), fma, 1024, 1, fma_warps or 4, 1)
         if whole and m <= 16:  # the same on the tensor cores
             return Config(True, block_m_for(m, True), whole, 1024, 1, fma_warps or 4, 1)
+        if down and k > n:  # the down projection alone (its K is the widest)
+            return c._replace(split=down)
+        if up_warps and n > k:  # gate/up alone (qkv, also wider than K, returned above)
+            return c._replace(warps=up_warps)
         split = c.split
         while (
             times and split < c.split * times and split < MAX_SPLIT and k >= 4 * c.block_k * split
@@ -150,9 +160,11 @@ def env_set(var: str, value: str):
 
 def pdl_max(parts: set[str]):
     """`pdlmaxN`: XGRAPH_CUDA_PDL_MAX_MIB=N (projections past N MiB of weights launch without
-    the PDL attribute)."""
+    the PDL attribute); `pdlmaxnone`: every projection takes it. Without the switch, the
+    adapter's default (64 MiB). Until 2026-12-07 a variant without it ran every edge, which
+    at Qwen3-8B is not the executor's step (docs/results/LOG.md, that day's H200 entry)."""
     asked = [p[len("pdlmax") :] for p in parts if p.startswith("pdlmax")]
-    return env_set("XGRAPH_CUDA_PDL_MAX_MIB", asked[0] if asked else "none")
+    return env_set("XGRAPH_CUDA_PDL_MAX_MIB", asked[0]) if asked else contextlib.nullcontext()
 
 
 def cublas_rows(parts: set[str]):

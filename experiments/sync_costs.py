@@ -24,7 +24,7 @@ import torch
 from probe_common import best_host_us, write
 
 import xgraph
-from xgraph.bench.host import _trivial
+from xgraph.bench.host import _calls, _trivial
 from xgraph.bench.report import workload
 from xgraph.bench.timing import host_times
 
@@ -74,7 +74,8 @@ def device_calls(stream: torch.cuda.Stream) -> tuple[Calls, torch.Event, tuple]:
 
 
 def executor_calls() -> Calls:
-    """The executor's check, stage and step over a trivial forward, at batch 1 and 64."""
+    """The executor's check, stage and step over a trivial forward, at batch 1 and 64 (the
+    host bench's own calls for those phases)."""
     backend = xgraph.get_backend("cuda")
     w = workload(backend, "qwen3-0.6b", max_seqs=64, context=512)
     ex = w.executor(_trivial, backend=backend, buckets=[1, 64])
@@ -84,13 +85,9 @@ def executor_calls() -> Calls:
             w.max_blocks, w.cache.dummy_block
         )
         ex(**step.kwargs())
-        p, attn = ex.planner, step.attn
-        inputs = {"input_ids": step.input_ids, "positions": step.positions}
-        checked = p.check(inputs, attn)
-        decision = p.decide(checked)
-        calls[f"check_b{b}"] = lambda p=p, i=inputs, a=attn: p.check(i, a)
-        calls[f"stage_b{b}"] = lambda p=p, c=checked, d=decision: p.stage(c, d)
-        calls[f"step_b{b}"] = lambda s=step: ex(**s.kwargs())
+        phases = _calls(ex, step)
+        for name, phase in (("check", "validate"), ("stage", "stage"), ("step", "step")):
+            calls[f"{name}_b{b}"] = phases[phase]
     return calls
 
 

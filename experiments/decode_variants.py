@@ -23,7 +23,8 @@ every one with it; the adapter's 64 unless named), `stagesN`
 65 unless named), `fmaN` (the projections other than qkv at one or two rows as unsplit
 multiply-adds over N columns a program, `fmawarpsN` their warps; `wholeN` the same on the
 tensor cores up to 16 rows), `downsplitN` (the down projection's K split set to N),
-`upwarpsN` (the gate/up projection's warps).
+`upwarpsN` (the gate/up projection's warps), `attnsplitsN` / `attnblockN` / `attnwarpsN` /
+`attnstagesN` (the decode attention's K/V splits, key tile, warps and pipeline stages).
 Each is captured into its own graph (the switches are read at launch); per bucket and
 variant: device us per replay (pdl_race.py's events over 50 replays, median of 5 rounds),
 kernels of one replay by name (torch.profiler) for the first and last variant, and for PDL
@@ -145,6 +146,34 @@ def configs(parts: set[str]):
 
 
 @contextmanager
+def attention(parts: set[str]):
+    """The decode attention's launch changed by hand (the runner's choice otherwise):
+    `attnsplitsN` its K/V splits (the splits merging themselves, as the runner's own split
+    launches do), `attnblockN` its key tile, `attnwarpsN`, `attnstagesN`."""
+    from xgraph_cuda import triton_runners
+    from xgraph_cuda.kernels import arena
+
+    splits, block = _asked(parts, "attnsplits"), _asked(parts, "attnblock")
+    warps, stages = _asked(parts, "attnwarps"), _asked(parts, "attnstages")
+    kept = triton_runners.paged_decode
+
+    def launch(q, kv, seq_lens, tables, out, scale, s, n, **kw):
+        s, n = splits or s, block or n
+        kw["num_warps"] = warps or kw.get("num_warps", 4)
+        kw["num_stages"] = stages or kw.get("num_stages", 2)
+        if s > 1 and kw.get("store") is not None and kw.get("counts") is None:
+            kw["counts"] = arena.counts(q.device)
+        return kept(q, kv, seq_lens, tables, out, scale, s, n, **kw)
+
+    if any((splits, block, warps, stages)):
+        triton_runners.paged_decode = launch
+    try:
+        yield
+    finally:
+        triton_runners.paged_decode = kept
+
+
+@contextmanager
 def env_set(var: str, value: str):
     """`var` set to `value` until the block ends, then as it was."""
     old = os.environ.get(var)
@@ -183,7 +212,13 @@ def switches(variant: str):
         if name in parts:
             os.environ[var] = on
     try:
-        with pipelined("pipelined" in parts), configs(parts), pdl_max(parts), cublas_rows(parts):
+        with (
+            pipelined("pipelined" in parts),
+            configs(parts),
+            pdl_max(parts),
+            cublas_rows(parts),
+            attention(parts),
+        ):
             yield "pdl" in parts
     finally:
         for var, val in old.items():

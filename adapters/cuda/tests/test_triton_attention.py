@@ -288,6 +288,17 @@ def test_auto_splits_follow_shapes_only() -> None:
     assert splits == {1, 2, 4, 8, 16, 32}
 
 
+def test_decode_tiles_follow_shapes_only() -> None:
+    tiles = triton_runners.decode_tiles
+    # a 512-token table at 1 / 8 sequences of 8 kv heads: shares of two 64-key tiles
+    assert tiles(programs=8, splits=4, max_context=512, sms=132) == (32, 1)
+    assert tiles(programs=64, splits=4, max_context=512, sms=132) == (64, 1)
+    # every program a sequence's whole context, or long shares: as tuned before
+    assert tiles(programs=512, splits=1, max_context=512, sms=132) == (64, 2)
+    assert tiles(programs=64, splits=4, max_context=4096, sms=132) == (64, 2)
+    assert tiles(programs=128, splits=2, max_context=512, sms=132) == (64, 2)
+
+
 # -- prefill -------------------------------------------------------------------------------
 
 MIXED = ([5, 3, 1, 20], [5, 11, 9, 20])  # fresh prompt, chunk after context, decode, long

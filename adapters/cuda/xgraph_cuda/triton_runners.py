@@ -103,6 +103,19 @@ def auto_splits(programs: int, max_context: int, sms: int, block_n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def decode_tiles(programs: int, splits: int, max_context: int, sms: int) -> tuple[int, int]:
+    """Key tile and pipeline stages of a 16-bit decode launch from shapes only (`splits` as
+    `auto_splits` chose them over 64-key tiles). Where every split's share of the widest
+    table is at most two tiles, a program walks a tile or two: one stage (a pipelined loop's
+    prologue costs more than it hides). Where the split programs still leave SMs idle,
+    32-key tiles: more loads in flight per SM for the same keys. Measured on an H100 over
+    contexts of up to 256 tokens in 512-token tables (docs/kernels.md, "The decode
+    attention's tiles"); long shares keep the two stages they were tuned with."""
+    short = max_context <= 2 * 64 * splits
+    block_n = 32 if short and programs * splits < sms else 64
+    return block_n, 1 if short and splits > 1 else 2
+
+
 class TritonPagedDecodeRunner(PlannedRunner):
     """Graph-safe decode attention: q query tokens per sequence (1 + k to verify k draft
     tokens, causal inside the step), grid fixed by shapes.
@@ -149,11 +162,13 @@ class TritonPagedDecodeRunner(PlannedRunner):
         one = self.fused and t == b == n and k.stride(-1) == 1 and v.stride(-1) == 1
         if not one:
             store_kv(k, v, kv_cache, md.slot_mapping, n)
-        block_n = 32 if k_cache.dtype == torch.float32 else 64
-        splits = self.num_splits
+        block_n, stages = (32, 2) if k_cache.dtype == torch.float32 else (64, 2)
+        splits, sms = self.num_splits, sm_count(q.device)
+        context = md.block_tables.shape[1] * k_cache.shape[1]
         if splits is None:
-            context = md.block_tables.shape[1] * k_cache.shape[1]
-            splits = auto_splits(t * k_cache.shape[2], context, sm_count(q.device), block_n)
+            splits = auto_splits(t * k_cache.shape[2], context, sms, block_n)
+        if k_cache.dtype != torch.float32:
+            block_n, stages = decode_tiles(t * k_cache.shape[2], splits, context, sms)
         counts = None
         if self.fused and splits > 1 and t * k_cache.shape[2] <= arena.SIZE:
             counts = arena.counts(q.device)  # None inside a process's first capture
@@ -171,6 +186,7 @@ class TritonPagedDecodeRunner(PlannedRunner):
             scale,
             splits,
             block_n,
+            num_stages=stages,
             query_len=t // b,
             store=store,
             counts=counts,

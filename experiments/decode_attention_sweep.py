@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import random
+import statistics
 import sys
 from typing import Any
 
@@ -33,8 +34,11 @@ from xgraph.metadata import AttentionInputs
 from xgraph.models import Qwen3Config
 from xgraph.runners import PagedDecodeRunner
 
+# the kernel sweep's graph timing and copy bandwidth, reused
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "adapters", "cuda", "tools"))
+import bench_kernels
+
 PAGE = 16
-REPS = 20
 
 
 def inputs(model: str, batch: int, context: int, width: int, layers: int, seed: int) -> dict:
@@ -87,26 +91,10 @@ def call(x: dict, cache: Any, out: torch.Tensor, cfg: dict) -> None:
     )
 
 
-def graph_us(fn: Any, calls: int) -> float:
-    """Device us per call of `fn` (`calls` calls), replayed from a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(REPS):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (REPS * calls))
-    return sorted(times)[2]
+def median_us(fn: Any, calls: int) -> float:
+    """Device us per call of `fn` (`calls` calls) replayed from a CUDA graph (the kernel
+    sweep's timing), the median of five captures."""
+    return statistics.median(bench_kernels.graph_us(fn, calls) for _ in range(5))
 
 
 def reference(x: dict) -> torch.Tensor:
@@ -128,19 +116,11 @@ def measure(x: dict, cfg: dict, ref: torch.Tensor, bw: float) -> dict:
         call(x, x["caches"][0], out, cfg)
         row["repeat"] = bool(torch.equal(first, out))
         row["err"] = float((first.float() - ref).norm() / ref.norm())
-        row["us"] = graph_us(lambda: [call(x, c, out, cfg) for c in x["caches"]], len(x["caches"]))
+        row["us"] = median_us(lambda: [call(x, c, out, cfg) for c in x["caches"]], len(x["caches"]))
         row["of_copy"] = x["kv_bytes"] / (row["us"] * 1e-6) / bw
     except Exception as exc:  # a configuration that does not compile or fit is a row too
         row["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
     return row
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes per second of a device-to-device copy (read plus write counted once each)."""
-    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = graph_us(lambda: b.copy_(a), 1)
-    return nbytes / (us * 1e-6)
 
 
 def grid(args: argparse.Namespace, batch: int, hkv: int, sms: int) -> list[dict]:
@@ -174,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default="1,2,3")
     a = p.parse_args(argv)
     dev = torch.device("cuda")
-    sms, bw = sm_count(dev), copy_bandwidth()
+    sms, bw = sm_count(dev), bench_kernels.copy_bandwidth()
     data: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_bytes_s": bw}
     data["args"], data["rows"] = vars(a), []
     for model, batch in itertools.product(a.models.split(","), map(int, a.batches.split(","))):

@@ -123,6 +123,53 @@ def test_keyboard_interrupt_mid_capture_rolls_everything_back(stage, monkeypatch
     assert books(mem.physical.vm) == {"reservations": 0, "mappings": 0, "chunks": 0}
 
 
+STALE_FRAMES = """
+import random, sys, traceback
+import torch, xgraph
+from xgraph import GraphMemory
+sys.path.insert(0, {tests!r})
+from test_reliability import BUCKETS, workloads
+ex_w, _ = workloads()
+calls = [0]
+
+def forward(input_ids, positions):
+    logits = ex_w.model.forward_logits(input_ids, positions)  # in the capture's memory
+    calls[0] += 1
+    if calls[0] == 2:  # the recording (the first call is the warm-up)
+        raise KeyboardInterrupt
+    return logits
+
+memory = GraphMemory(xgraph.get_backend("cpu"), "shared-physical")
+ex = ex_w.executor(forward, backend="cpu", buckets=BUCKETS, memory=memory)
+try:
+    ex(**ex_w.decode_step(random.Random(1), 4).kwargs())
+except KeyboardInterrupt as exc:
+    tb = exc.__traceback__
+seen = 0
+for frame, _ in traceback.walk_tb(tb):  # what a printed traceback reads
+    for value in list(frame.f_locals.values()):
+        if isinstance(value, torch.Tensor):
+            repr(value)
+            seen += 1
+print("read", seen, "tensors")
+"""
+
+
+def test_an_interrupted_captures_traceback_can_be_printed(tmp_path):
+    """The rollback releases the capture's memory; the traceback of the interrupt still
+    names every frame, and reading whatever its frames hold (as pytest's report of an
+    interrupt does) reads no released memory (it faulted the process before)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "stale.py"
+    script.write_text(STALE_FRAMES.format(tests=os.path.dirname(__file__)))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("read ")
+
+
 # -- 2. a capture in one thread leaves other threads alone -----------------------------
 
 

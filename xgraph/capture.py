@@ -45,6 +45,7 @@ import contextlib
 import logging
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -152,7 +153,7 @@ class CaptureTransaction:
                 self._record(step, graph)
             self.pdl.captured(step.key, step.kind, graph)  # metered with the capture
         except BaseException as exc:  # a transaction: Ctrl-C mid-capture rolls back too
-            self._roll_back(graph, lease)
+            self._roll_back(graph, lease, exc)
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: re-raised
                 raise
             failure = lease.space.failure if lease and lease.space else None
@@ -272,8 +273,13 @@ class CaptureTransaction:
             return exc
         return exc
 
-    def _roll_back(self, graph: Recording | None, lease: Lease | None) -> None:
+    def _roll_back(self, graph: Recording | None, lease: Lease | None, exc: BaseException) -> None:
         self.rolled_back = True
+        # the recording's finished frames (the forward's, below this one) hold tensors in
+        # the memory the rollback releases, and a traceback printed later reads them
+        # (pytest reprs every frame's arguments): reading released memory faults. Their
+        # locals go; the traceback keeps its lines.
+        traceback.clear_frames(exc.__traceback__)
         try:
             if graph is not None:
                 graph.abort()

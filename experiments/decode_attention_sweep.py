@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from xgraph_cuda.kernels import arena, pdl_options, sm_count
 from xgraph_cuda.kernels.decode import paged_decode
-from xgraph_cuda.triton_runners import auto_splits
+from xgraph_cuda.triton_runners import auto_splits, decode_tiles
 
 from xgraph.metadata import AttentionInputs
 from xgraph.models import Qwen3Config
@@ -124,9 +124,11 @@ def measure(x: dict, cfg: dict, ref: torch.Tensor, bw: float) -> dict:
 
 
 def grid(args: argparse.Namespace, batch: int, hkv: int, sms: int) -> list[dict]:
-    """The configurations of one batch: the runner's default first."""
-    default = {"splits": auto_splits(batch * hkv, args.width, sms, 64), "block_n": 64}
-    default |= {"warps": 4, "stages": 2, "default": True}
+    """The configurations of one batch: the runner's own launch first."""
+    splits = auto_splits(batch * hkv, args.width, sms, 64)
+    block_n, stages = decode_tiles(batch * hkv, splits, args.width, sms)
+    default = {"splits": splits, "block_n": block_n, "warps": 4, "stages": stages}
+    default["default"] = True
     out = [default]
     for s, n, w, st in itertools.product(
         [int(v) for v in args.splits.split(",")],

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -159,10 +162,6 @@ def test_an_interrupted_captures_traceback_can_be_printed(tmp_path):
     """The rollback releases the capture's memory; the traceback of the interrupt still
     names every frame, and reading whatever its frames hold (as pytest's report of an
     interrupt does) reads no released memory (it faulted the process before)."""
-    import os
-    import subprocess
-    import sys
-
     script = tmp_path / "stale.py"
     script.write_text(STALE_FRAMES.format(tests=os.path.dirname(__file__)))
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)

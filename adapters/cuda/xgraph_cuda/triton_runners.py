@@ -162,21 +162,19 @@ class TritonPagedDecodeRunner(PlannedRunner):
         one = self.fused and t == b == n and k.stride(-1) == 1 and v.stride(-1) == 1
         if not one:
             store_kv(k, v, kv_cache, md.slot_mapping, n)
-        block_n, stages = (32, 2) if k_cache.dtype == torch.float32 else (64, 2)
-        splits, sms = self.num_splits, sm_count(q.device)
+        programs, sms = t * k_cache.shape[2], sm_count(q.device)
         context = md.block_tables.shape[1] * k_cache.shape[1]
-        if splits is None:
-            splits = auto_splits(t * k_cache.shape[2], context, sms, block_n)
-        if k_cache.dtype != torch.float32:
-            block_n, stages = decode_tiles(t * k_cache.shape[2], splits, context, sms)
+        wide = k_cache.dtype == torch.float32  # 4-byte rows: 32-key tiles, two stages
+        splits = self.num_splits or auto_splits(programs, context, sms, 32 if wide else 64)
+        block_n, stages = (32, 2) if wide else decode_tiles(programs, splits, context, sms)
         counts = None
-        if self.fused and splits > 1 and t * k_cache.shape[2] <= arena.SIZE:
+        if self.fused and splits > 1 and programs <= arena.SIZE:
             counts = arena.counts(q.device)  # None inside a process's first capture
         tables, seq_lens = md.block_tables[:b], md.seq_lens[:b]
         store = (k, v, md.slot_mapping) if one else None
         # a programmatic edge only where the (token, kv head) programs fit the SMs: measured
         # on an H100, edges into Qwen3-0.6B's batch-64 attention (512 programs) cost 10%
-        on = pdl.launch_options(q.is_cuda, attribute=t * k_cache.shape[2] < sm_count(q.device))
+        on = pdl.launch_options(q.is_cuda, attribute=programs < sms)
         paged_decode(
             q,
             kv_cache,

@@ -229,6 +229,58 @@ def test_an_executor_dropped_over_shared_memory_leaves_it_closable():
     assert books(backend.virtual_memory()) == EMPTY
 
 
+VIEWS_PAST_CLOSE = """
+import gc, torch, xgraph
+from xgraph import GraphExecutor, Input
+from xgraph.arena import buffer_memory
+from xgraph.testing.faults import books
+
+backend = xgraph.get_backend("cpu")
+vm = buffer_memory(backend)
+kept = []
+
+def forward(x):
+    kept.append(x)  # a view of the executor's persistent input buffer
+    if x.shape[0] == 8:
+        raise ValueError("the forward failed")
+    return x * 2
+
+ex = GraphExecutor(forward, inputs=[Input("x", torch.float32, ("num_tokens", 4096))],
+                   backend=backend, buckets=[4, 8], on_capture_error="raise")
+ex(x=torch.ones(3, 4096))
+try:
+    ex(x=torch.ones(7, 4096))
+except ValueError as exc:
+    err = exc
+ex.close()
+print("held", books(vm))
+seen = [float(t.sum()) for t in kept]  # before the fix: a read of unmapped memory
+tb = err.__traceback__
+while tb is not None:  # what a printed traceback reads: every frame's tensors
+    seen += [float(v.sum()) for v in list(tb.tb_frame.f_locals.values())
+             if isinstance(v, torch.Tensor)]
+    tb = tb.tb_next
+print("read", len(seen), sum(seen))
+del kept[:], err
+gc.collect()
+print("dropped", books(vm))
+"""
+
+
+def test_views_of_the_input_buffers_outlive_close_and_go_with_the_last_one():
+    """A caller's views of the persistent buffers past close() (the forward's arguments in
+    a kept traceback) read the scratch chunk instead of faulting (the process died of
+    SIGSEGV before); the range, the cover and the scratch go when the last view does."""
+    run = run_python(VIEWS_PAST_CLOSE)
+    assert run.returncode == 0, run.stderr[-2000:]
+    held, read, dropped = run.stdout.splitlines()
+    # the buffer's own chunk went back at close: what is left is its range and the scratch
+    assert held == "held {'reservations': 1, 'mappings': 1, 'chunks': 1}"
+    n, total = read.split()[1:]
+    assert int(n) >= 4 and float(total) == 0.0  # the scratch reads zeros, not the ones
+    assert dropped == f"dropped {EMPTY}"
+
+
 def test_a_finalizer_never_raises_and_logs_the_failure(caplog):
     w = workload()
     backend = xgraph.get_backend("cpu")

@@ -16,10 +16,14 @@ view, which a driver allocation that sleep unmaps cannot promise.
 
 The input buffers go when their executor closes: `close()` closes its planner first (planning,
 staging or reading its buffers then raises XGraphError instead of touching memory that is
-gone), resets the graphs, then gives every segment back. An executor collected without
-close() leaves each buffer to its last tensor (a finalizer on the storage), so a planner
-someone still holds keeps its buffer mapped. A finalizer may fire anywhere, inside a
-VirtualMemory call or a capture of this thread (cyclic garbage collection), where giving
+gone; the planner, its staging and the runners drop their views), resets the graphs, then
+gives every segment's chunk back. A segment whose buffer someone still views (a traceback
+holding a forward's arguments, a caller's own reference) keeps its range, covered by the
+scratch chunk of the VirtualMemory, until that last view goes: reading it past the close
+reads scratch bytes instead of faulting. An executor collected without close() leaves each
+buffer to its last tensor (a finalizer on the storage), so a planner someone still holds
+keeps its buffer mapped. A finalizer may fire anywhere, inside a VirtualMemory call or while
+a capture of this thread is open at the driver (cyclic garbage collection), where giving
 memory back is not safe: the segment then goes at the arena's next operation or the next
 arena made.
 """
@@ -33,7 +37,7 @@ import weakref
 import torch
 
 from .errors import XGraphError
-from .graphs import capturing_graph
+from .graphs import recording_here
 from .interfaces import Backend, VirtualMemory
 from .restorable import RestorableSegments, Segment
 
@@ -53,6 +57,7 @@ class Arena:
         self.backend, self.vm = backend, vm
         self.segments = RestorableSegments(backend, vm, f"{name}: persistent buffers")
         self._dead: list[Segment] = []
+        self._alive: dict[int, weakref.finalize] = {}  # address -> its buffer's finalizer
         self._lock = threading.Lock()
         self.closed = False
         drain_pending()
@@ -74,13 +79,15 @@ class Arena:
         t = self.backend.as_tensor(seg.address, seg.size)
         done = weakref.finalize(t.untyped_storage(), self._died, seg)
         done.atexit = False  # at exit the memory outlives Python's objects
+        self._alive[seg.address] = done
         return t[:nbytes]
 
     def _died(self, seg: Segment) -> None:
         with self._lock:
             self._dead.append(seg)
+            self._alive.pop(seg.address, None)
         owned = getattr(getattr(self.vm, "_lock", None), "_is_owned", None)
-        if capturing_graph() is not None or owned is None or owned():
+        if recording_here() or owned is None or owned():
             _pending.add(self)  # not safe here: the next operation gives it back
             return
         self.drain()
@@ -111,7 +118,11 @@ class Arena:
         self.closed = True
         self.drain()
         for address in list(self.segments.segments):
-            self.segments.remove(address)
+            done = self._alive.get(address)
+            if done is not None and done.alive:
+                self.segments.retire(address)  # a view still held: covered until it goes
+            else:
+                self.segments.remove(address)
 
     # -- sleep and wake --------------------------------------------------------------------
 

@@ -195,6 +195,16 @@ class StagedBuffers:
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.device_views[name]
 
+    def close(self) -> None:
+        """Drop every view of the device buffer and the host twins: the buffer's memory goes
+        back with its last view, so xgraph's own views must not keep it (idempotent; the
+        planner refuses every step from here on)."""
+        self.banks.clear()
+        self.device_views.clear()
+        self._extents.clear()
+        self._targets.clear()
+        self.packed = torch.empty(0, dtype=torch.uint8, device=self.device)
+
     def items(self):  # type: ignore[no-untyped-def]
         return self.device_views.items()
 

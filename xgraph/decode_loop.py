@@ -73,6 +73,10 @@ class _Tap(AttentionRunner):
         self.metadata = metadata
         self.inner.plan(metadata)
 
+    def forget(self) -> None:
+        self.metadata = None
+        self.inner.forget()
+
     def run(
         self,
         q: torch.Tensor,

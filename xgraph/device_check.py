@@ -272,6 +272,14 @@ class DeviceCheck:
 
     # -- errors and teardown ---------------------------------------------------------------
 
+    def close(self) -> None:
+        """Drop every view of the staged and raw buffers (their memory is given back with
+        the last view); the planner refuses every step from here on."""
+        self.counts = self.counts.new_empty(0)
+        self._raw = None
+        self._views.clear()
+        self._ops.clear()
+
     def raise_pending(self, wait: bool = False) -> None:
         """Raise the kept problem as an InputError once its copy has reached the host (or,
         with `wait`, after waiting for it); nothing is waited for otherwise."""

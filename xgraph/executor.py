@@ -175,7 +175,7 @@ class GraphExecutor:
 
     @property
     def decode_runner(self) -> AttentionRunner | None:
-        """The runner of full graphs and of eager decode steps (None without attention)."""
+        """Runs full graphs and eager decode steps (None without attention or once closed)."""
         return self.runners.decode
 
     @decode_runner.setter
@@ -184,7 +184,7 @@ class GraphExecutor:
 
     @property
     def prefill_runner(self) -> AttentionRunner | None:
-        """The runner of piecewise graphs and of other eager steps (None without attention)."""
+        """Runs piecewise graphs and other eager steps (None without attention or once closed)."""
         return self.runners.prefill
 
     @prefill_runner.setter
@@ -487,6 +487,7 @@ class GraphExecutor:
             found = self.planner.pending_error()  # read before its buffers go
             self.planner.close()  # first: nothing plans into the buffers that go below
             self.cache.drop_outputs()  # their memory goes with the caller's last view
+            self.runners.drop()  # their last step's metadata views the buffers
             self.holdings.release(buffers=True)
         if found is not None:
             raise found

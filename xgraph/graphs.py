@@ -40,6 +40,22 @@ def capturing_graph() -> CheckedGraph | None:
     return getattr(_local, "graph", None)
 
 
+def recording_here() -> bool:
+    """Whether a capture of this thread is open at the driver: from before its begin to
+    after its end or reset, longer than `capturing_graph()` (a synchronize or an unmap in
+    that window breaks the capture; a finalizer that frees memory must wait)."""
+    return getattr(_local, "recording", 0) > 0
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[None]:
+    _local.recording = getattr(_local, "recording", 0) + 1
+    try:
+        yield
+    finally:
+        _local.recording -= 1
+
+
 class _CaptureGuard(TorchDispatchMode):
     """Checks each op before it runs; lets the graph's driver see it after (host recorders)."""
 
@@ -148,8 +164,9 @@ class CheckedGraph(Graph):
                 "(no call undoes that), so it takes no more captures; capture on a new pool "
                 "(backend.new_pool())."
             )
-        route = contextlib.ExitStack()
+        route = contextlib.ExitStack()  # closed after the driver's end or reset
         try:
+            route.enter_context(_recording())
             route.enter_context(pool.capturing())
             self._begin(pool)
             self._state = _CAPTURING

@@ -301,6 +301,11 @@ class AttentionRunner(ABC):
     ) -> None:
         """Store k, v at this step's slots, then write attention of q over the cache into out."""
 
+    def forget(self) -> None:
+        """Optional: drop what the last plan holds (its executor closed; views of its buffers
+        would keep their address range until they go). The next `plan` comes first."""
+        return None  # a runner that keeps nothing of a plan has nothing to drop
+
 
 class HostCopier(ABC):
     """Sends prefixes of one pinned host buffer into one device buffer, asynchronously."""

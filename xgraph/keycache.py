@@ -56,6 +56,13 @@ class Runners:
             )
         return cls(decode, prefill)
 
+    def drop(self) -> None:
+        """Let go of both runners (the executor closed): each holds its last step's metadata,
+        views of the buffers whose memory goes back with the last view."""
+        for runner in {id(r): r for r in (self.decode, self.prefill) if r is not None}.values():
+            runner.forget()
+        self.decode = self.prefill = None
+
     def of_graph(self, kind: Kind) -> AttentionRunner | None:
         """The runner a recording of this kind plans on each step."""
         return self.decode if kind is Kind.FULL else self.prefill

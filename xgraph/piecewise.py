@@ -265,6 +265,7 @@ class PiecewiseGraph:
             if isinstance(item, Graph):
                 item.reset()
         self.items = []
+        self.runner = None  # its last plan views the executor's buffers: they go at close
 
     def describe(self) -> list[str]:
         return ["runner" if isinstance(i, RunnerCall) else "piece" for i in self.items]

@@ -50,7 +50,10 @@ class AddressSpace:
         try:
             return self.pool.grow(self, nbytes)
         except XGraphError as exc:  # allocator callbacks must not raise into the runtime
-            logger.error("shared-physical pool: allocation of %d bytes failed: %s", nbytes, exc)
+            # the text, not the exception: a kept log record would keep its frames' tensors
+            logger.error(
+                "shared-physical pool: allocation of %d bytes failed: %s", nbytes, str(exc)
+            )
             self.failure = exc  # the executor reports it instead of the runtime's bare OOM
             return 0
 

@@ -41,6 +41,7 @@ class Segment:
     mapped: bool = False
     covered: bool = False  # the scratch chunk is mapped over it (while given back)
     saved: torch.Tensor | None = None  # the contents, in host memory, while given back
+    retired: bool = False  # given back for good, range covered until its last view goes
 
 
 def host_buffer(backend: Backend, nbytes: int) -> torch.Tensor:
@@ -95,6 +96,16 @@ class RestorableSegments:
                 return
             self._drop(seg)
             del self.segments[address]
+
+    def retire(self, address: int) -> None:
+        """Give a segment's chunk back for good but keep its range, covered by the scratch
+        chunk, until `remove`: views that outlive their owner (a traceback's) then read
+        scratch bytes instead of faulting. Never restored."""
+        with self._lock:
+            seg = self.segments.get(address)
+            if seg is not None:
+                seg.retired, seg.saved = True, None
+                self._give_back(seg)
 
     def _drop(self, seg: Segment) -> None:
         self._uncover(seg)
@@ -153,7 +164,7 @@ class RestorableSegments:
         with self._lock:
             if not self.asleep:
                 return 0
-            fresh = [s for s in self.segments.values() if not s.mapped]
+            fresh = [s for s in self.segments.values() if not s.mapped and not s.retired]
             was_covered = [s.covered for s in fresh]
             try:
                 for s in fresh:

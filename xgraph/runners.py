@@ -69,6 +69,9 @@ class PlannedRunner(AttentionRunner):
     def plan(self, metadata: AttentionMetadata) -> None:
         self.md = metadata
 
+    def forget(self) -> None:
+        self.md = None
+
     def planned(self) -> AttentionMetadata:
         if self.md is None:
             raise XGraphError(f"{type(self).__name__}.run before plan(): plan each step first.")
@@ -146,6 +149,10 @@ class PagedPrefillRunner(PlannedRunner):
     def plan(self, metadata: AttentionMetadata) -> None:
         super().plan(metadata)
         self.spans = sequence_spans(metadata)
+
+    def forget(self) -> None:
+        super().forget()
+        self.spans = []
 
     def run(
         self,

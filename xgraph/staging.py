@@ -86,6 +86,16 @@ class StepStaging:
         if attention is not None:
             self.dummy_slot, self.dummy_block = attention.dummy_slot, attention.dummy_block
 
+    def close(self) -> None:
+        """Drop every view of the persistent buffers held for later steps (their memory is
+        given back with the last view)."""
+        self._inputs.clear()
+        self._metadata.clear()
+        self._uniform.clear()
+        self.staged.close()
+        if self.device_check is not None:
+            self.device_check.close()
+
     def input_views(self, key: tuple, padded: dict[str, int], bank: int) -> _Inputs:
         """The staging of the token inputs for a key (extents: ints as declared, key dims
         padded, other dims at their max) in a bank, worked out at its first step."""

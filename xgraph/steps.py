@@ -218,6 +218,7 @@ class StepPlanner:
         """Its executor closed and gives the buffers' memory back: planning, staging and
         reading the buffers raise XGraphError from now on (idempotent)."""
         self.closed = True
+        self.staging.close()  # its views would keep the buffers' memory past the close
 
     def _closed_error(self) -> XGraphError:
         return XGraphError(f"{self.name} is closed; create a new executor.")

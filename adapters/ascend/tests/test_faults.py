@@ -49,7 +49,9 @@ def _keepers(backend) -> int:  # type: ignore[no-untyped-def]
 
 def _closed_clean(ex, rt) -> None:  # type: ignore[no-untyped-def]
     # a caught capture error's traceback (a cycle through this test's frames) holds tensors
-    # of the failed capture, blocks whose segments no pool could give back while they live
+    # of the failed capture, blocks whose segments no pool could give back while they live;
+    # and views of the input buffers, whose range stays covered until they go (the callers
+    # drop what they caught first)
     gc.collect()
     ex.close()
     books = rt.books()
@@ -73,6 +75,7 @@ def test_out_of_memory_mid_capture_names_the_vmm_call(sim, call) -> None:  # typ
     assert ex.stats()["keys"] == [("full", 64)]
     _serves(ex, mlp, [64, 1024, 256, 64])  # the key captures on retry; the others replay
     assert ex.stats()["captures"] == 3
+    del info, err
     _closed_clean(ex, rt)
 
 
@@ -101,6 +104,7 @@ def test_unaligned_reservation_is_given_back(sim) -> None:  # type: ignore[no-un
     assert info.value.call == "aclrtReserveMemAddress"
     assert rt.books() == before
     _serves(ex, mlp, [64, 256])
+    del info
     _closed_clean(ex, rt)
 
 

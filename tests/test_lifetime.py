@@ -281,6 +281,31 @@ def test_views_of_the_input_buffers_outlive_close_and_go_with_the_last_one():
     assert dropped == f"dropped {EMPTY}"
 
 
+def test_close_drops_the_executors_own_views_of_its_buffers():
+    """Nothing of the executor keeps a view of its buffers past close: the planner's staging,
+    the device check and the runners' last plans go (the caller's own runner forgets its
+    plan), so the buffers' memory is given back at once, executor and runner still alive."""
+    from xgraph.arena import buffer_memory
+    from xgraph.runners import PagedDecodeRunner, PagedPrefillRunner
+
+    w = workload()
+    backend = xgraph.get_backend("cpu")
+    vm = buffer_memory(backend)
+    gc.collect()
+    start = books(vm)
+    mine = PagedDecodeRunner()
+    attention = w.attention(decode_runner=mine, prefill_runner=PagedPrefillRunner())
+    ex = w.executor(backend=backend, buckets=BUCKETS, attention=attention)
+    rng = random.Random(3)
+    ex(**w.decode_step(rng, 3).kwargs())  # a full graph: the decode runner planned
+    ex(**w.prefill_step(rng, [5, 2]).kwargs())  # a piecewise graph: the prefill runner
+    assert mine.md is not None and books(vm) != start
+    ex.close()
+    assert mine.md is None and attention.prefill_runner.spans == []
+    assert ex.decode_runner is None and ex.prefill_runner is None
+    assert books(vm) == start  # no view left: nothing covered, nothing deferred
+
+
 def test_a_finalizer_never_raises_and_logs_the_failure(caplog):
     w = workload()
     backend = xgraph.get_backend("cpu")

@@ -128,6 +128,48 @@ def test_buffers_collected_inside_a_driver_call_are_given_back_at_the_next_safe_
     assert books(vm) == start
 
 
+def test_a_view_dropped_while_the_driver_still_captures_is_given_back_after(cpu, monkeypatch):
+    """A closed executor's buffer kept by a view keeps its range until the view goes; a view
+    that goes at the end of a capture, after the op guard is gone but before the driver's
+    capture ends (where a CUDA synchronize or unmap would break the capture), waits for the
+    next safe point."""
+    from xgraph.arena import buffer_memory
+    from xgraph.backends.cpu.graph import CPUGraph
+
+    vm = buffer_memory(cpu)
+    start = books(vm)
+    kept = []
+    ex = GraphExecutor(
+        lambda x: kept.append(x) or x * 2,
+        inputs=[Input("x", torch.float32, ("num_tokens", 4))],
+        backend=cpu,
+        buckets=[16],
+    )
+    ex(x=torch.randn(3, 4))
+    ex.close()
+    held = books(vm)
+    assert held != start  # covered: its range, the cover, the scratch chunk
+    assert float(sum(t.sum() for t in kept)) == 0.0  # reads the scratch chunk, not freed memory
+    seen = []
+    end = CPUGraph._end
+
+    def dropping_end(self):  # type: ignore[no-untyped-def]
+        kept.clear()  # the last views go here, inside the driver's capture
+        seen.append(books(vm))
+        end(self)
+
+    monkeypatch.setattr(CPUGraph, "_end", dropping_end)
+    g = cpu.new_graph()
+    with xgraph.graph(g):
+        torch.ones(4) * 2
+    g.reset()
+    monkeypatch.undo()
+    assert seen == [held] and books(vm) == held  # not inside the capture: deferred
+    later = mlp_executor_on(cpu, None, "later")  # a new arena: a safe point
+    later.close()
+    assert books(vm) == start
+
+
 # -- regions ----------------------------------------------------------------------------
 
 

@@ -30,6 +30,7 @@ arena made.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import weakref
@@ -116,6 +117,8 @@ class Arena:
         so nothing of xgraph writes or reads the buffers again (idempotent; after a driver
         failure, calling it again finishes the job)."""
         self.closed = True
+        if any(done.alive for done in self._alive.values()):
+            gc.collect()  # a caught exception's frames, cyclic garbage, often hold the last views
         self.drain()
         for address in list(self.segments.segments):
             done = self._alive.get(address)

@@ -316,3 +316,45 @@ def test_pool_readings_wait_for_another_threads_routed_capture(backend) -> None:
     assert order[0] == "capture ended" and order[1][0] == "read"
     other.close()
     memory.close()
+
+
+def test_a_view_dropped_inside_a_foreign_capture_is_given_back_after(backend, caplog):
+    """A closed executor's buffer still viewed keeps its range until the view goes; a view
+    that goes inside a capture xgraph did not begin (a raw runtime graph on this thread's
+    stream) must not synchronize or unmap there (the runtime refuses a synchronize while a
+    stream captures): its memory goes at the next safe point."""
+    from xgraph.arena import buffer_memory
+    from xgraph.testing.faults import books
+
+    vm = buffer_memory(backend)
+    start = books(vm)
+    kept = []
+    ex = xgraph.GraphExecutor(
+        lambda x: kept.append(x) or x * 2,
+        inputs=[xgraph.Input("x", torch.float32, ("num_tokens", 4))],
+        backend=backend,
+        buckets=[16],
+    )
+    ex(x=torch.randn(3, 4))
+    ex.close()
+    held = books(vm)
+    assert held != start
+    rt = backend.runtime
+    stream, g = rt.new_stream(), rt.new_graph()
+    with rt.use_stream(stream), caplog.at_level("ERROR", "xgraph"):
+        g.capture_begin()
+        assert backend.stream_capturing()
+        kept.clear()  # the last view goes inside the foreign capture
+        inside = books(vm)
+        g.capture_end()
+    g.reset()
+    assert inside == held and not caplog.records  # deferred: no synchronize attempted there
+    assert not backend.stream_capturing()
+    later = xgraph.GraphExecutor(
+        lambda x: x + 1,
+        inputs=[xgraph.Input("x", torch.float32, ("num_tokens", 4))],
+        backend=backend,
+        buckets=[16],
+    )  # a new arena: a safe point
+    later.close()
+    assert books(vm) == start

@@ -23,7 +23,7 @@ scratch chunk of the VirtualMemory, until that last view goes: reading it past t
 reads scratch bytes instead of faulting. An executor collected without close() leaves each
 buffer to its last tensor (a finalizer on the storage), so a planner someone still holds
 keeps its buffer mapped. A finalizer may fire anywhere, inside a VirtualMemory call or while
-a capture of this thread is open at the driver (cyclic garbage collection), where giving
+any capture is open on this thread's stream (cyclic garbage collection), where giving
 memory back is not safe: the segment then goes at the arena's next operation or the next
 arena made.
 """
@@ -88,7 +88,7 @@ class Arena:
             self._dead.append(seg)
             self._alive.pop(seg.address, None)
         owned = getattr(getattr(self.vm, "_lock", None), "_is_owned", None)
-        if recording_here() or owned is None or owned():
+        if recording_here() or self.backend.stream_capturing() or owned is None or owned():
             _pending.add(self)  # not safe here: the next operation gives it back
             return
         self.drain()

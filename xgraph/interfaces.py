@@ -404,6 +404,11 @@ class Backend(ABC):
         streams (host recorders)."""
         return None
 
+    def stream_capturing(self) -> bool:
+        """Whether this thread's current stream records a capture, anyone's (memory must not
+        be given back there); False where the runtime has no streams."""
+        return False
+
     def warmup_context(self) -> AbstractContextManager[Any]:
         """Where warm-up runs: on the capture stream, so per-stream lazy allocations (cuBLAS
         workspaces) happen outside every capture pool. Default: nothing to switch."""

@@ -55,6 +55,9 @@ class TorchBackend(Backend):
             stream = self._local.stream = self.runtime.new_stream()
         return stream
 
+    def stream_capturing(self) -> bool:
+        return bool(self.runtime.is_capturing(self.runtime.current_stream()))
+
     def retire_capture_stream(self, stream: Any) -> None:
         """Give up `stream` (a capture on it could not be ended): this thread gets a new one."""
         if getattr(self._local, "stream", None) is stream:

@@ -117,7 +117,10 @@ class Arena:
         so nothing of xgraph writes or reads the buffers again (idempotent; after a driver
         failure, calling it again finishes the job)."""
         self.closed = True
-        if any(done.alive for done in self._alive.values()):
+        # one C-level copy: a finalizer elsewhere cannot change the dict while it is read
+        # (taking self._lock here could deadlock with a finalizer run by this copy's GC)
+        watched = list(self._alive.values())
+        if any(done.alive for done in watched):
             gc.collect()  # a caught exception's frames, cyclic garbage, often hold the last views
         self.drain()
         for address in list(self.segments.segments):

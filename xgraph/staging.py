@@ -92,9 +92,6 @@ class StepStaging:
         self._inputs.clear()
         self._metadata.clear()
         self._uniform.clear()
-        self.staged.close()
-        if self.device_check is not None:
-            self.device_check.close()
 
     def input_views(self, key: tuple, padded: dict[str, int], bank: int) -> _Inputs:
         """The staging of the token inputs for a key (extents: ints as declared, key dims

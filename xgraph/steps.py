@@ -218,7 +218,11 @@ class StepPlanner:
         """Its executor closed and gives the buffers' memory back: planning, staging and
         reading the buffers raise XGraphError from now on (idempotent)."""
         self.closed = True
-        self.staging.close()  # its views would keep the buffers' memory past the close
+        # every view of the buffers goes: they would keep the buffers' memory past the close
+        self.staging.close()
+        self._staged.close()
+        if self.device_check is not None:
+            self.device_check.close()
 
     def _closed_error(self) -> XGraphError:
         return XGraphError(f"{self.name} is closed; create a new executor.")

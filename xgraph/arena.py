@@ -22,10 +22,13 @@ holding a forward's arguments, a caller's own reference) keeps its range, covere
 scratch chunk of the VirtualMemory, until that last view goes: reading it past the close
 reads scratch bytes instead of faulting. An executor collected without close() leaves each
 buffer to its last tensor (a finalizer on the storage), so a planner someone still holds
-keeps its buffer mapped. A finalizer may fire anywhere, inside a VirtualMemory call or while
-any capture is open on this thread's stream (cyclic garbage collection), where giving
-memory back is not safe: the segment then goes at the arena's next operation or the next
-arena made.
+keeps its buffer mapped. A finalizer may fire on any thread at any point (cyclic garbage
+collection): inside a call of the arena's VirtualMemory or segments on that thread, while a
+capture of xgraph's is open on any thread, or while one is open on that thread's stream.
+Giving memory back is not safe there: the segment then goes at the next safe point (a later
+finalizer's, the arena's next operation, the next arena made). A capture that is not
+xgraph's, open on another thread, is not seen: an engine that captures graphs of its own on
+one thread drops xgraph's buffers on that thread, or outside those captures.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import weakref
 import torch
 
 from .errors import XGraphError
-from .graphs import recording_here
+from .graphs import recording_anywhere
 from .interfaces import Backend, VirtualMemory
 from .restorable import RestorableSegments, Segment
 
@@ -87,12 +90,19 @@ class Arena:
         with self._lock:
             self._dead.append(seg)
             self._alive.pop(seg.address, None)
-        owned = getattr(getattr(self.vm, "_lock", None), "_is_owned", None)
-        if recording_here() or self.backend.stream_capturing() or owned is None or owned():
-            _pending.add(self)  # not safe here: the next operation gives it back
-            return
-        self.drain()
-        drain_pending()  # a safe point: what was deferred goes too
+        _pending.add(self)  # given back now where safe, else at the next safe point
+        drain_pending()
+
+    def safe_here(self) -> bool:
+        """Whether this thread may give this arena's memory back now (see the module doc):
+        no capture of xgraph's open on any thread nor on this thread's stream, no call of its
+        VirtualMemory or segments under way on this thread."""
+        try:
+            if recording_anywhere() or self.backend.stream_capturing():
+                return False
+        except Exception:  # a context that cannot answer: an explicit operation will
+            return False
+        return not (_held_here(self.vm) or _held_here(self.segments))
 
     def drain(self) -> None:
         """Give back the segments of buffers that are gone."""
@@ -101,16 +111,15 @@ class Arena:
                 if not self._dead:
                     _pending.discard(self)
                     return
-                seg = self._dead[-1]
+                seg = self._dead.pop()  # claimed: a drain on another thread takes the next
             try:
-                if self.segments.segments.get(seg.address) is seg:  # not given back already
-                    self.segments.remove(seg.address)
+                self.segments.remove(seg.address, seg)  # a no-op where it went already
             except Exception:  # from a finalizer: report, keep it for the next attempt
                 logger.exception("releasing a persistent buffer's memory failed")
+                with self._lock:
+                    self._dead.append(seg)
                 _pending.add(self)
                 return
-            with self._lock:
-                self._dead.remove(seg)
 
     def close(self) -> None:
         """Give every buffer's memory back now: its executor closed, and closed its planner,
@@ -129,6 +138,7 @@ class Arena:
                 self.segments.retire(address)  # a view still held: covered until it goes
             else:
                 self.segments.remove(address)
+        self.drain()  # a view dropped inside the loop above (its finalizer deferred there)
 
     # -- sleep and wake --------------------------------------------------------------------
 
@@ -148,9 +158,18 @@ class Arena:
 
 
 def drain_pending() -> None:
-    """Give back the segments whose release was deferred (a finalizer at an unsafe point)."""
+    """Give back the segments whose release was deferred (a finalizer at an unsafe point),
+    of every arena for which this thread is at a safe point now."""
     for arena in list(_pending):
-        arena.drain()
+        if arena.safe_here():
+            arena.drain()
+
+
+def _held_here(obj: object) -> bool:
+    """Whether this thread is inside a call that holds `obj`'s lock (also where the lock
+    cannot say: then no release is safe)."""
+    owned = getattr(getattr(obj, "_lock", None), "_is_owned", None)
+    return owned is None or owned()
 
 
 def buffer_memory(backend: Backend) -> VirtualMemory | None:

@@ -480,8 +480,8 @@ class GraphExecutor:
         `synchronize()` would, once everything is given back. An executor dropped without
         close() releases the same when it is collected (xgraph.lifetime).
         """
-        if self.holdings.closed:
-            return
+        if self.holdings.closed:  # a close that failed midway is finished (idempotent)
+            return self.holdings.release(buffers=True)
         with self._exclusive("close"):
             self._finalizer.detach()
             found = self.planner.pending_error()  # read before its buffers go

@@ -40,6 +40,12 @@ def capturing_graph() -> CheckedGraph | None:
     return getattr(_local, "graph", None)
 
 
+# captures of xgraph's open at the driver in every thread: a synchronize or an unmap on
+# any thread breaks a capture where the driver captures in its global mode
+_open = [0]
+_open_lock = threading.Lock()
+
+
 def recording_here() -> bool:
     """Whether a capture of this thread is open at the driver: from before its begin to
     after its end or reset, longer than `capturing_graph()` (a synchronize or an unmap in
@@ -47,12 +53,22 @@ def recording_here() -> bool:
     return getattr(_local, "recording", 0) > 0
 
 
+def recording_anywhere() -> bool:
+    """Whether a capture of xgraph's is open at the driver on any thread (as
+    `recording_here`, for every thread)."""
+    return _open[0] > 0
+
+
 @contextlib.contextmanager
 def _recording() -> Iterator[None]:
     _local.recording = getattr(_local, "recording", 0) + 1
+    with _open_lock:
+        _open[0] += 1
     try:
         yield
     finally:
+        with _open_lock:
+            _open[0] -= 1
         _local.recording -= 1
 
 

@@ -80,6 +80,8 @@ class Holdings:
         is raised; the books keep what it refused, and closing the memory again finishes it.
         """
         if self.closed:
+            if buffers:  # an earlier close that failed midway: finish it (both idempotent)
+                self._give_back(buffers)
             return
         self.closed = True
         self.memory.detach(self)  # first: the memory's owner may close it from here on
@@ -87,13 +89,20 @@ class Holdings:
         while self.graphs:
             _, entry = self.graphs.popitem()
             entry.graph.reset()  # every piece, the device check's too
-        if self.arena is not None:
-            if buffers:
-                self.arena.close()
-            else:
-                self.arena.drain()  # what went with its last tensor, given back if deferred
-        if self.owns_memory:
-            self.memory.close()
+        self._give_back(buffers)
+
+    def _give_back(self, buffers: bool) -> None:
+        """The buffers (or what of them went with their last tensors), then the memory if
+        owned, even where the buffers' release failed (its error raised after)."""
+        try:
+            if self.arena is not None:
+                if buffers:
+                    self.arena.close()
+                else:
+                    self.arena.drain()  # what went with its last tensor, if deferred
+        finally:
+            if self.owns_memory:
+                self.memory.close()
 
 
 def _release_quietly(holdings: Holdings) -> None:

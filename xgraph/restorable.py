@@ -88,13 +88,14 @@ class RestorableSegments:
             self.segments[address] = seg
             return seg
 
-    def remove(self, address: int) -> None:
-        """Give a segment back for good: unmap, free, release (each booked as it succeeds)."""
+    def remove(self, address: int, seg: Segment | None = None) -> None:
+        """Give a segment back for good: unmap, free, release (each booked as it succeeds).
+        `seg`: only if the address still holds that segment (no-op where it is gone)."""
         with self._lock:
-            seg = self.segments.get(address)
-            if seg is None:
+            found = self.segments.get(address)
+            if found is None or (seg is not None and found is not seg):
                 return
-            self._drop(seg)
+            self._drop(found)
             del self.segments[address]
 
     def retire(self, address: int) -> None:

@@ -10,8 +10,9 @@ tests/test_architecture.py holds adapters to that):
   `by_value` mark the fields a backend cannot compare), and the raw `Graph` /
   `VirtualMemory` ABCs that document the templates;
 - the kernel duties' pieces: `Fusion` and `HeadNorm` (`xgraph.fusion`: what a fused
-  projection asks of `Kernels.fused_linear`) and `ProgrammaticLaunch` (`xgraph.kernels`: a
-  backend's programmatic dependent launch, `Kernels.pdl`);
+  projection asks of `Kernels.fused_linear`), `ProgrammaticLaunch` (`xgraph.kernels`: a
+  backend's programmatic dependent launch, `Kernels.pdl`) and `CheckCall`
+  (`xgraph.check_call`: what `Kernels.metadata_check` is handed);
 - the templates that implement the public halves once: `CheckedGraph`,
   `CheckedVirtualMemory`, and `TorchCopier` (a host copier over a torch copy and an event,
   whose `_copy` an adapter with a cheaper copy overrides);
@@ -33,6 +34,7 @@ docs/writing-an-adapter.md says which to write and how to prove it.
 from __future__ import annotations
 
 from .buffers import TorchCopier
+from .check_call import CheckCall
 from .contract import check_backend_class
 from .device import (
     MemPoolCapturePool,
@@ -85,6 +87,7 @@ __all__ = [
     "BenchmarkHooks",
     "CaptureError",
     "CapturePool",
+    "CheckCall",
     "CheckedGraph",
     "CheckedVirtualMemory",
     "Fusion",

@@ -48,6 +48,7 @@ from functools import partial
 
 import torch
 
+from .check_call import CheckCall, installed
 from .errors import InputError
 from .paging import PagedAttention
 from .step_attention import StepAttention
@@ -216,6 +217,9 @@ class DeviceCheck:
         by the staged counts; writes the padded metadata and keeps the first problem."""
         raw = self._raw
         assert raw is not None
+        kernel = installed(self.device.type)
+        if kernel is not None and kernel(self._call(raw, out, s, q)):
+            return
         a = self.layout
         n, w = self.counts[0], self.counts[1]
         real = raw.rows[:s] < n
@@ -233,6 +237,24 @@ class DeviceCheck:
         found = torch.cat([codes.gather(0, first), index, values.gather(0, first)])
         error = raw.error
         error.copy_(torch.where(error[0] != 0, error, found))
+
+    def _call(self, raw: _Raw, out: dict[str, torch.Tensor], s: int, q: int) -> CheckCall:
+        a = self.layout
+        return CheckCall(
+            raw.seq_lens[:s],
+            raw.table[:s],
+            raw.slots[: s * q],
+            self.counts,
+            raw.error,
+            out["seq_lens"],
+            out["block_tables"],
+            out["slot_mapping"],
+            q,
+            a.block_size,
+            a.num_blocks,
+            a.dummy_block,
+            a.dummy_slot,
+        )
 
     def _sequences(
         self, raw: _Raw, s: int, q: int, real: torch.Tensor, w: torch.Tensor

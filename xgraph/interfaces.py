@@ -432,10 +432,11 @@ class Backend(ABC):
         """Make this backend's kernels the ones the core's ops use on its device
         (`xgraph.linear`) and return them. GraphExecutor calls it once, when it is built;
         code that runs the core's ops without an executor calls it itself."""
-        from . import linear  # the op whose kernel table this fills
+        from . import check_call, linear  # the kernel tables this fills
 
         kernels = self.kernels()
         linear.install(self.device.type, kernels.linear, self.name, kernels.fused_linear)
+        check_call.install(self.device.type, kernels.metadata_check, self.name)
         return kernels
 
     # -- staging ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from .check_call import MetadataCheck
     from .fusion import Fusion
     from .interfaces import AttentionRunner
 
@@ -65,9 +66,13 @@ class Kernels:
     is then asked for a float32 input under a norm prologue and a float32 residual, whose
     sum it returns in float32 (`fusion.output_dtype`), and serves or declines those too.
     `pdl`: programmatic dependent launch in captured graphs, where the device has it.
+    `metadata_check`: the device check of a key's device metadata in one kernel
+    (`xgraph.check_call.CheckCall`), answering False for calls it does not serve (the
+    check's torch ops run those).
     """
 
     attention: dict[str, AttentionRunner] = field(default_factory=dict)
     linear: LinearKernel | None = None
     fused_linear: FusedLinearKernel | None = None
     pdl: ProgrammaticLaunch | None = None
+    metadata_check: MetadataCheck | None = None

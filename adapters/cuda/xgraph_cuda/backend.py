@@ -21,7 +21,7 @@ from xgraph.adapter import (
     TorchRuntime,
 )
 
-from . import attention, linear, pdl, probe, staging
+from . import attention, checks, linear, pdl, probe, staging
 from .runtime import CUDARuntime
 from .timing import LeadTimer
 from .vmm import CUDAVirtualMemory
@@ -60,12 +60,14 @@ class CUDABackend(TorchBackend):
         from XGRAPH_CUDA_CUBLAS_ROWS rows; the skinny kernel before Hopper), plain and fused
         with the ops around them
         (XGRAPH_CUDA_LINEAR, XGRAPH_CUDA_FUSED choose; `linear`); programmatic
-        dependent launch in full graphs on Hopper and later (`pdl`)."""
+        dependent launch in full graphs on Hopper and later (`pdl`); the device check of
+        device metadata in one launch (XGRAPH_CUDA_CHECK; `metadata_check`)."""
         return Kernels(
             attention.attention_runners(),
             linear.linear_kernel(self.device),
             linear.fused_kernel(self.device),
             pdl.CUDAProgrammaticLaunch(self.device),
+            checks.metadata_check(),
         )
 
     def host_copier(self, device: torch.Tensor, host: torch.Tensor) -> HostCopier | None:

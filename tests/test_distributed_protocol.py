@@ -245,6 +245,9 @@ def test_a_group_of_another_backend_than_the_declared_one_is_refused():
 
 
 def slow_worker(rank: int, world: int) -> str:
+    # both ranks past the group's set-up first: a rank 0 that raised while rank 1 still
+    # connected tore the store down under it (rank 1 then raised instead of sleeping)
+    dist.barrier()
     if rank == 1:
         time.sleep(300)
     if rank == 0:

@@ -163,3 +163,17 @@ def test_a_key_past_the_kernels_bound_is_declined() -> None:
     check = DeviceCheck("check", a, DEVICE, counts, (s, s))
     raw = check._raw = _Raw.make(a, s, s, DEVICE, None)
     assert not metadata_check(check._call(raw, outputs(s, 1), s, 1))
+
+
+def test_the_switch_picks_the_torch_ops_by_default_and_the_kernel_when_asked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from xgraph_cuda import checks
+
+    from xgraph.errors import XGraphError
+
+    monkeypatch.delenv(checks.CHECK_ENV, raising=False)
+    assert checks.metadata_check() is None
+    monkeypatch.setenv(checks.CHECK_ENV, "triton")
+    assert checks.metadata_check() is metadata_check
+    monkeypatch.setenv(checks.CHECK_ENV, "fast")
+    with pytest.raises(XGraphError, match="XGRAPH_CUDA_CHECK='fast'; use one of torch, triton"):
+        checks.metadata_check()

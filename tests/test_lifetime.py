@@ -281,6 +281,47 @@ def test_views_of_the_input_buffers_outlive_close_and_go_with_the_last_one():
     assert dropped == f"dropped {EMPTY}"
 
 
+INTERRUPTED_REPLAY = """
+import torch, xgraph
+from xgraph import GraphExecutor, Input
+
+ex = GraphExecutor(lambda x: (x * 2 + 1).sin(),
+                   inputs=[Input("x", torch.float32, ("num_tokens", 4096))],
+                   backend=xgraph.get_backend("cpu"), buckets=[8])
+ex(x=torch.ones(5, 4096))  # captured
+tape = ex.cache.entries[next(iter(ex.cache.entries))].graph.graph.tape
+
+def interrupted(*args, **kwargs):  # Ctrl-C inside an op of the replay, its args in graph memory
+    raise KeyboardInterrupt
+
+func, *rest = tape._program[-1]
+tape._program[-1] = (interrupted, *rest)
+try:
+    ex(x=torch.ones(5, 4096))
+except KeyboardInterrupt as exc:
+    err = exc
+ex.close()  # the graph memory goes
+seen, tb = [], err.__traceback__
+while tb is not None:  # what a printed traceback reads: every frame's tensors
+    for v in list(tb.tb_frame.f_locals.values()):
+        for t in v if isinstance(v, tuple) else (v,):
+            if isinstance(t, torch.Tensor):
+                seen.append(float(t.float().sum()))
+    tb = tb.tb_next
+print("read", len(seen))
+"""
+
+
+def test_a_replay_interrupted_leaves_no_view_of_graph_memory_in_its_traceback():
+    """Ctrl-C inside a host-driven replay (the CPU tape, a piecewise graph's pieces): the
+    replay's frames held views of graph memory, which close() releases, and a traceback
+    printed after it (pytest reprs every frame's arguments) read them: SIGSEGV. Their locals
+    go; the user's own frames keep theirs."""
+    run = run_python(INTERRUPTED_REPLAY)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("read ")
+
+
 def test_close_drops_the_executors_own_views_of_its_buffers():
     """Nothing of the executor keeps a view of its buffers past close: the planner's staging,
     the device check and the runners' last plans go (the caller's own runner forgets its

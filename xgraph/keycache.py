@@ -11,6 +11,7 @@ views of the output buffers sliced to the step's real tokens, made once per size
 
 from __future__ import annotations
 
+import traceback
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -122,6 +123,22 @@ class KeyCache:
         """Plan the entry's runner on the step's metadata and replay its recording."""
         entry.hits += hit
         self.replays += 1
+        try:
+            self._replay(entry, step)
+        except ReplayError as exc:  # no cost on the hot path until a replay fails
+            traceback.clear_frames(exc.__traceback__)
+            raise ReplayError(
+                f"{self.name}: {exc} (key {step.key}). {input_hint(self.inputs)} The graph is "
+                "unchanged and replays valid steps; this step's result is not available."
+            ) from exc
+        except BaseException as exc:  # a Ctrl-C mid-replay (a host-driven graph, pieces)
+            # the replay's frames hold views of graph memory, which close() releases; a
+            # traceback printed after it (pytest reprs every frame's arguments) would read
+            # them: their locals go, the traceback keeps its lines
+            traceback.clear_frames(exc.__traceback__)
+            raise
+
+    def _replay(self, entry: Entry, step: Staged) -> None:
         check = step.device_check
         if check is not None:  # device metadata: the key's first piece, its check
             entry.graph.run_check()  # type: ignore[attr-defined]
@@ -131,13 +148,7 @@ class KeyCache:
             runner = self.runners.decode if entry.kind is Kind.FULL else self.runners.prefill
             if runner is not None:
                 runner.plan(md)
-        try:
-            entry.graph.replay()
-        except ReplayError as exc:  # no cost on the hot path until a replay fails
-            raise ReplayError(
-                f"{self.name}: {exc} (key {step.key}). {input_hint(self.inputs)} The graph is "
-                "unchanged and replays valid steps; this step's result is not available."
-            ) from exc
+        entry.graph.replay()
 
     def outputs(self, n: int) -> Any:
         """The output buffers' views of n tokens (made once per n)."""

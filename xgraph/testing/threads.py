@@ -30,6 +30,24 @@ def _layout() -> dict[str, int]:
     return {"num_blocks": 96, "max_blocks": 6, "max_seqs": 16}
 
 
+def join(threads: list[threading.Thread], stop: Any = None) -> None:
+    """Join every thread (each within TIMEOUT). A Ctrl-C meanwhile is raised only once they
+    have ended (`stop` asks them to, at their next step): a thread left stepping past its
+    test would meet the interpreter's exit, which releases the executors it steps."""
+    interrupted: BaseException | None = None
+    for t in threads:
+        while True:
+            try:
+                t.join(TIMEOUT)
+                break
+            except BaseException as exc:  # KeyboardInterrupt: join again, then raise it
+                interrupted = interrupted or exc
+                if stop is not None:
+                    stop()
+    if interrupted is not None:
+        raise interrupted
+
+
 class ThreadTests(BackendTests):
     """Two executors in two threads step concurrently; one executor refuses a second
     thread's step while its own runs."""
@@ -67,8 +85,7 @@ class ThreadTests(BackendTests):
         threads = [threading.Thread(target=run, args=(seed,)) for seed in (1, 2)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(TIMEOUT)
+        join(threads, barrier.abort)
         assert not any(t.is_alive() for t in threads), "a stepping thread hung"
         assert not errors, errors
         for seed, (outs, cache) in zip((1, 2), alone):
@@ -118,7 +135,7 @@ class ThreadTests(BackendTests):
                 assert torch.equal(a.cpu(), b.cpu())
         finally:
             release.set()
-            worker.join(TIMEOUT)
+            join([worker])
         try:
             assert not worker.is_alive() and "error" not in out, out.get("error")
             from xgraph import Buckets

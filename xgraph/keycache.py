@@ -125,17 +125,17 @@ class KeyCache:
         self.replays += 1
         try:
             self._replay(entry, step)
-        except ReplayError as exc:  # no cost on the hot path until a replay fails
+        except BaseException as exc:  # no cost on the hot path until a replay fails
+            # a failed or interrupted replay's frames (a host-driven graph, the pieces) hold
+            # views of graph memory, which close() releases; a traceback printed after it
+            # (pytest reprs every frame's arguments) would read them: their locals go, the
+            # traceback keeps its lines
             traceback.clear_frames(exc.__traceback__)
-            raise ReplayError(
-                f"{self.name}: {exc} (key {step.key}). {input_hint(self.inputs)} The graph is "
-                "unchanged and replays valid steps; this step's result is not available."
-            ) from exc
-        except BaseException as exc:  # a Ctrl-C mid-replay (a host-driven graph, pieces)
-            # the replay's frames hold views of graph memory, which close() releases; a
-            # traceback printed after it (pytest reprs every frame's arguments) would read
-            # them: their locals go, the traceback keeps its lines
-            traceback.clear_frames(exc.__traceback__)
+            if isinstance(exc, ReplayError):
+                raise ReplayError(
+                    f"{self.name}: {exc} (key {step.key}). {input_hint(self.inputs)} The graph "
+                    "is unchanged and replays valid steps; this step's result is not available."
+                ) from exc
             raise
 
     def _replay(self, entry: Entry, step: Staged) -> None:

@@ -165,15 +165,37 @@ def test_a_key_past_the_kernels_bound_is_declined() -> None:
     assert not metadata_check(check._call(raw, outputs(s, 1), s, 1))
 
 
-def test_the_switch_picks_the_torch_ops_by_default_and_the_kernel_when_asked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_switch_picks_the_kernel_by_default_and_the_torch_ops_when_asked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     from xgraph_cuda import checks
 
     from xgraph.errors import XGraphError
 
     monkeypatch.delenv(checks.CHECK_ENV, raising=False)
+    assert checks.metadata_check() is metadata_check
+    monkeypatch.setenv(checks.CHECK_ENV, "torch")
     assert checks.metadata_check() is None
     monkeypatch.setenv(checks.CHECK_ENV, "triton")
     assert checks.metadata_check() is metadata_check
     monkeypatch.setenv(checks.CHECK_ENV, "fast")
-    with pytest.raises(XGraphError, match="XGRAPH_CUDA_CHECK='fast'; use one of torch, triton"):
+    with pytest.raises(
+        XGraphError, match="XGRAPH_CUDA_CHECK='fast'; use one of auto, torch, triton"
+    ):
+        checks.metadata_check()
+
+
+def test_without_triton_auto_takes_the_torch_ops_and_triton_fails_loudly(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    from xgraph_cuda import checks
+
+    from xgraph.errors import XGraphError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    monkeypatch.setenv(checks.CHECK_ENV, "auto")
+    assert checks.metadata_check() is None
+    monkeypatch.setenv(checks.CHECK_ENV, "triton")
+    with pytest.raises(XGraphError, match="XGRAPH_CUDA_CHECK=triton but triton is not installed"):
         checks.metadata_check()

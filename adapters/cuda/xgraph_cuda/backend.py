@@ -61,7 +61,8 @@ class CUDABackend(TorchBackend):
         with the ops around them
         (XGRAPH_CUDA_LINEAR, XGRAPH_CUDA_FUSED choose; `linear`); programmatic
         dependent launch in full graphs on Hopper and later (`pdl`); the device check of
-        device metadata in one launch, opt-in (XGRAPH_CUDA_CHECK=triton; `metadata_check`)."""
+        device metadata in one launch when triton imports (XGRAPH_CUDA_CHECK=torch keeps the
+        core's torch ops; `metadata_check`)."""
         return Kernels(
             attention.attention_runners(),
             linear.linear_kernel(self.device),

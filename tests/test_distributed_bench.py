@@ -64,3 +64,25 @@ def test_bench_distributed_as_a_group_of_one(tmp_path):
     memory = next(r for r in data["ranks"][0]["decode"] if "memory" in r)["memory"]
     assert any("c10d::allreduce_" in c for c in memory["manifest"])  # a group of one issues them
     assert "agree_us" in proc.stdout
+
+
+def test_release_group_ends_only_the_group_init_group_made():
+    """The bench and the GPU script end the default group they made before the interpreter's
+    exit (left to it, gloo's threads can abort the process); a caller's own group stays."""
+    import torch.distributed as dist
+
+    from xgraph.bench import distributed as bench
+
+    if dist.is_initialized():
+        pytest.skip("a default group exists in this process")
+    bench.init_group("cpu")  # a group of one, made here
+    assert dist.is_initialized()
+    bench.release_group()
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert bench.init_group("cpu") == (0, 1, 0)
+        bench.release_group()
+        assert dist.is_initialized()  # the caller's: left to the caller
+    finally:
+        dist.destroy_process_group()

@@ -241,6 +241,26 @@ def test_a_group_of_another_backend_than_the_declared_one_is_refused():
     assert "create the group with backend='nccl'" in error
 
 
+def reopen_worker(rank: int, world: int) -> list:
+    """Parallels made and closed in turn over the same ranks, each exchanging once."""
+    seen = []
+    for i in range(3):
+        par = xgraph.Parallel(tp=dist.group.WORLD, timeout=20)
+        seen.append([m[:3] for m in par.channel.exchange([1, rank, i], "a test exchange")])
+        par.close()
+        if rank == 1:
+            time.sleep(2)  # rank 0 rendezvous first, as a rank ahead of the other does
+    return seen
+
+
+def test_a_parallel_closed_then_made_again_over_the_same_ranks_connects():
+    """torch names a side group (created with local synchronization) by its ranks and the
+    count of live groups: destroying one on close let the next take its name, and its
+    rendezvous read the dead group's addresses (connection refused)."""
+    for outcome in run_ranks(reopen_worker, 2, timeout=120):
+        assert outcome.value == [[[1, 0, i], [1, 1, i]] for i in range(3)]
+
+
 # -- the launcher bounds every run ----------------------------------------------------------
 
 

@@ -329,6 +329,7 @@ def _distributed(backend: Backend, args: argparse.Namespace, sizes: list[int] | 
     data = distributed.run(backend, args.model, sizes, iters=args.iters or 30, prefill=None)
     if distributed.dist.get_rank() != 0:
         args.json = None
+    distributed.release_group()  # every rank has its results: the gather above met them
     return data, distributed.summarize(data)
 
 

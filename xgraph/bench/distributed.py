@@ -48,6 +48,8 @@ from .distributed_fidelity import Fidelity, fill_cache
 from .report import attempt, note, table
 from .timing import Timer, host_time
 
+_made: list[bool] = []  # whether init_group made the default group (release_group ends it)
+
 
 def init_group(device_type: str) -> tuple[int, int, int]:
     """(rank, world size, local rank): torchrun's group, else a group of one on this host."""
@@ -57,7 +59,17 @@ def init_group(device_type: str) -> tuple[int, int, int]:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
         else:  # alone: a group of one, its store in this process
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        _made.append(True)
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def release_group() -> None:
+    """Destroy the default group if init_group made it, once every rank is done with it.
+    Left to the interpreter's exit, gloo's worker threads can outlive the group's Python
+    side and abort the process (`terminate called without an active exception`)."""
+    if _made and dist.is_initialized():
+        dist.destroy_process_group()
+    _made.clear()
 
 
 def rank_backend(backend: Backend) -> Backend:
@@ -281,6 +293,7 @@ def run(
     mine["decode"] = decode_rows(backend, w, w1, par, batches, iters)
     mine["prefill"] = prefill_rows(backend, w, par, prefill, iters, w1)
     everyone = par.channel.gather_objects(mine, "bench results") if par.channel else [mine]
+    par.close()
     return {
         "backend": backend.name,
         "model": model,

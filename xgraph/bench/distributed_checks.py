@@ -129,6 +129,7 @@ def moe(backend: Backend, group: Any, plan: list[tuple], dtype: torch.dtype) -> 
             row.update(compare(out, ref))
         rows.append(row)
     ex.close()
+    par.close()
     return rows
 
 

@@ -103,7 +103,9 @@ class Parallel:
         self._prepared.update((backend.name, g.group_name) for g in todo)
 
     def close(self) -> None:
-        """Destroy the side group (every executor using this Parallel must be done)."""
-        ch, self.channel = self.channel, None
-        if ch is not None and ch.broken is None:
-            dist.destroy_process_group(ch.group)
+        """Stop using the side group (every executor using this Parallel must be done). The
+        group stays registered with torch.distributed until `destroy_process_group()`:
+        torch names a group made with local synchronization by its ranks and the number of
+        live groups, so destroying this one would hand its name to the next Parallel's,
+        whose rendezvous would then read this one's stale addresses from the store."""
+        self.channel = None

@@ -97,12 +97,15 @@ def tp_stage(
     par = xgraph.Parallel(tp=group, timeout=120)
     accel = backend.device.type != "cpu"
     w, w1 = bench.workloads(backend, model, group, max(batches), 512 if accel else 64, dtype)
-    out = {
-        "dtype": str(w.cache.dtype).removeprefix("torch."),
-        "criterion": CRITERION,
-        "decode": bench.decode_rows(backend, w, w1, par, batches, iters),
-        "prefill": bench.prefill_rows(backend, w, par, prefill, iters, w1),
-    }
+    try:
+        out = {
+            "dtype": str(w.cache.dtype).removeprefix("torch."),
+            "criterion": CRITERION,
+            "decode": bench.decode_rows(backend, w, w1, par, batches, iters),
+            "prefill": bench.prefill_rows(backend, w, par, prefill, iters, w1),
+        }
+    finally:
+        par.close()
     out["summary"] = fidelity.summary(out["decode"] + out["prefill"])
     del w, w1
     if accel:
@@ -159,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         par = xgraph.Parallel(tp=group, timeout=120)
         w, _ = bench.workloads(backend, small, group, max(sizes), 64 if args.quick else 512)
         stage(results, "memory", lambda: checks.memory_orders(backend, w, par, sizes))
+        par.close()
         write(path, results)
     if "desync" in stages and world > 1:
         par = xgraph.Parallel(tp=group, timeout=30)
         w, _ = bench.workloads(backend, small, group, 8, 64)
         stage(results, "desync", lambda: checks.desync(backend, w, par))
+        par.close()
         write(path, results)
     if "moe" in stages:
         dtype = torch.bfloat16 if accel else torch.float32
@@ -173,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "FAILED: " + ", ".join(failed) if failed else "all stages ok"
     print(f"[tp_graphs] rank {rank}: {verdict}", flush=True)
     dist.barrier()
+    bench.release_group()  # every rank is past the barrier
     return 1 if failed else 0
 
 

@@ -261,6 +261,27 @@ def test_a_parallel_closed_then_made_again_over_the_same_ranks_connects():
         assert outcome.value == [[[1, 0, i], [1, 1, i]] for i in range(3)]
 
 
+def refused_side_group_worker(rank: int, world: int) -> str:
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Gloo connectFullMesh failed")
+
+    real, dist.new_group = dist.new_group, refuse
+    try:
+        xgraph.Parallel(tp=dist.group.WORLD, timeout=5)
+    except xgraph.XGraphError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        dist.new_group = real
+    return "made"
+
+
+def test_a_side_group_that_cannot_be_made_is_a_distributed_error_naming_why():
+    for outcome in run_ranks(refused_side_group_worker, 2, timeout=120):
+        assert outcome.value.startswith("DistributedError: Parallel: the side group over ranks")
+        assert "RuntimeError: Gloo connectFullMesh failed" in outcome.value
+        assert "makes its Parallel at the same point" in outcome.value
+
+
 # -- the launcher bounds every run ----------------------------------------------------------
 
 

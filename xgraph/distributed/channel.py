@@ -49,12 +49,20 @@ class Channel:
     def __init__(self, ranks: list[int], timeout: float) -> None:
         self.ranks = ranks
         self.timeout = timeout
-        self.group = dist.new_group(
-            ranks,
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=timeout),
-            use_local_synchronization=True,  # only these ranks take part in creating it
-        )
+        try:
+            self.group = dist.new_group(
+                ranks,
+                backend="gloo",
+                timeout=datetime.timedelta(seconds=timeout),
+                use_local_synchronization=True,  # only these ranks take part in creating it
+            )
+        except Exception as exc:
+            raise DistributedError(
+                f"Parallel: the side group over ranks {ranks} could not be created "
+                f"({type(exc).__name__}: {exc}). Every rank of the group makes its Parallel "
+                "at the same point; check that each one got there within the timeout and "
+                "that the default group's store is reachable from every rank."
+            ) from exc
         self.rank = dist.get_rank(self.group)
         self.size = len(ranks)
         self._send = torch.zeros(MESSAGE, dtype=torch.int64, device="cpu")

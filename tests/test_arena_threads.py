@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kept_views import executor_with_views
 
 import xgraph
-from xgraph import GraphExecutor, Input
 from xgraph.arena import buffer_memory, drain_pending
 from xgraph.restorable import RestorableSegments
 from xgraph.testing.faults import books, fail_driver_call
@@ -22,19 +22,6 @@ from xgraph.testing.sim import SimRuntime
 
 EMPTY = {"reservations": 0, "mappings": 0, "chunks": 0}
 WAIT = 10  # seconds: a bound on each pinned wait, never reached when the code is right
-
-
-def executor_with_views(backend):  # type: ignore[no-untyped-def]
-    """An executor whose forward keeps views of its persistent input buffer, and the list."""
-    kept: list[torch.Tensor] = []
-    ex = GraphExecutor(
-        lambda x: kept.append(x) or x * 2,
-        inputs=[Input("x", torch.float32, ("num_tokens", 4))],
-        backend=backend,
-        buckets=[16],
-    )
-    ex(x=torch.randn(3, 4))
-    return ex, kept
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from kept_views import executor_with_views
 from xgraph_dummy.backend import DummyBackend
 
 import xgraph
@@ -328,14 +329,7 @@ def test_a_view_dropped_inside_a_foreign_capture_is_given_back_after(backend, ca
 
     vm = buffer_memory(backend)
     start = books(vm)
-    kept = []
-    ex = xgraph.GraphExecutor(
-        lambda x: kept.append(x) or x * 2,
-        inputs=[xgraph.Input("x", torch.float32, ("num_tokens", 4))],
-        backend=backend,
-        buckets=[16],
-    )
-    ex(x=torch.randn(3, 4))
+    ex, kept = executor_with_views(backend)
     ex.close()
     held = books(vm)
     assert held != start

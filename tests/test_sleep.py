@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kept_views import executor_with_views
 
 import xgraph
 from xgraph import GraphExecutor, GraphMemory, Input, XGraphError
@@ -138,14 +139,7 @@ def test_a_view_dropped_while_the_driver_still_captures_is_given_back_after(cpu,
 
     vm = buffer_memory(cpu)
     start = books(vm)
-    kept = []
-    ex = GraphExecutor(
-        lambda x: kept.append(x) or x * 2,
-        inputs=[Input("x", torch.float32, ("num_tokens", 4))],
-        backend=cpu,
-        buckets=[16],
-    )
-    ex(x=torch.randn(3, 4))
+    ex, kept = executor_with_views(cpu)
     ex.close()
     held = books(vm)
     assert held != start  # covered: its range, the cover, the scratch chunk

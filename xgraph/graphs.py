@@ -42,7 +42,7 @@ def capturing_graph() -> CheckedGraph | None:
 
 # captures of xgraph's open at the driver in every thread: a synchronize or an unmap on
 # any thread breaks a capture where the driver captures in its global mode
-_open = [0]
+_open = 0
 _open_lock = threading.Lock()
 
 
@@ -56,19 +56,20 @@ def recording_here() -> bool:
 def recording_anywhere() -> bool:
     """Whether a capture of xgraph's is open at the driver on any thread (as
     `recording_here`, for every thread)."""
-    return _open[0] > 0
+    return _open > 0
 
 
 @contextlib.contextmanager
 def _recording() -> Iterator[None]:
+    global _open
     _local.recording = getattr(_local, "recording", 0) + 1
     with _open_lock:
-        _open[0] += 1
+        _open += 1
     try:
         yield
     finally:
         with _open_lock:
-            _open[0] -= 1
+            _open -= 1
         _local.recording -= 1
 
 

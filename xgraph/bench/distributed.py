@@ -48,18 +48,19 @@ from .distributed_fidelity import Fidelity, fill_cache
 from .report import attempt, note, table
 from .timing import Timer, host_time
 
-_made: list[bool] = []  # whether init_group made the default group (release_group ends it)
+_made = False  # whether init_group made the default group (release_group ends it)
 
 
 def init_group(device_type: str) -> tuple[int, int, int]:
     """(rank, world size, local rank): torchrun's group, else a group of one on this host."""
+    global _made
     if not dist.is_initialized():
         backend = {"cuda": "nccl", "npu": "hccl"}.get(device_type, "gloo")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
         else:  # alone: a group of one, its store in this process
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        _made.append(True)
+        _made = True
     return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
 
 
@@ -67,9 +68,10 @@ def release_group() -> None:
     """Destroy the default group if init_group made it, once every rank is done with it.
     Left to the interpreter's exit, gloo's worker threads can outlive the group's Python
     side and abort the process (`terminate called without an active exception`)."""
+    global _made
     if _made and dist.is_initialized():
         dist.destroy_process_group()
-    _made.clear()
+    _made = False
 
 
 def rank_backend(backend: Backend) -> Backend:

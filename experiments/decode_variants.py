@@ -74,15 +74,18 @@ ENV = {
 def pipelined(on: bool):
     """`pipelined`: the float32 stream's launches at their configuration's stage count, as
     before `stages_for` asked one stage for them (Triton then pipelines their loops)."""
+    from xgraph_cuda import projection
     from xgraph_cuda.kernels import gemv  # its shared_options serves both kernels
 
     kept = gemv.stages_for
     if on:
         gemv.stages_for = lambda c, x, w: c.stages
+    projection.forget()  # recipes kept by the calls before were made another way
     try:
         yield
     finally:
         gemv.stages_for = kept
+        projection.forget()
 
 
 def _asked(parts: set[str], prefix: str) -> int | None:
@@ -139,10 +142,12 @@ def configs(parts: set[str]):
         return c._replace(split=split)
 
     projection.pick = pick
+    projection.forget()  # recipes kept by the calls before were made another way
     try:
         yield
     finally:
         projection.pick = kept
+        projection.forget()
 
 
 @contextmanager

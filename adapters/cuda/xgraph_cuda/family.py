@@ -118,11 +118,13 @@ def compile_family(
     w: torch.Tensor,
     f: Fusion,
     compile_one: Callable[[torch.Tensor, torch.Tensor, Fusion], None],
+    key: tuple | None = None,
 ) -> None:
     """On the first call of this projection's kind, every row count's binary compiled at
     once (see the module doc); `compile_one(x, w, f)` compiles the call of x's rows
-    without running it. Later calls of the kind return at once."""
-    key = kind(x, w, f)
+    without running it; `key`: the call's `kind`, where the caller has it. Later calls of
+    the kind return at once."""
+    key = key or kind(x, w, f)
     # a capture's call leaves the kind to the next call outside one
     if key in _done or _capturing(x):  # (a set lookup needs no lock)
         return

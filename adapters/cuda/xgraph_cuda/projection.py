@@ -9,10 +9,17 @@ fusion's ops as kernels of their own (`kernels.around`) and `plain` answers None
 that needs a split K and finds no arrival counts (the first call of a process made inside a
 capture, `kernels.arena`) runs unsplit. Launches made while a capture asked for
 programmatic dependent launch (`pdl`) wait for their predecessor in the kernel and let
-their successor start early. Importing this module loads no Triton (its kernels do).
+their successor start early. What a launch derives from the call's kind (its
+configuration, split, prefetch, PDL options and constexprs: a `kernels.gemv.Recipe`) is
+made at the first call of each kind and row count and kept, keyed with the environment's
+knobs it reads (`KNOBS`): a decode forward makes about 140 such calls, and deriving it
+anew was most of a call's host time. Importing this module loads no Triton (its kernels do).
 """
 
 from __future__ import annotations
+
+import os
+from typing import Any
 
 import torch
 
@@ -25,6 +32,16 @@ from .rows import cublas_rows
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (32, 64, 128, 256)  # half a head must fill the tensor cores' 16 rows
+# the environment a recipe reads (`kernels.prefetch`, `pdl.max_bytes`), all but the first
+# only under PDL: tests hold a recipe's reads to these
+KNOBS = (
+    "XGRAPH_CUDA_PREFETCH",
+    "XGRAPH_CUDA_PDL_TRIGGER",
+    "XGRAPH_CUDA_PRELOAD",
+    "XGRAPH_CUDA_PDL_MAX_MIB",
+)
+MAX_RECIPES = 4096
+_recipes: dict[tuple, Any] = {}
 
 
 def _on_device(*ts: torch.Tensor) -> bool:
@@ -95,28 +112,70 @@ def run(
 ) -> torch.Tensor:
     """The call with configuration `c` (it must be served: `serves`); `compile_only`: its
     kernel compiled, not run."""
+    counts = arena.counts(x.device)
+    return _go(_recipe(x, w, f, c, counts is not None), x, w, f, counts, compile_only)
+
+
+def _recipe(x: torch.Tensor, w: torch.Tensor, f: Fusion, c: Config, split_ok: bool) -> Any:
+    """The launch's recipe (`kernels.gemv.Recipe`) of configuration `c` for this call."""
     from .kernels import gemv, qkv  # Triton: imported where it is known to be there
 
-    counts = arena.counts(x.device)
     on = pdl.launch_options(x.is_cuda, w.numel() * w.element_size())
     h = f.heads
     if h is not None:
-        spec = (h.q_weight, h.k_weight, h.eps, h.cos_sin, h.heads, h.kv_heads)
-        return qkv.launch(
-            x, w, c, counts, spec, norm=f.norm, eps=f.eps, pdl=on, compile_only=compile_only
-        )
-    return gemv.launch(
-        x,
-        w,
-        c,
-        counts,
-        norm=f.norm,
-        eps=f.eps,
-        gated=f.gated,
-        residual=f.residual,
-        pdl=on,
-        compile_only=compile_only,
+        shape = (h.head_dim, h.heads, h.kv_heads)
+        return qkv.recipe(x, w, c, split_ok, shape, norm=f.norm is not None, pdl=on)
+    res = None if f.residual is None else f.residual.dtype
+    norm = f.norm is not None
+    return gemv.recipe(x, w, c, split_ok, norm=norm, gated=f.gated, residual=res, pdl=on)
+
+
+def _go(
+    r: Any,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    f: Fusion,
+    counts: torch.Tensor | None,
+    compile_only: bool = False,
+) -> torch.Tensor:
+    """The call launched as recipe `r` says."""
+    from .kernels import gemv, qkv
+
+    h = f.heads
+    if h is not None:
+        spec = (h.q_weight, h.k_weight, h.eps, h.cos_sin)
+        return qkv.go(r, x, w, counts, spec, norm=f.norm, eps=f.eps, compile_only=compile_only)
+    return gemv.go(
+        r, x, w, counts, norm=f.norm, eps=f.eps, residual=f.residual, compile_only=compile_only
     )
+
+
+def knobs(waits: bool) -> tuple[str | None, ...]:
+    """The environment's values that a recipe reads (`KNOBS`; with no PDL wait compiled in,
+    `waits` False, only the first), as given: part of its key, so a knob changed between
+    calls takes effect at the next one."""
+    return tuple(map(os.environ.get, KNOBS if waits else KNOBS[:1]))
+
+
+def forget() -> None:
+    """Drop every kept recipe: for code that changes how recipes are made (the
+    configuration's `pick`, the stages), not for knobs (they are in the key)."""
+    _recipes.clear()
+
+
+def _kept_recipe(
+    x: torch.Tensor, w: torch.Tensor, f: Fusion, kind: tuple, counts: torch.Tensor | None
+) -> Any:
+    """The default configuration's recipe of a call of this kind and row count, made at the
+    first such call and kept (the kind holds every shape, dtype, device and PDL state the
+    recipe reads; `knobs` the environment's part)."""
+    key = (kind, x.shape[0], counts is not None, knobs(pdl.enabled() or pdl.waits()))
+    r = _recipes.get(key)
+    if r is None:
+        if len(_recipes) >= MAX_RECIPES:  # a bound, never met by a model's calls
+            _recipes.clear()
+        r = _recipes[key] = _recipe(x, w, f, config(x, w, f), counts is not None)
+    return r
 
 
 def _on_cublas(x: torch.Tensor) -> bool:
@@ -140,9 +199,11 @@ def _default(x: torch.Tensor, w: torch.Tensor, f: Fusion) -> torch.Tensor:
         from .kernels import around
 
         return around.run(x, w, f)
+    kind = family.kind(x, w, f)
     if x.is_cuda:
-        family.compile_family(x, w, f, _compile_one)
-    return run(x, w, f, config(x, w, f))
+        family.compile_family(x, w, f, _compile_one, kind)
+    counts = arena.counts(x.device)
+    return _go(_kept_recipe(x, w, f, kind, counts), x, w, f, counts)
 
 
 def plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:

@@ -34,6 +34,12 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[device]
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host ints: `triton.cdiv` is a constexpr function whose call costs
+    microseconds of wrapping at every launch that sizes a grid with it."""
+    return -(-a // b)
+
+
 def launcher(kernel: Any, grid: tuple[int, ...], compile_only: bool = False) -> Any:
     """`kernel` over `grid`, called as a launch; or (`compile_only`) compiled for the same
     arguments and not run (Triton's `warmup`: no launch, nothing read or written)."""

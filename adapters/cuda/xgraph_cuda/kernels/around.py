@@ -24,7 +24,7 @@ import triton.language as tl
 
 from xgraph.adapter import Fusion, HeadNorm
 
-from . import launcher
+from . import cdiv, launcher
 from .qkv import _head_epilogue
 
 GATE_BLOCK = 1024  # columns per program of SiLU(gate) * up and of the residual add
@@ -139,7 +139,7 @@ def gate(x: torch.Tensor, compile_only: bool = False) -> torch.Tensor:
     """SiLU(gate) * up of x [m, 2k], in x's dtype."""
     m, k = x.shape[0], x.shape[1] // 2
     y = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    grid = (m, triton.cdiv(k, GATE_BLOCK))
+    grid = (m, cdiv(k, GATE_BLOCK))
     launcher(_gate_kernel, grid, compile_only)(
         x, y, k, x.stride(0), y.stride(0), BLOCK=GATE_BLOCK, num_warps=4
     )
@@ -151,7 +151,7 @@ def residual(y: torch.Tensor, r: torch.Tensor, compile_only: bool = False) -> to
     and a float32 tensor is not vectorized, 3.4 us a call at [64, 1024] on an H100."""
     m, n = y.shape
     out = torch.empty((m, n), dtype=torch.promote_types(y.dtype, r.dtype), device=y.device)
-    grid = (m, triton.cdiv(n, GATE_BLOCK))
+    grid = (m, cdiv(n, GATE_BLOCK))
     launcher(_residual_kernel, grid, compile_only)(
         y, r, out, n, y.stride(0), r.stride(0), out.stride(0), BLOCK=GATE_BLOCK, num_warps=4
     )
@@ -162,7 +162,7 @@ def heads(y: torch.Tensor, h: HeadNorm, compile_only: bool = False) -> torch.Ten
     """The qkv product y [m, (heads + 2 kv_heads) * head_dim] with its q and k heads normed
     and rotated by `h`, in place."""
     m = y.shape[0]
-    grid = (triton.cdiv(m, HEAD_ROWS), h.heads + h.kv_heads)  # rows on x: y stops at 65,535
+    grid = (cdiv(m, HEAD_ROWS), h.heads + h.kv_heads)  # rows on x: y stops at 65,535
     launcher(_heads_kernel, grid, compile_only)(
         y,
         h.q_weight,

@@ -14,7 +14,7 @@ The qkv projection with its per-head norm and rotary is `qkv.py`, over the same 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -114,12 +114,93 @@ def k_share(k: int, c: Config) -> tuple[int, int]:
     return tuning.k_share(k, c.split, c.block_k)
 
 
-def workspace(tiles: int, split: int, rows: int, c: Config, like: torch.Tensor) -> torch.Tensor:
-    """The split's float32 partials: one slot of `rows` x BLOCK_M per (tile, split); without
-    a split no slot is read, and `like` stands in."""
-    if split == 1:
+def partials(tiles: int, split: int, rows: int, c: Config) -> int:
+    """Float32 partials of a split: one slot of `rows` x BLOCK_M per (tile, split); none
+    without a split."""
+    return 0 if split == 1 else tiles * split * rows * c.block_m
+
+
+def workspace(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """The split's float32 partials (`partials`); without a split no slot is read, and
+    `like` stands in."""
+    if numel == 0:
         return like
-    return torch.empty(tiles * split * rows * c.block_m, dtype=torch.float32, device=like.device)
+    return torch.empty(numel, dtype=torch.float32, device=like.device)
+
+
+class Recipe(NamedTuple):
+    """What a projection launch derives from its shapes, dtypes, configuration and knobs
+    alone, so a caller that meets the same kind of call again reuses it (`projection`)."""
+
+    grid: tuple[int, int]  # (column tiles, K splits)
+    per: int  # K columns a split walks
+    pre: int  # the prefetch's columns (a positional argument)
+    out: torch.dtype
+    workspace: int  # float32 partials the split needs (0: unsplit)
+    meta: dict[str, Any]  # the kernel's constexprs and launch options
+
+
+def recipe(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    c: Config,
+    split_ok: bool,
+    *,
+    norm: bool = False,
+    gated: bool = False,
+    residual: torch.dtype | None = None,
+    pdl: dict | None = None,
+) -> Recipe:
+    """The launch of configuration `c` over x's rows (`split_ok`: the arena's counts are
+    there, so K may be split), with a norm prologue or not, gated or not, a residual of
+    that dtype or none, under `pdl` (PDL's options, default off)."""
+    n, k = w.shape[0], w.shape[1]
+    per, split = k_share(k, c if split_ok else c._replace(split=1))
+    # the weights' dtype, or a float32 residual stream's (the sum is stored unrounded)
+    out = w.dtype if residual is None else torch.promote_types(w.dtype, residual)
+    tiles = -(-n // c.block_n)
+    pre, options = shared_options(x, w, c, per, split, norm, pdl)
+    meta = {"BLOCK_N": c.block_n, "GATED": gated, "RESIDUAL": residual is not None, **options}
+    return Recipe((tiles, split), per, pre, out, partials(tiles, split, c.block_n + 1, c), meta)
+
+
+def go(
+    r: Recipe,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    counts: torch.Tensor | None,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+    compile_only: bool = False,
+) -> torch.Tensor:
+    """y [m, n] = epilogue(prologue(x) @ w.T) as `r` says (made for these arguments' kind).
+    `compile_only`: compiled for these arguments, not run (`y` is then unwritten)."""
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    y = torch.empty((m, n), dtype=r.out, device=x.device)
+    res = residual if residual is not None else y
+    launcher(_gemv_kernel, r.grid, compile_only)(
+        x,
+        w,
+        y,
+        res,
+        norm if norm is not None else w,
+        workspace(r.workspace, y),
+        counts if r.grid[1] > 1 else y,
+        m,
+        n,
+        k,
+        r.per,
+        r.pre,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+        res.stride(0),
+        eps,
+        **r.meta,
+    )
+    return y
 
 
 def launch(
@@ -138,38 +219,11 @@ def launch(
     """y [m, n] = epilogue(prologue(x) @ w.T) in w's dtype (a float32 residual's with one),
     with configuration `c` (its split needs `counts`, the arena; without it the launch is
     unsplit). `compile_only`: compiled for these arguments, not run (`y` is then unwritten)."""
-    m, n, k = x.shape[0], w.shape[0], w.shape[1]
-    per, split = k_share(k, c if counts is not None else c._replace(split=1))
-    # the weights' dtype, or a float32 residual stream's (the sum is stored unrounded)
-    out = w.dtype if residual is None else torch.promote_types(w.dtype, residual.dtype)
-    y = torch.empty((m, n), dtype=out, device=x.device)
-    tiles = triton.cdiv(n, c.block_n)
-    res = residual if residual is not None else y
-    pre, options = shared_options(x, w, c, per, split, norm, pdl)
-    launcher(_gemv_kernel, (tiles, split), compile_only)(
-        x,
-        w,
-        y,
-        res,
-        norm if norm is not None else w,
-        workspace(tiles, split, c.block_n + 1, c, y),
-        counts if split > 1 else y,
-        m,
-        n,
-        k,
-        per,
-        pre,
-        x.stride(0),
-        w.stride(0),
-        y.stride(0),
-        res.stride(0),
-        eps,
-        BLOCK_N=c.block_n,
-        GATED=gated,
-        RESIDUAL=residual is not None,
-        **options,
+    res_dtype = None if residual is None else residual.dtype
+    r = recipe(
+        x, w, c, counts is not None, norm=norm is not None, gated=gated, residual=res_dtype, pdl=pdl
     )
-    return y
+    return go(r, x, w, counts, norm=norm, eps=eps, residual=residual, compile_only=compile_only)
 
 
 def shared_options(
@@ -178,7 +232,7 @@ def shared_options(
     c: Config,
     per: int,
     split: int,
-    norm: torch.Tensor | None,
+    norm: bool,
     pdl: dict | None,
 ) -> tuple[int, dict[str, Any]]:
     """What every projection kernel's launch takes alike: the prefetch's count (a positional
@@ -192,7 +246,7 @@ def shared_options(
         "BLOCK_M": c.block_m,
         "BLOCK_K": c.block_k,
         "SPLIT": split,
-        "NORM": norm is not None,
+        "NORM": norm,
         "MMA": c.mma,
         "EVEN": k % c.block_k == 0 and per * split == k,
         "UPCAST": dot_upcast(),

@@ -204,4 +204,6 @@ def options(w: torch.Tensor, per: int, block_k: int, waits: bool) -> tuple[int, 
     cols = columns(w, per, block_k)
     line = min(block_k, max(1, LINE_BYTES // w.element_size()))
     tiles = ahead(per // block_k) if waits else 0
-    return cols, {"PREFETCH": cols > 0, "LINE": line, "TRIGGER": trigger(), "PRELOAD": tiles}
+    # the release point only where there is a wait (without one the kernel never reads it)
+    release = trigger() if waits else 0
+    return cols, {"PREFETCH": cols > 0, "LINE": line, "TRIGGER": release, "PRELOAD": tiles}

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from xgraph.adapter import KVCache
 
-from . import dot_precision, dot_upcast
+from . import cdiv, dot_precision, dot_upcast
 from .online import load_rows, page_slots, softmax_step
 from .tiles import COLUMNS as _COLUMNS
 
@@ -156,7 +156,7 @@ def varlen_prefill(
     rows, hq, dim = q.shape
     hkv = k_cache.shape[2]
     num_tiles = tiles.shape[0]
-    grid = (hq * (num_tiles + triton.cdiv(rows - num_tokens, block_m)),)
+    grid = (hq * (num_tiles + cdiv(rows - num_tokens, block_m)),)
     if grid[0] == 0:
         return
     _prefill_kernel[grid](

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from . import launcher, prefetch
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
-from .gemv import k_share, shared_options, workspace
+from .gemv import Recipe, k_share, partials, shared_options, workspace
 from .operand import accumulate, input_tile, weight_tile
 from .tuning import Config
 
@@ -136,6 +136,71 @@ def _qkv_kernel(X, W, Y, G, QW, KW, CS, Part, Count, M, K, k_per, k_pre, s_xm, s
 # fmt: on
 
 
+def recipe(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    c: Config,
+    split_ok: bool,
+    heads: tuple[int, int, int],
+    *,
+    norm: bool = False,
+    pdl: dict | None = None,
+) -> Recipe:
+    """The launch of configuration `c` (its column tile set to a head) over x's rows
+    (`split_ok`: the arena's counts are there), for `heads` (head_dim, hq, hkv), with a
+    norm prologue or not, under `pdl` (PDL's options, default off)."""
+    d, hq, hkv = heads
+    k = w.shape[1]
+    c = c._replace(block_n=d)
+    per, split = k_share(k, c if split_ok else c._replace(split=1))
+    tiles = hq + 2 * hkv
+    pre, options = shared_options(x, w, c, per, split, norm, pdl)
+    meta = {"HQ": hq, "HKV": hkv, "HALF": d // 2, **options}
+    # the output in w's dtype: x may be the float32 stream
+    return Recipe((tiles, split), per, pre, w.dtype, partials(tiles, split, d + 1, c), meta)
+
+
+def go(
+    r: Recipe,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    counts: torch.Tensor | None,
+    heads: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor],
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    compile_only: bool = False,
+) -> torch.Tensor:
+    """[m, (hq + 2 hkv) * d] as `r` says (made for these arguments' kind). `heads`: (q norm
+    weight, k norm weight, eps, cos_sin [m, 2, d] float32)."""
+    qw, kw, head_eps, cos_sin = heads
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    y = torch.empty((m, n), dtype=r.out, device=x.device)
+    launcher(_qkv_kernel, r.grid, compile_only)(
+        x,
+        w,
+        y,
+        norm if norm is not None else w,
+        qw,
+        kw,
+        cos_sin,
+        workspace(r.workspace, y),
+        counts if r.grid[1] > 1 else y,
+        m,
+        k,
+        r.per,
+        r.pre,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+        cos_sin.stride(0),
+        eps,
+        head_eps,
+        **r.meta,
+    )
+    return y
+
+
 def launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -152,36 +217,7 @@ def launch(
     `heads`: (q norm weight, k norm weight, eps, cos_sin [m, 2, d] float32, hq, hkv).
     `compile_only`: compiled for these arguments, not run (the output is then unwritten)."""
     qw, kw, head_eps, cos_sin, hq, hkv = heads
-    m, n, k = x.shape[0], w.shape[0], w.shape[1]
-    d = qw.shape[0]
-    c = c._replace(block_n=d)
-    per, split = k_share(k, c if counts is not None else c._replace(split=1))
-    y = torch.empty((m, n), dtype=w.dtype, device=x.device)  # x may be the float32 stream
-    tiles = hq + 2 * hkv
-    pre, options = shared_options(x, w, c, per, split, norm, pdl)
-    launcher(_qkv_kernel, (tiles, split), compile_only)(
-        x,
-        w,
-        y,
-        norm if norm is not None else w,
-        qw,
-        kw,
-        cos_sin,
-        workspace(tiles, split, d + 1, c, y),
-        counts if split > 1 else y,
-        m,
-        k,
-        per,
-        pre,
-        x.stride(0),
-        w.stride(0),
-        y.stride(0),
-        cos_sin.stride(0),
-        eps,
-        head_eps,
-        HQ=hq,
-        HKV=hkv,
-        HALF=d // 2,
-        **options,
-    )
-    return y
+    shape = (qw.shape[0], hq, hkv)
+    r = recipe(x, w, c, counts is not None, shape, norm=norm is not None, pdl=pdl)
+    spec = (qw, kw, head_eps, cos_sin)
+    return go(r, x, w, counts, spec, norm=norm, eps=eps, compile_only=compile_only)

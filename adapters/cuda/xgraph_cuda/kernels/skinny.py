@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv
+
 MAX_ROWS = 4  # above this cuBLAS's tensor-core tiles win
 NARROW = 2048  # from 2 rows on, only outputs this narrow gain (cuBLAS idles SMs on them)
 
@@ -108,7 +110,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, config: Config | None = None
     n = w.shape[0]
     c = config or pick(m, n, k)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _skinny_kernel[(triton.cdiv(n, c.block_n),)](
+    _skinny_kernel[(cdiv(n, c.block_n),)](
         x,
         w,
         y,

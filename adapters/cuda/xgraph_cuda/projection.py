@@ -12,8 +12,9 @@ programmatic dependent launch (`pdl`) wait for their predecessor in the kernel a
 their successor start early. What a launch derives from the call's kind (its
 configuration, split, prefetch, PDL options and constexprs: a `kernels.gemv.Recipe`) is
 made at the first call of each kind and row count and kept, keyed with the environment's
-knobs it reads (`KNOBS`): a decode forward makes about 140 such calls, and deriving it
-anew was most of a call's host time. Importing this module loads no Triton (its kernels do).
+knobs it reads (`KNOBS`): a decode forward makes about 110 such calls, and deriving it
+anew took a quarter to a third of a call's host time on an H100 host. Importing this module
+loads no Triton (its kernels do).
 """
 
 from __future__ import annotations

@@ -110,8 +110,10 @@ def test_a_recipe_reads_no_environment_its_key_leaves_out(
     x, w, f = _calls(2)[name]
     if waits:
         request.getfixturevalue("gpu_pdl")
+    c = projection.config(x, w, f)
+    projection._recipe(x, w, f, c, True)  # what a process reads once (TRITON_INTERPRET) read
     got = _record_reads(monkeypatch)
-    projection._recipe(x, w, f, projection.config(x, w, f), True)
+    projection._recipe(x, w, f, c, True)
     assert got <= set(projection.KNOBS if waits else projection.KNOBS[:1])
     if waits:
         assert {"XGRAPH_CUDA_PDL_TRIGGER", "XGRAPH_CUDA_PRELOAD"} <= got

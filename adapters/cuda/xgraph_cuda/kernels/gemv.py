@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dot_precision, dot_upcast, launcher, pdl_options, prefetch, tuning
+from . import cdiv, dot_precision, dot_upcast, launcher, pdl_options, prefetch, tuning
 from .fixup import arrive, gather, gather_row, publish, publish_row, slot
 from .operand import accumulate, input_tile, weight_tile
 from .tuning import Config, stages_for
@@ -158,7 +158,7 @@ def recipe(
     per, split = k_share(k, c if split_ok else c._replace(split=1))
     # the weights' dtype, or a float32 residual stream's (the sum is stored unrounded)
     out = w.dtype if residual is None else torch.promote_types(w.dtype, residual)
-    tiles = -(-n // c.block_n)
+    tiles = cdiv(n, c.block_n)
     pre, options = shared_options(x, w, c, per, split, norm, pdl)
     meta = {"BLOCK_N": c.block_n, "GATED": gated, "RESIDUAL": residual is not None, **options}
     return Recipe((tiles, split), per, pre, out, partials(tiles, split, c.block_n + 1, c), meta)
